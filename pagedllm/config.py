@@ -1,0 +1,188 @@
+"""Engine configuration: frozen, validated dataclasses and the `EngineArgs` that build them.
+
+`EngineArgs` is the flat, user-facing bag of options (keyword arguments of `LLM`, flags of
+the CLI); `EngineArgs.create_engine_config()` resolves it against the model into the
+frozen configs each component reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_MEMORY_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "t": 1000**4,
+    "tb": 1000**4,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or ``"1000000"``."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use e.g. 4GiB, 512MiB, 2G")
+    return parse_memory_size(int(float(match.group(1)) * _MEMORY_UNITS[unit]))
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype: {dtype} is not supported; choose one of {sorted(_DTYPES)}")
+    if dtype == "auto":
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the model: resolved path, HF config, dtype, lengths."""
+
+    model: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or (
+            self.hf_config.num_attention_heads
+        )
+
+    @property
+    def head_dim(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache geometry. `num_blocks` includes the reserved null block (id 0)."""
+
+    block_size: int
+    num_blocks: int
+    kv_cache_memory: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory={self.kv_cache_memory} bytes holds {self.num_blocks} blocks; "
+                "at least 2 (one is the reserved null block) are needed"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: the token budget and the number of running requests."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    attention_backend: str = "torch"
+    device: str = "cpu"
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options; names follow vLLM's (`--max-num-seqs` ⇄ `max_num_seqs`)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    seed: int = 0
+    attention_backend: str = "torch"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        # Checked here, before any model is loaded, so a typo fails in milliseconds.
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
+        resolve_dtype(self.dtype)
+        if self.kv_cache_memory is not None:
+            parse_memory_size(self.kv_cache_memory)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)

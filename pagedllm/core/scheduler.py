@@ -1,0 +1,212 @@
+"""The scheduler: decides each step which requests run how many tokens, within one budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._seen_by_runner: set[str] = set()
+        self._resumed: set[str] = set()
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside (abort); its blocks return to the pool at once."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self._free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        # The rule: one token budget (max_num_batched_tokens) per step, shared by all.
+        # 1. Running requests first, in admission order. Each is given the tokens it is
+        #    behind by (1 for a decode, the rest of its prompt for a prefill), capped by
+        #    what is left of the budget, so long prompts are prefilled in chunks that share
+        #    steps with other requests' decodes. When the pool has no blocks for them, the
+        #    most recently admitted running request is preempted (blocks freed, recomputed
+        #    from scratch later) until the request fits or was itself the one preempted.
+        # 2. Then waiting requests (preempted ones at the head, then arrivals in order),
+        #    while budget, max_num_seqs and free blocks allow; none in a step that preempted.
+        output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        token_budget = self.config.max_num_batched_tokens
+        num_preemptions_before = self.num_preemptions
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens)
+            if new_block_ids is None:
+                break
+            self._schedule(output, request, num_new_tokens, new_block_ids)
+            token_budget -= num_new_tokens
+            index += 1
+        if self.num_preemptions == num_preemptions_before:
+            self._admit_waiting(output, token_budget)
+        return output
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Block ids for the request's next tokens, preempting the newest requests as needed."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return [block.block_id for block in new_blocks]
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.request_id in self._seen_by_runner:
+            self._resumed.add(request.request_id)
+        self.waiting.appendleft(request)
+
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(output, request, num_new_tokens, [b.block_id for b in new_blocks])
+            token_budget -= num_new_tokens
+
+    def _schedule(
+        self,
+        output: SchedulerOutput,
+        request: Request,
+        num_new_tokens: int,
+        new_block_ids: list[int],
+    ) -> None:
+        request_id = request.request_id
+        if request_id not in self._seen_by_runner:
+            self._seen_by_runner.add(request_id)
+            output.scheduled_new_reqs.append(
+                NewRequestData(
+                    request_id=request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params,
+                    block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+        else:
+            resumed = request_id in self._resumed
+            self._resumed.discard(request_id)
+            output.scheduled_cached_reqs.append(
+                CachedRequestData(
+                    request_id=request_id,
+                    new_block_ids=new_block_ids,
+                    num_computed_tokens=request.num_computed_tokens,
+                    resumed_from_preemption=resumed,
+                )
+            )
+        output.num_scheduled_tokens[request_id] = num_new_tokens
+        request.num_computed_tokens += num_new_tokens
+
+    # ---- after the model ran ----------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stops, free what finished."""
+        outputs = []
+        for request_id, token_id in runner_output.sampled_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            request.append_output_token(token_id, runner_output.logprobs.get(request_id, 0.0))
+            finished = self._check_stop(request)
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request_id,
+                    new_token_ids=[token_id],
+                    finished=finished,
+                    cumulative_logprob=request.cumulative_logprob,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if not params.ignore_eos and last_token_id in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif last_token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last_token_id
+        elif request.num_tokens >= self.config.max_model_len or (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+        return request.is_finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request.request_id)
+            self._resumed.discard(request.request_id)
+            self._finished_req_ids.add(request.request_id)

@@ -1,0 +1,54 @@
+"""What the model runner needs for one step: new requests whole, running ones as diffs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen: everything it needs to hold the request's state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step.
+
+    A request resumed after preemption gets a whole new block table (`new_block_ids`
+    replaces its blocks); otherwise `new_block_ids` are appended.
+    """
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    resumed_from_preemption: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Request id -> tokens to run this step, in the order the batch is laid out.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests that ended since the last step: the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One sampled token (and its logprob) per request that was due one this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, float] = field(default_factory=dict)

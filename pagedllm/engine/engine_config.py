@@ -1,0 +1,108 @@
+"""Resolve `EngineArgs` against a model into the frozen `EngineConfig` (and size the KV cache)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pagedllm.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_memory_size,
+    resolve_dtype,
+)
+from pagedllm.ops.attention import get_attention_backend
+
+logger = logging.getLogger("pagedllm")
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The model's context window, narrowed to its sliding window (served as full attention)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if sliding_window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} is longer than the model's context window ({limit})"
+        )
+    return requested
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
+    element_size = model_config.dtype.itemsize
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+    return per_token * element_size * block_size
+
+
+def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any):
+    model_config = ModelConfig(
+        model=source_path,
+        hf_config=hf_config,
+        dtype=resolve_dtype(args.dtype),
+        max_model_len=derive_max_model_len(hf_config, args.max_model_len),
+        eos_token_ids=eos_token_ids(hf_config, tokenizer),
+        seed=args.seed,
+    )
+    cache_config = _cache_config(args, model_config)
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=model_config.max_model_len,
+    )
+    get_attention_backend(args.attention_backend)
+    return EngineConfig(
+        model_config, cache_config, scheduler_config, args.attention_backend, args.device
+    )
+
+
+def _cache_config(args: EngineArgs, model_config: ModelConfig) -> CacheConfig:
+    block_size = args.block_size
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    bytes_per_block = kv_bytes_per_block(model_config, block_size)
+    max_len = model_config.max_model_len
+    if args.kv_cache_memory is None:
+        # Enough for every sequence at full length, capped: most traffic is far shorter.
+        blocks_wanted = args.max_num_seqs * -(-max_len // block_size) + 1
+        memory = min(DEFAULT_KV_CACHE_MEMORY, blocks_wanted * bytes_per_block)
+    else:
+        memory = parse_memory_size(args.kv_cache_memory)
+    num_blocks = memory // bytes_per_block
+    cache_config = CacheConfig(block_size, num_blocks, memory)
+    num_tokens = (num_blocks - 1) * block_size
+    if num_tokens < max_len:
+        raise ValueError(
+            f"kv_cache_memory={memory} bytes holds {num_tokens} tokens, fewer than "
+            f"max_model_len={max_len}; raise kv_cache_memory or lower max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+        "max_model_len=%d: %.2fx",
+        num_blocks - 1,
+        block_size,
+        num_tokens,
+        num_blocks * bytes_per_block / 1024**3,
+        max_len,
+        num_tokens / max_len,
+    )
+    return cache_config

@@ -1,0 +1,104 @@
+"""`LLMEngine`: the synchronous engine behind `LLM` — prompts in, `RequestOutput`s out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.engine_config import build_engine_config
+from pagedllm.engine.processor import PromptType, check_prompt_length, prompt_to_token_ids
+from pagedllm.engine.request import Request
+from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
+from pagedllm.model.registry import resolve_model_class
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class _RequestState:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        started = time.monotonic()
+        source = resolve_model(args.model)
+        hf_config = load_hf_config(source)
+        resolve_model_class(getattr(hf_config, "architectures", None))
+        self.tokenizer = (
+            None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+        )
+        self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
+        self.model_config = self.config.model_config
+        self.engine_core = EngineCore(self.config, source)
+        self._states: dict[str, _RequestState] = {}
+        logger.info(
+            "Loaded %s (%s) in %.1f s",
+            source.path,
+            self.model_config.architecture,
+            time.monotonic() - started,
+        )
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        text, token_ids = prompt_to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        check_prompt_length(token_ids, self.model_config.max_model_len)
+        return text, token_ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        text, token_ids = self.process_prompt(prompt)
+        self.add_tokenized_request(request_id, text, token_ids, params)
+
+    def add_tokenized_request(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        request = Request(request_id, token_ids, params, self.model_config.eos_token_ids)
+        self.engine_core.add_request(request)
+        self._states[request_id] = _RequestState(text, token_ids, params)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that finished in it."""
+        finished = []
+        for output in self.engine_core.step():
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue
+            state.output_token_ids.extend(output.new_token_ids)
+            if output.finished:
+                del self._states[output.request_id]
+                finished.append(self._request_output(output.request_id, state, output))
+        return finished
+
+    def _request_output(
+        self, request_id: str, state: _RequestState, output: EngineCoreOutput
+    ) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(
+                state.output_token_ids, skip_special_tokens=state.params.skip_special_tokens
+            )
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(state.output_token_ids),
+            cumulative_logprob=output.cumulative_logprob,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, [completion], True)

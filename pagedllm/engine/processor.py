@@ -1,0 +1,38 @@
+"""Turn user prompts into validated token ids (the checks every entry point shares)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PromptType = str | dict[str, Any]
+
+
+def prompt_to_token_ids(
+    prompt: PromptType, tokenizer: Any, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids) for a string or a {"prompt_token_ids": [...]} dict."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        if tokenizer is None:
+            raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init is set)")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        token_ids = list(prompt["prompt_token_ids"])
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab_size})")
+        return prompt.get("prompt"), token_ids
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt_to_token_ids(prompt["prompt"], tokenizer, vocab_size)
+    raise ValueError(
+        f"prompt: expected a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+    )
+
+
+def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:
+    if not token_ids:
+        raise ValueError("prompt: empty prompt (no tokens)")
+    if len(token_ids) > max_model_len:
+        raise ValueError(
+            f"prompt: {len(token_ids)} tokens is longer than max_model_len={max_model_len}"
+        )

@@ -1,0 +1,97 @@
+"""`pagedllm` command line: `pagedllm generate` (and later serve, chat, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+from pagedllm.config import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag-name` per EngineArgs field (vLLM's names), typed from the field's default."""
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineArgs):
+        if field.name == "model":
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if field.type in ("bool", bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+        elif field.type in ("int", int) or field.name in ("max_model_len",):
+            group.add_argument(flag, type=int, default=field.default)
+        else:
+            group.add_argument(flag, default=field.default)
+    group.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**values)
+
+
+def _generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate a completion for one prompt")
+    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as raw text instead of a one-turn chat",
+    )
+    add_engine_args(parser)
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pagedllm import LLM, SamplingParams
+
+    engine_args = engine_args_from(args)
+    engine_args.model = args.model or args.model_positional
+    llm = LLM(**dataclasses.asdict(engine_args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+    )
+    tokenizer = llm.get_tokenizer()
+    if args.no_chat_template or not getattr(tokenizer, "chat_template", None):
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM inference engine")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

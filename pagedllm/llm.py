@@ -1,0 +1,136 @@
+"""The offline API, as vLLM's: `LLM(model=...)`, `generate`, `chat`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batch generation on one engine.
+
+    `model` is a Hugging Face directory, a `.gguf` file, or None for the default
+    SmolLM2-135M-Instruct; every other keyword is an engine argument (`EngineArgs`).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        # Tokenize and validate everything first so bad input leaves nothing half-queued.
+        processed = [self.llm_engine.process_prompt(p) for p in prompt_list]
+        request_ids = []
+        for (text, token_ids), params in zip(processed, params_list, strict=True):
+            request_id = str(next(self._request_counter))
+            self.llm_engine.add_tokenized_request(request_id, text, token_ids, params)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": self._render_chat(
+                    conversation,
+                    add_generation_prompt,
+                    continue_final_message,
+                    chat_template,
+                    chat_template_kwargs or {},
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(
+        self,
+        conversation,
+        add_generation_prompt,
+        continue_final_message,
+        chat_template,
+        chat_template_kwargs,
+    ) -> list[int]:
+        tokenizer = self.llm_engine.tokenizer
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat: the model has no chat template; pass chat_template=")
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **chat_template_kwargs,
+        )
+        # The template already holds any special tokens the model expects.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        started = time.perf_counter()
+        num_output_tokens = 0
+        with tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        ) as progress:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        outputs[output.request_id] = output
+                        num_output_tokens += len(output.outputs[0].token_ids)
+                        elapsed = max(time.perf_counter() - started, 1e-9)
+                        progress.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+                        progress.update(1)
+        return [outputs[request_id] for request_id in request_ids]
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"sampling_params: got {len(params)} for {num_prompts} prompts; give one, or one each"
+        )
+    return params

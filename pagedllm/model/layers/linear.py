@@ -1,0 +1,83 @@
+"""Linear layers whose parameters own their weight loaders (plain and fused q/k/v, gate/up)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"weight shape {tuple(loaded_weight.shape)} != expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def set_weight_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight shaped [output_size, input_size] as in Hugging Face checkpoints."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False),
+            self.weight_loader,
+        )
+        self.bias = None
+        if bias:
+            self.bias = set_weight_loader(
+                nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
+                self.weight_loader,
+            )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input fused into one matmul (q/k/v, gate/up).
+
+    Checkpoints store them apart; each shard's loader copies into its rows of the fused
+    weight, so one pass over the checkpoint fills it.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        shard_ids: Sequence[str],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        self.output_sizes = list(output_sizes)
+        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.shard_slices = {
+            shard: slice(offset, offset + size)
+            for shard, offset, size in zip(shard_ids, offsets, output_sizes, strict=True)
+        }
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
+    ) -> None:
+        if shard_id not in self.shard_slices:
+            raise ValueError(
+                f"unknown shard {shard_id!r}; expected one of {list(self.shard_slices)}"
+            )
+        default_weight_loader(param.data[self.shard_slices[shard_id]], loaded_weight)
+
+    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fused.split(self.output_sizes, dim=-1)

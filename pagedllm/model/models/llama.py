@@ -1,0 +1,173 @@
+"""Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (full attention), Qwen2 (q/k/v bias)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model.layers.linear import Linear, MergedLinear, default_weight_loader
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.ops.attention import AttentionBackend, AttentionMetadata
+
+# Checkpoint projection name -> (fused parameter name, shard id).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _num_kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _biases(config: Any) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias): Qwen2 always biases q/k/v only; Llama follows attention_bias."""
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    if architecture == "Qwen2ForCausalLM":
+        return True, False
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    return attention_bias, attention_bias
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = _num_kv_heads(config)
+        self.head_dim = _head_dim(config)
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias, o_bias = _biases(config)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"], qkv_bias, dtype
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias, dtype)
+        self.backend = backend
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, metadata: AttentionMetadata):
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        assert self.kv_cache is not None, "bind_kv_cache() before running the model"
+        out = self.backend.forward(q, k.contiguous(), v, self.kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [size, size], ["gate", "up"], bias, dtype
+        )
+        self.down_proj = Linear(size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, backend, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, x, positions, rotary, metadata):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype, max_len: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens.weight.weight_loader = default_weight_loader
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config))
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, metadata)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype, max_len: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, dtype, max_len)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+
+    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden_states, head.weight)
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            layer.self_attn.kv_cache = kv_cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; all must be filled."""
+        params = dict(self.named_parameters())
+        unloaded = set(params)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            param_name, shard_id = _fused_name(name)
+            if param_name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
+            param = params[param_name]
+            tensor = tensor.to(param.dtype)
+            if shard_id is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            unloaded.discard(param_name)
+        if unloaded:
+            raise ValueError(f"checkpoint is missing weights for: {sorted(unloaded)[:8]}")
+
+
+def _fused_name(name: str) -> tuple[str, str | None]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED_SHARDS:
+            fused, shard_id = _FUSED_SHARDS[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id
+    return name, None

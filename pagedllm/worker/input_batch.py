@@ -1,0 +1,89 @@
+"""The runner's persistent batch: one row of numpy arrays per request it holds.
+
+Rows survive across steps (and across preemption) so a step only writes what changed:
+new requests, new blocks, the token sampled last step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class InputBatch:
+    def __init__(self, max_model_len: int, max_blocks_per_req: int, num_rows: int = 16) -> None:
+        self.max_model_len = max_model_len
+        # One spare column: the token sampled at max_model_len is stored before the stop check.
+        self.token_ids = np.zeros((num_rows, max_model_len + 1), dtype=np.int64)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(num_rows, dtype=np.int64)
+        self.block_table = np.zeros((num_rows, max_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int64)
+        self.temperature = np.zeros(num_rows, dtype=np.float32)
+        self.top_k = np.zeros(num_rows, dtype=np.int64)
+        self.top_p = np.ones(num_rows, dtype=np.float32)
+        self.min_p = np.zeros(num_rows, dtype=np.float32)
+        self.generators: dict[int, torch.Generator] = {}
+        self.req_id_to_row: dict[str, int] = {}
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def row(self, request_id: str) -> int:
+        return self.req_id_to_row[request_id]
+
+    def add_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, vocab_size: int
+    ) -> int:
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        self.req_id_to_row[request_id] = row
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self.num_blocks[row] = 0
+        self.temperature[row] = 0.0 if params.is_greedy else params.temperature
+        self.top_k[row] = vocab_size if params.top_k == -1 else min(params.top_k, vocab_size)
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        if params.seed is not None:
+            self.generators[row] = torch.Generator().manual_seed(params.seed)
+        return row
+
+    def remove_request(self, request_id: str) -> None:
+        row = self.req_id_to_row.pop(request_id, None)
+        if row is not None:
+            self.generators.pop(row, None)
+            self._free_rows.append(row)
+
+    def set_blocks(self, row: int, block_ids: list[int], replace: bool) -> None:
+        start = 0 if replace else int(self.num_blocks[row])
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        self.token_ids[rows, self.num_tokens[rows]] = token_ids
+        self.num_tokens[rows] += 1
+
+    def _grow(self) -> None:
+        old = self.num_rows
+        for name in (
+            "token_ids",
+            "num_tokens",
+            "num_computed_tokens",
+            "block_table",
+            "num_blocks",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+        ):
+            array = getattr(self, name)
+            grown = np.zeros((old * 2, *array.shape[1:]), dtype=array.dtype)
+            grown[:old] = array
+            setattr(self, name, grown)
+        self._free_rows = list(range(2 * old - 1, old - 1, -1))

@@ -1,0 +1,169 @@
+"""`ModelRunner`: owns the model and the paged KV cache; turns a `SchedulerOutput` into tokens.
+
+All scheduled tokens of a step run as one flattened batch (no padding to the longest);
+the layout (token ids, positions, slot mapping, block tables) is built with numpy from
+the persistent `InputBatch`, and logits are computed only for rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.model.loader import ModelSource, iter_weights
+from pagedllm.model.registry import resolve_model_class
+from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        model_config, cache_config = config.model_config, config.cache_config
+        self.device = torch.device(config.device)
+        self.block_size = cache_config.block_size
+        self.vocab_size = model_config.vocab_size
+        self.model = self._load_model(source)
+        self.kv_caches = self._allocate_kv_cache()
+        self.model.bind_kv_cache(self.kv_caches)
+        max_blocks = -(-model_config.max_model_len // self.block_size)
+        self.input_batch = InputBatch(model_config.max_model_len, max_blocks)
+        self.sampler = Sampler()
+
+    def _load_model(self, source: ModelSource) -> torch.nn.Module:
+        model_config = self.config.model_config
+        model_class = resolve_model_class(model_config.hf_config.architectures)
+        backend = get_attention_backend(self.config.attention_backend)
+        with torch.device(self.device):
+            model = model_class(
+                model_config.hf_config, backend, model_config.dtype, model_config.max_model_len
+            )
+        model.load_weights(iter_weights(source, model_config.hf_config))
+        return model.eval()
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        model_config, cache_config = self.config.model_config, self.config.cache_config
+        shape = (
+            cache_config.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        dtype = model_config.dtype
+        # Zeroed, not empty: padded decode batches read slots past each sequence's end, and
+        # masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
+        return [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(model_config.num_layers)
+        ]
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array(list(scheduler_output.num_scheduled_tokens.values()))
+        input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(
+            rows, num_scheduled
+        )
+        hidden_states = self.model(input_ids, positions, metadata)
+        if not len(logits_indices):
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        sample_rows = rows[sample_mask]
+        sampled = self.sampler(logits, self._sampling_metadata(sample_rows))
+        token_ids = sampled.token_ids.cpu().numpy()
+        self.input_batch.append_tokens(sample_rows, token_ids)
+        sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(sample_req_ids, token_ids.tolist(), strict=True)),
+            logprobs=dict(zip(sample_req_ids, sampled.logprobs.tolist(), strict=True)),
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for request_id in scheduler_output.finished_req_ids:
+            batch.remove_request(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            row = batch.add_request(
+                new.request_id, new.prompt_token_ids, new.sampling_params, self.vocab_size
+            )
+            batch.set_blocks(row, new.block_ids, replace=True)
+            batch.num_computed_tokens[row] = new.num_computed_tokens
+        for cached in scheduler_output.scheduled_cached_reqs:
+            row = batch.row(cached.request_id)
+            batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray):
+        batch = self.input_batch
+        num_computed = batch.num_computed_tokens[rows]
+        query_start_loc = np.concatenate(([0], np.cumsum(num_scheduled)))
+        token_req = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = (
+            num_computed[token_req] + np.arange(query_start_loc[-1]) - query_start_loc[token_req]
+        )
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = (
+            batch.block_table[token_rows, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+        seq_lens = num_computed + num_scheduled
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        sample_mask = seq_lens >= batch.num_tokens[rows]
+        is_decode = num_scheduled == 1
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping),
+            block_tables=self._tensor(batch.block_table[rows, :max_blocks]),
+            query_start_loc=query_start_loc.tolist(),
+            seq_lens=seq_lens.tolist(),
+            decode_req_indices=self._tensor(np.flatnonzero(is_decode)),
+            decode_token_indices=self._tensor(query_start_loc[:-1][is_decode]),
+            decode_seq_lens=self._tensor(seq_lens[is_decode]),
+            prefill_req_indices=np.flatnonzero(~is_decode).tolist(),
+        )
+        logits_indices = self._tensor(query_start_loc[1:][sample_mask] - 1)
+        return (
+            self._tensor(input_ids),
+            self._tensor(positions),
+            metadata,
+            logits_indices,
+            sample_mask,
+        )
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        batch = self.input_batch
+        temperature = batch.temperature[rows]
+        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+        random = temperature > 0
+        generators = {
+            i: batch.generators[row]
+            for i, row in enumerate(rows.tolist())
+            if row in batch.generators
+        }
+        return SamplingMetadata(
+            temperature=self._tensor(temperature),
+            top_k=self._tensor(top_k) if (top_k[random] < self.vocab_size).any() else None,
+            top_p=self._tensor(top_p) if (top_p[random] < 1).any() else None,
+            min_p=self._tensor(min_p) if (min_p[random] > 0).any() else None,
+            generators=generators,
+            all_greedy=not random.any(),
+            all_random=bool(random.all()),
+        )
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random models of each supported architecture, built once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from model_utils import make_tiny_model
+
+VARIANTS = {
+    "": {},
+    # Llama 3 RoPE scaling, with an original context short enough that it matters here.
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "tied-bias": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def build(variant: str = "LlamaForCausalLM") -> Path:
+        """`variant`: an architecture name, optionally with a VARIANTS suffix (`...:llama3`)."""
+        if variant not in built:
+            architecture, _, extra = variant.partition(":")
+            directory = tmp_path_factory.mktemp(variant.replace(":", "-"))
+            built[variant] = make_tiny_model(architecture, directory, **VARIANTS[extra])
+        return built[variant]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("LlamaForCausalLM")
+
+
+_TIE_REPORT: list[str] = []
+
+
+@pytest.fixture
+def report_ties(request):
+    """Record how many numerical ties a greedy comparison met; printed in the summary."""
+
+    def report(count: int, compared: int) -> None:
+        _TIE_REPORT.append(f"{request.node.nodeid}: {count} tie(s) in {compared} sequences")
+
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TIE_REPORT:
+        terminalreporter.section("greedy comparisons: numerical ties (top-2 logits within 1e-4)")
+        for line in _TIE_REPORT:
+            terminalreporter.write_line(line)

@@ -1,0 +1,118 @@
+"""Helpers for tests that compare pagedllm with Hugging Face Transformers on the same weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Small enough to build and run in well under a second; odd sizes catch shape slips.
+TINY_CONFIGS = {
+    "LlamaForCausalLM": dict(model_type="llama", head_dim=16),
+    "Qwen2ForCausalLM": dict(model_type="qwen2"),
+    "MistralForCausalLM": dict(model_type="mistral", sliding_window=None, head_dim=16),
+}
+
+
+def make_tiny_model(architecture: str, directory: Path, **overrides) -> Path:
+    """Save a tiny random model of `architecture` (and a tokenizer-free dir) to `directory`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {"tie_word_embeddings": False, **TINY_CONFIGS[architecture], **overrides}
+    model_type = settings.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        architectures=[architecture],
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        **settings,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is too flat for greedy decoding to be interesting; sharpen the head.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(directory)
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE tokenizer of ~300 tokens with a chat template; ids fit the tiny vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["The quick brown fox jumps over the lazy dog. What is the capital of France?"] * 4
+    tokenizer.train_from_iterator(corpus, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    wrapped.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
+    return wrapped
+
+
+@dataclass
+class GreedyReference:
+    token_ids: list[int]
+    top2_gaps: list[float]  # logit gap between the best two tokens at each generated position
+
+
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> GreedyReference:
+    """Greedy continuation by Transformers `generate`, ignoring EOS, with per-step logit gaps."""
+    input_ids = torch.tensor([prompt_token_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_token_ids) :].tolist()
+    gaps = []
+    for logits in out.logits:
+        top2 = logits[0].float().topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return GreedyReference(tokens, gaps)
+
+
+def compare_greedy(actual: list[int], reference: GreedyReference, tie_tolerance: float) -> int:
+    """Assert `actual` equals the reference up to the first numerical tie; 1 if it met one.
+
+    At a tie (top two logits within `tie_tolerance`) either token is acceptable and the
+    continuations legitimately diverge, so comparison stops there.
+    """
+    for position, (got, want) in enumerate(zip(actual, reference.token_ids, strict=False)):
+        if got == want:
+            continue
+        gap = reference.top2_gaps[position]
+        assert gap <= tie_tolerance, (
+            f"token {position}: got {got}, expected {want} (top-2 gap {gap:.2e} is not a tie)\n"
+            f"actual   {actual}\nexpected {reference.token_ids}"
+        )
+        return 1
+    assert len(actual) == len(reference.token_ids), (
+        f"{len(actual)} != {len(reference.token_ids)} tokens"
+    )
+    return 0
