@@ -6,7 +6,7 @@ prompts as padded batches (`--hf-batch-size`, default all at once). Engines alte
 `--rounds` > 1 so machine noise falls on both.
 
     .venv/bin/python benchmarks/throughput_vs_hf.py [--num-prompts 64 --input-len 256
-        --output-len 128 --rounds 1 --output-json out.json]
+        --output-len 128 --range-ratio 0 --hf-batch-size 64 --rounds 1 --output-json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn uniformly from [len*(1-r), len*(1+r)]",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--hf-batch-size", type=int, default=None)
     parser.add_argument("--engines", default="pagedllm,transformers")
@@ -35,18 +41,31 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the low ids, where the special tokens live.
-    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs; lengths vary by --range-ratio."""
+    rng = random.Random(args.seed)
+
+    def length(mean: int) -> int:
+        low, high = int(mean * (1 - args.range_ratio)), int(mean * (1 + args.range_ratio))
+        return max(1, rng.randint(low, high))
+
+    # Prompt ids skip the low ids, where the special tokens live.
+    return [
+        (
+            [rng.randrange(100, vocab_size) for _ in range(length(args.input_len))],
+            length(args.output_len),
+        )
+        for _ in range(args.num_prompts)
+    ]
 
 
-def run_pagedllm(llm, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def run_pagedllm(llm, workload: list[tuple[list[int], int]]) -> tuple[float, int]:
     from pagedllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - started
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
@@ -60,16 +79,19 @@ def load_transformers_model(path: str):
 
 
 def run_transformers(
-    model, prompts: list[list[int]], output_len: int, batch_size: int, pad_token_id: int
+    model, workload: list[tuple[list[int], int]], batch_size: int, pad_token_id: int
 ) -> tuple[float, int]:
+    """Padded static batches: each batch runs to its longest output; only the requested
+    tokens count as output (what a user of `generate` would keep)."""
     started = time.perf_counter()
     num_output_tokens = 0
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        longest = max(len(p) for p in batch)
+    for start in range(0, len(workload), batch_size):
+        batch = workload[start : start + batch_size]
+        longest = max(len(p) for p, _ in batch)
+        output_len = max(n for _, n in batch)
         # Left padding, as decoder-only generation needs.
-        input_ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p in batch])
-        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+        input_ids = torch.tensor([[pad_token_id] * (longest - len(p)) + p for p, _ in batch])
+        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
         with torch.inference_mode():
             out = model.generate(
                 input_ids=input_ids,
@@ -79,20 +101,23 @@ def run_transformers(
                 do_sample=False,
                 pad_token_id=pad_token_id,
             )
-        num_output_tokens += (out.shape[1] - longest) * len(batch)
+        assert out.shape[1] - longest == output_len
+        num_output_tokens += sum(n for _, n in batch)
     return time.perf_counter() - started, num_output_tokens
 
 
-def summarize(name: str, runs: list[tuple[float, int]], num_prompts: int, input_len: int) -> dict:
+def summarize(name: str, runs: list[tuple[float, int]], workload) -> dict:
     seconds = statistics.median(r[0] for r in runs)
     output_tokens = runs[0][1]
+    num_prompts = len(workload)
+    prompt_tokens = sum(len(p) for p, _ in workload)
     return {
         "engine": name,
         "seconds_median": round(seconds, 2),
         "seconds_all": [round(r[0], 2) for r in runs],
         "requests_per_s": round(num_prompts / seconds, 3),
         "output_tokens_per_s": round(output_tokens / seconds, 1),
-        "total_tokens_per_s": round((output_tokens + num_prompts * input_len) / seconds, 1),
+        "total_tokens_per_s": round((output_tokens + prompt_tokens) / seconds, 1),
     }
 
 
@@ -106,20 +131,15 @@ def main() -> None:
     llm = LLM(dtype="float32") if "pagedllm" in engines else None
     hf_model = load_transformers_model(default_model_path()) if "transformers" in engines else None
     vocab_size = llm.llm_engine.model_config.vocab_size if llm else hf_model.config.vocab_size
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    workload = make_workload(args, vocab_size)
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
     for round_index in range(args.rounds):
         for name in engines:
             if name == "pagedllm":
-                result = run_pagedllm(llm, prompts, args.output_len)
+                result = run_pagedllm(llm, workload)
             else:
-                result = run_transformers(
-                    hf_model,
-                    prompts,
-                    args.output_len,
-                    args.hf_batch_size or len(prompts),
-                    pad_token_id=2,
-                )
+                batch_size = args.hf_batch_size or len(workload)
+                result = run_transformers(hf_model, workload, batch_size, pad_token_id=2)
             runs[name].append(result)
             print(
                 f"round {round_index + 1} {name}: {result[0]:.1f} s, {result[1]} output tokens",
@@ -133,7 +153,7 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
-        "results": [summarize(n, runs[n], args.num_prompts, args.input_len) for n in engines],
+        "results": [summarize(n, runs[n], workload) for n in engines],
     }
     print_table(report["results"])
     if args.output_json:

@@ -6,6 +6,7 @@ mapping, then reads each request's context through its block table.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -86,19 +87,42 @@ class TorchAttentionBackend(AttentionBackend):
             out[start:end] = self._prefill(q[start:end], kv_cache, metadata, req_index, scale)
         return out
 
+    def __init__(self) -> None:
+        # Gather buffers reused across layers and steps: a fresh multi-MB tensor per layer
+        # costs more in page faults than the copy itself.
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+        """cache[block_ids] as [num_ids, block_size, Hkv, D], copied into a reused buffer."""
+        shape = (block_ids.numel(), *cache.shape[1:])
+        buffer = self._workspace.get(name)
+        numel = math.prod(shape)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype:
+            buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+            self._workspace[name] = buffer
+        out = buffer[:numel].view(shape)
+        return torch.index_select(cache, 0, block_ids, out=out)
+
     def _decode(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         block_size = key_cache.shape[1]
         max_len = int(metadata.decode_seq_lens.max())
         num_blocks = -(-max_len // block_size)
-        tables = metadata.block_tables[metadata.decode_req_indices, :num_blocks]
-        keys = key_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-        values = value_cache[tables].flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=q.device)
+        tables = metadata.block_tables[metadata.decode_req_indices, :num_blocks].reshape(-1)
+        batch = len(metadata.decode_req_indices)
+        # [B, Hkv, L, D] views of the gathered blocks
+        keys = self._gather(key_cache, tables, "k").view(batch, -1, *key_cache.shape[2:])
+        values = self._gather(value_cache, tables, "v").view(batch, -1, *value_cache.shape[2:])
+        positions = torch.arange(keys.shape[1], device=q.device)
         mask = (positions[None, :] < metadata.decode_seq_lens[:, None])[:, None, None, :]
         query = q[metadata.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
         out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            query,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.squeeze(2)
 
@@ -107,8 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = key_cache.shape[1]
         seq_len = metadata.seq_lens[req_index]
         table = metadata.block_tables[req_index, : -(-seq_len // block_size)]
-        keys = key_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
-        values = value_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1)
+        keys = self._gather(key_cache, table, "k").flatten(0, 1)[:seq_len].transpose(0, 1)
+        values = self._gather(value_cache, table, "v").flatten(0, 1)[:seq_len].transpose(0, 1)
         query = q.transpose(0, 1)  # [H, n, D]
         num_queries = q.shape[0]
         context_start = seq_len - num_queries

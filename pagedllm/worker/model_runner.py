@@ -8,6 +8,7 @@ the persistent `InputBatch`, and logits are computed only for rows that sample.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import torch
@@ -56,16 +57,22 @@ class ModelRunner:
             model_config.num_kv_heads,
             model_config.head_dim,
         )
-        dtype = model_config.dtype
-        # Zeroed, not empty: padded decode batches read slots past each sequence's end, and
-        # masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
         return [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
+            (self._zeros(shape, model_config.dtype), self._zeros(shape, model_config.dtype))
             for _ in range(model_config.num_layers)
         ]
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed, not empty: padded decode batches read slots past each sequence's end, and
+        masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
+
+        On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
+        4 GiB cache costs no start-up time and only as much RAM as blocks actually used.
+        """
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        num_bytes = math.prod(shape) * dtype.itemsize
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,108 @@
+"""`pagedllm generate` end to end on a tiny model, and its flags mapping to engine arguments."""
+
+import logging
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.cli import build_parser, engine_args_from, main
+
+
+def test_generate_prints_the_completion(tiny_llama, capsys):
+    code = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--prompt",
+            "What is the capital",
+            "--max-tokens",
+            "6",
+            "--max-model-len",
+            "64",
+            "--kv-cache-memory",
+            "1MiB",
+        ]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out.strip("\n")
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    from pagedllm import SamplingParams
+
+    expected = llm.chat(
+        [{"role": "user", "content": "What is the capital"}],
+        SamplingParams(temperature=0, max_tokens=6),
+        use_tqdm=False,
+    )
+    assert printed == expected[0].outputs[0].text
+
+
+def test_engine_flags_use_vllm_names():
+    args = build_parser().parse_args(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--kv-cache-memory",
+            "4GiB",
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "1024",
+            "--skip-tokenizer-init",
+        ]
+    )
+    engine_args = engine_args_from(args)
+    assert engine_args == EngineArgs(
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        kv_cache_memory="4GiB",
+        block_size=32,
+        dtype="bfloat16",
+        max_model_len=1024,
+        skip_tokenizer_init=True,
+    )
+
+
+def test_bad_flag_value_is_a_clear_error(tiny_llama, capsys):
+    code = main(["generate", "--model", str(tiny_llama), "--prompt", "x", "--block-size", "0"])
+    assert code == 2
+    assert "block_size must be a positive integer" in capsys.readouterr().err
+
+
+def test_start_up_logs_kv_cache_size_and_concurrency(tiny_llama, caplog):
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(caplog.handler)
+    try:
+        LLM(str(tiny_llama), max_model_len=100, block_size=10, kv_cache_memory="64KiB")
+    finally:
+        logger.removeHandler(caplog.handler)
+    # 2 layers x 2 (k, v) x 2 kv heads x 16 dims x 4 bytes x 10 tokens = 5120 bytes a block
+    assert "KV cache: 11 blocks of 10 tokens (110 tokens" in caplog.text
+    assert "max concurrency at max_model_len=100: 1.10x" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dtype_reaches_weights_and_cache(tiny_llama, dtype):
+    import torch
+
+    from pagedllm import SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=64)
+    runner = llm.llm_engine.engine_core.model_runner
+    expected = getattr(torch, dtype)
+    assert runner.kv_caches[0][0].dtype == expected
+    assert all(p.dtype == expected for p in runner.model.parameters())
+    out = llm.generate(
+        {"prompt_token_ids": [3, 4, 5]},
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert len(out[0].outputs[0].token_ids) == 8
