@@ -107,6 +107,7 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     kv_cache_memory: int
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -125,8 +126,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -157,6 +161,8 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
     seed: int = 0
     attention_backend: str = "torch"
     device: str = "cpu"
@@ -170,6 +176,10 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         resolve_dtype(self.dtype)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
 

@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType
+from pagedllm.engine.processor import PromptType, prompt_cache_salt
+from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,18 +38,40 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order.
+
+        A prompt is a string or a dict with `prompt_token_ids` (or `prompt`) and an
+        optional `cache_salt`; `priority` (one per prompt, lower first) needs
+        scheduling_policy="priority".
+        """
+        engine = self.llm_engine
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params_list = _params_per_prompt(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
         # Tokenize and validate everything first so bad input leaves nothing half-queued.
-        processed = [self.llm_engine.process_prompt(p) for p in prompt_list]
+        processed = [engine.process_prompt(p) for p in prompt_list]
+        salts = [prompt_cache_salt(p) for p in prompt_list]
+        for value in priorities:
+            engine.check_priority(value)
         request_ids = []
-        for (text, token_ids), params in zip(processed, params_list, strict=True):
+        for (text, token_ids), params, value, salt in zip(
+            processed, params_list, priorities, salts, strict=True
+        ):
             request_id = str(next(self._request_counter))
-            self.llm_engine.add_tokenized_request(request_id, text, token_ids, params)
+            engine.add_tokenized_request(request_id, text, token_ids, params, value, salt)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (refused while requests run)."""
+        return self.llm_engine.engine_core.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.engine_core.get_stats()
 
     def chat(
         self,

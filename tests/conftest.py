@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Every engine in the tests checks KV-cache integrity after every step.
+os.environ["PAGEDLLM_DEBUG"] = "1"
 
 from model_utils import make_tiny_model
 

@@ -1,22 +1,27 @@
 """The KV block pool: every physical KV block, their reference counts and the free-block queue.
 
 Block 0 is the null block: never handed out, it pads block tables so the attention
-kernels can index them without a branch.
+kernels can index them without a branch. Free blocks may still hold cached KV (see
+`prefix_cache.py`): they are evicted from the cache only when handed out again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedllm.core.prefix_cache import BlockCacheKey, PrefixCache
+
 
 class KVCacheBlock:
     """One physical block's bookkeeping; `prev_free`/`next_free` link it into the free queue."""
 
-    __slots__ = ("block_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_id", "cache_key", "generation", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.cache_key: BlockCacheKey | None = None
+        self.generation = 0  # bumped at each eviction from the prefix cache
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -96,6 +101,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
+        self.prefix_cache = PrefixCache()
 
     @property
     def num_free_blocks(self) -> int:
@@ -110,11 +116,32 @@ class BlockPool:
         """Fraction of usable blocks held by requests."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.prefix_cache)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Blocks from the front of the free queue (least recently used), evicted if cached."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
+            self.prefix_cache.evict(block)
             block.ref_cnt = 1
         return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; a free one leaves the free queue in O(1)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is held."""
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.prefix_cache.cached_blocks():
+            self.prefix_cache.evict(block)
+        return True
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; a block nobody holds goes to the back of the queue."""

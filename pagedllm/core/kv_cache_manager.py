@@ -1,7 +1,10 @@
-"""`KVCacheManager`: which blocks each request holds, and taking or returning them."""
+"""`KVCacheManager`: block tables per request, prefix-cache lookups, taking and returning blocks."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from pagedllm.core import hashing
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.engine.request import Request
 
@@ -10,13 +13,29 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups, counted in tokens since start-up."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class KVCacheManager:
     """Owns the block pool and one block table (a list of blocks) per request."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -26,29 +45,108 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int) -> int:
-        num_required = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, num_required - len(self.req_to_blocks.get(request.request_id, ())))
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's tokens: (blocks, number of tokens).
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """New blocks for `num_new_tokens` more tokens; None (nothing taken) if too few are free."""
-        num_new_blocks = self.num_blocks_to_allocate(request, num_new_tokens)
-        if num_new_blocks > self.block_pool.num_free_blocks:
+        The last token is never taken from the cache: the step must compute it to have
+        logits to sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        token_ids = request.all_token_ids
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            extra_keys = hashing.block_extra_keys(index, request.cache_salt)
+            parent = hits[-1] if hits else None
+            block = self.block_pool.prefix_cache.lookup(block_hash, tokens, extra_keys, parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a request waiting for room is not recounted)."""
+        if self.enable_caching:
+            self.prefix_cache_stats.queries += num_query_tokens
+            self.prefix_cache_stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Take prefix-cache hits and fresh blocks for `num_new_tokens` more tokens.
+
+        Returns the fresh blocks, or None (and takes nothing) if too few are free.
+        """
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        )
+        num_new_blocks = max(
+            0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
+        )
+        # Hits that sit in the free queue stop being free once taken.
+        num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
             return None
+        self.block_pool.touch(computed)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        self.req_to_blocks.setdefault(request.request_id, []).extend(new_blocks)
+        blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
         return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_hits: int, num_tokens: int
+    ) -> None:
+        """Publish the blocks that this step fills (their KV is written in the same step)."""
+        request_id = request.request_id
+        first = max(self.num_cached_blocks.get(request_id, 0), num_hits)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self.num_cached_blocks[request_id] = max(first, num_full)
+        if num_full <= first:
+            return
+        self._update_block_hashes(request)
+        token_ids = request.all_token_ids
+        for index in range(first, num_full):
+            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            parent = blocks[index - 1] if index else None
+            self.block_pool.prefix_cache.insert(
+                blocks[index],
+                request.block_hashes[index],
+                tokens,
+                hashing.block_extra_keys(index, request.cache_salt),
+                parent,
+            )
+
+    def _update_block_hashes(self, request: Request) -> None:
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            hashing.extend_block_hashes(
+                request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+            )
 
     def free(self, request: Request) -> None:
         """Return every block of `request`. Tail blocks go first so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     def check_integrity(self) -> None:
-        """Assert free + held blocks == usable blocks and each ref count matches its holders."""
+        """Assert free + held blocks == usable blocks, ref counts match holders, cache is sound."""
         holders: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for block in blocks:
@@ -59,3 +157,7 @@ class KVCacheManager:
         )
         for block in pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} has wrong ref_cnt"
+        cached = pool.prefix_cache.cached_blocks()
+        assert len(cached) == pool.num_cached_blocks
+        assert sum(1 for b in pool.blocks if b.cache_key is not None) == len(cached)
+        assert pool.null_block.cache_key is None and pool.null_block.ref_cnt == 0

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request_queue import create_request_queue, priority_key
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -24,6 +24,7 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finished: bool
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | None = None
 
@@ -33,19 +34,26 @@ class Scheduler:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self._seen_by_runner: set[str] = set()
         self._resumed: set[str] = set()
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Prompt tokens actually run through the model (prefix-cache hits excluded).
+        self.num_computed_prompt_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.priority != 0 and self.config.policy == "fcfs":
+            raise ValueError(
+                f"priority: {request.priority} given, but scheduling_policy is 'fcfs'; "
+                "start the engine with scheduling_policy='priority'"
+            )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request from outside (abort); its blocks return to the pool at once."""
@@ -60,7 +68,7 @@ class Scheduler:
         self._free(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.waiting) or self.running)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -69,18 +77,23 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # The rule: one token budget (max_num_batched_tokens) per step, shared by all.
-        # 1. Running requests first, in admission order. Each is given the tokens it is
+        # 1. Running requests first, in admission order (in priority order under the
+        #    "priority" policy, so the lowest priority sits last). Each is given the tokens it is
         #    behind by (1 for a decode, the rest of its prompt for a prefill), capped by
         #    what is left of the budget, so long prompts are prefilled in chunks that share
         #    steps with other requests' decodes. When the pool has no blocks for them, the
-        #    most recently admitted running request is preempted (blocks freed, recomputed
-        #    from scratch later) until the request fits or was itself the one preempted.
-        # 2. Then waiting requests (preempted ones at the head, then arrivals in order),
-        #    while budget, max_num_seqs and free blocks allow; none in a step that preempted.
+        #    last running request (the newest; the lowest priority) is preempted (blocks
+        #    freed, recomputed later) until the request fits or was itself preempted.
+        # 2. Then waiting requests in queue order (fcfs: preempted ones at the head, then
+        #    arrivals; priority: by priority, then arrival) while budget, max_num_seqs and
+        #    free blocks allow; none in a step that preempted. Each first takes its longest
+        #    prefix-cache hit and only the rest is computed.
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         token_budget = self.config.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
+        if self.config.policy == "priority":
+            self.running.sort(key=priority_key)
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
@@ -114,19 +127,28 @@ class Scheduler:
         self.num_preemptions += 1
         if request.request_id in self._seen_by_runner:
             self._resumed.add(request.request_id)
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        kv = self.kv_cache_manager
+        while (
+            len(self.waiting) and token_budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            new_blocks = kv.allocate_slots(request, num_new_tokens, hits)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
+            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            self._schedule(output, request, num_new_tokens, [b.block_id for b in new_blocks])
+            block_ids = [block.block_id for block in hits + new_blocks]
+            self._schedule(output, request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens
 
     def _schedule(
@@ -160,6 +182,10 @@ class Scheduler:
                 )
             )
         output.num_scheduled_tokens[request_id] = num_new_tokens
+        computed = request.num_computed_tokens
+        self.num_computed_prompt_tokens += max(
+            0, min(request.num_prompt_tokens, computed + num_new_tokens) - computed
+        )
         request.num_computed_tokens += num_new_tokens
 
     # ---- after the model ran ----------------------------------------------------------
@@ -183,6 +209,7 @@ class Scheduler:
                     new_token_ids=[token_id],
                     finished=finished,
                     cumulative_logprob=request.cumulative_logprob,
+                    num_cached_tokens=request.num_cached_tokens,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                 )

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import EngineCoreOutput, Scheduler
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.metrics.stats import EngineStats
 from pagedllm.model.loader import ModelSource
 from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+def debug_checks_enabled() -> bool:
+    """PAGEDLLM_DEBUG=1 checks the KV cache's integrity after every step (tests set it)."""
+    return os.environ.get("PAGEDLLM_DEBUG", "0") not in ("", "0")
 
 
 class EngineCore:
@@ -15,8 +26,11 @@ class EngineCore:
         self.config = config
         self.model_runner = ModelRunner(config, source)
         cache_config = config.cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.debug_checks = debug_checks_enabled()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -32,4 +46,36 @@ class EngineCore:
         """Schedule, run the model once, and report the tokens it produced."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.debug_checks:
+            self.check_integrity()
+        return outputs
+
+    def check_integrity(self) -> None:
+        """Every block is free, held or cached-free, ref counts match; and when idle, all free."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        if not self.has_unfinished_requests():
+            assert kv.num_free_blocks == kv.block_pool.num_usable_blocks, "idle engine holds blocks"
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes; refused (False) while any request is unfinished."""
+        if self.has_unfinished_requests() or not self.kv_cache_manager.reset_prefix_cache():
+            logger.warning("reset_prefix_cache refused: requests are still running")
+            return False
+        return True
+
+    def get_stats(self) -> EngineStats:
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        pool = kv.block_pool
+        return EngineStats(
+            num_running_reqs=len(scheduler.running),
+            num_waiting_reqs=len(scheduler.waiting),
+            num_preemptions=scheduler.num_preemptions,
+            num_computed_prompt_tokens=scheduler.num_computed_prompt_tokens,
+            kv_cache_usage=pool.usage,
+            num_used_blocks=pool.num_usable_blocks - pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )

@@ -68,6 +68,7 @@ def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, toke
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=model_config.max_model_len,
+        policy=args.scheduling_policy,
     )
     get_attention_backend(args.attention_backend)
     return EngineConfig(
@@ -88,7 +89,7 @@ def _cache_config(args: EngineArgs, model_config: ModelConfig) -> CacheConfig:
     else:
         memory = parse_memory_size(args.kv_cache_memory)
     num_blocks = memory // bytes_per_block
-    cache_config = CacheConfig(block_size, num_blocks, memory)
+    cache_config = CacheConfig(block_size, num_blocks, memory, args.enable_prefix_caching)
     num_tokens = (num_blocks - 1) * block_size
     if num_tokens < max_len:
         raise ValueError(

@@ -10,7 +10,12 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import build_engine_config
-from pagedllm.engine.processor import PromptType, check_prompt_length, prompt_to_token_ids
+from pagedllm.engine.processor import (
+    PromptType,
+    check_prompt_length,
+    prompt_cache_salt,
+    prompt_to_token_ids,
+)
 from pagedllm.engine.request import Request
 from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
@@ -53,14 +58,39 @@ class LLMEngine:
         check_prompt_length(token_ids, self.model_config.max_model_len)
         return text, token_ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
         text, token_ids = self.process_prompt(prompt)
-        self.add_tokenized_request(request_id, text, token_ids, params)
+        self.check_priority(priority)
+        self.add_tokenized_request(
+            request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
+        )
+
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority: {priority} given, but scheduling_policy is "
+                f"{self.config.scheduler_config.policy!r}; use scheduling_policy='priority'"
+            )
 
     def add_tokenized_request(
-        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
-        request = Request(request_id, token_ids, params, self.model_config.eos_token_ids)
+        request = Request(
+            request_id,
+            token_ids,
+            params,
+            self.model_config.eos_token_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         self.engine_core.add_request(request)
         self._states[request_id] = _RequestState(text, token_ids, params)
 
@@ -101,4 +131,11 @@ class LLMEngine:
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
         )
-        return RequestOutput(request_id, state.prompt, state.prompt_token_ids, [completion], True)
+        return RequestOutput(
+            request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [completion],
+            finished=True,
+            num_cached_tokens=output.num_cached_tokens,
+        )

@@ -36,3 +36,11 @@ def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:
         raise ValueError(
             f"prompt: {len(token_ids)} tokens is longer than max_model_len={max_model_len}"
         )
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The prompt's `cache_salt`: requests share cached KV only with others of the same salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt: must be a non-empty string")
+    return salt

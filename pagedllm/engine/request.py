@@ -52,12 +52,17 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first (under the "priority" scheduling policy)
+    cache_salt: str | None = None  # requests share cached KV only with equal salts
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
+    block_hashes: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,14 +14,25 @@ from pagedllm.sampling_params import SamplingParams
 EOS = 99
 
 
-def make_scheduler(num_blocks=65, block_size=4, budget=32, max_num_seqs=8, max_model_len=128):
-    config = SchedulerConfig(budget, max_num_seqs, max_model_len)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+def make_scheduler(
+    num_blocks=65,
+    block_size=4,
+    budget=32,
+    max_num_seqs=8,
+    max_model_len=128,
+    policy="fcfs",
+    caching=False,
+):
+    # Prompts here are all ones; caching off keeps them from sharing blocks.
+    config = SchedulerConfig(budget, max_num_seqs, max_model_len, policy)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
 
 
-def add(scheduler, request_id, num_prompt_tokens, max_tokens=4, **params):
+def add(scheduler, request_id, num_prompt_tokens, max_tokens=4, priority=0, **params):
     params = SamplingParams(max_tokens=max_tokens, **params)
-    request = Request(request_id, [1] * num_prompt_tokens, params, frozenset({EOS}))
+    request = Request(
+        request_id, [1] * num_prompt_tokens, params, frozenset({EOS}), priority=priority
+    )
     scheduler.add_request(request)
     return request
 
@@ -110,7 +121,7 @@ def test_newest_running_request_is_preempted_and_resumed_first():
     output = step(scheduler)  # each needs a third block: c (newest) is preempted
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert list(output.num_scheduled_tokens) == ["a", "b"]
-    assert scheduler.waiting[0] is c
+    assert scheduler.waiting.peek() is c
     assert scheduler.kv_cache_manager.get_block_ids("c") == []
     add(scheduler, "d", 1)
     scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
@@ -180,3 +191,32 @@ def test_duplicate_request_id_is_refused():
     add(scheduler, "a", 2)
     with pytest.raises(ValueError, match="already in use"):
         add(scheduler, "a", 2)
+
+
+def test_priority_policy_preempts_the_lowest_priority_not_the_newest():
+    scheduler = make_scheduler(num_blocks=7, block_size=4, budget=64, policy="priority")
+    low = add(scheduler, "low", 7, max_tokens=20, priority=5)
+    step(scheduler)
+    high = add(scheduler, "high", 8, max_tokens=20, priority=0)
+    mid = add(scheduler, "mid", 8, max_tokens=20, priority=1)
+    step(scheduler)
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
+    step(scheduler)
+    assert low.status == RequestStatus.PREEMPTED  # admitted first, but lowest priority
+    assert high.status == RequestStatus.RUNNING
+    assert scheduler.num_preemptions >= 1
+    assert mid.num_preemptions + low.num_preemptions == scheduler.num_preemptions
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler = make_scheduler(budget=100, max_num_seqs=1, policy="priority")
+    for name, priority in [("x", 0), ("y", 3), ("z", -2), ("w", 0)]:
+        add(scheduler, name, 2, max_tokens=1, priority=priority)
+    order = [next(iter(step(scheduler).num_scheduled_tokens)) for _ in range(4)]
+    assert order == ["z", "x", "w", "y"]
+
+
+def test_fcfs_refuses_a_priority():
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="priority"):
+        add(scheduler, "a", 2, priority=1)

@@ -1,0 +1,43 @@
+"""Chained block hashes for the prefix cache.
+
+A full block's hash covers its parent block's hash, its own token ids and extra keys (such
+as a tenant's `cache_salt`), so equal hashes stand for equal prefixes. A hash only finds
+candidates: the prefix cache still compares token ids and the parent entry before it
+accepts a hit (see `core/prefix_cache.py`), so even a constant hash serves correct KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+BlockHash = int
+ExtraKeys = tuple[Any, ...] | None
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: tuple[int, ...], extra_keys: ExtraKeys
+) -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None) -> ExtraKeys:
+    """Extra keys of a block: the salt marks the first block, and the chain carries it on."""
+    if block_index == 0 and cache_salt is not None:
+        return (cache_salt,)
+    return None
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+) -> None:
+    """Append the hashes of every full block of `token_ids` not hashed yet."""
+    num_full_blocks = len(token_ids) // block_size
+    for index in range(len(block_hashes), num_full_blocks):
+        parent = block_hashes[-1] if block_hashes else None
+        tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
+        block_hashes.append(hash_block_tokens(parent, tokens, block_extra_keys(index, cache_salt)))
