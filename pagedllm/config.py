@@ -71,6 +71,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: frozenset[int]
     seed: int = 0
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -163,12 +164,17 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
     seed: int = 0
     attention_backend: str = "torch"
     device: str = "cpu"
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(
+                f"max_logprobs must be a non-negative integer, got {self.max_logprobs}"
+            )
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

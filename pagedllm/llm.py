@@ -57,6 +57,8 @@ class LLM:
         salts = [prompt_cache_salt(p) for p in prompt_list]
         for value in priorities:
             engine.check_priority(value)
+        for params in params_list:
+            engine.check_sampling_params(params)
         request_ids = []
         for (text, token_ids), params, value, salt in zip(
             processed, params_list, priorities, salts, strict=True

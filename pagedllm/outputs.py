@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """A token's log-probability, its rank among all tokens (1 = most likely), its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,9 +26,23 @@ class CompletionOutput:
     cumulative_logprob: float | None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    logprobs: list[PositionLogprobs] | None = None  # one per token, if asked for
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Times (time.monotonic seconds) in one request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass
@@ -26,3 +53,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    metrics: RequestMetrics | None = None
+    # None for the first prompt token, then one dict per prompt token, if asked for.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -23,6 +23,11 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1); None means up to max_model_len.
         stop_token_ids: token ids that end the request (the id is kept in the output).
         ignore_eos: keep generating past the end-of-sequence token.
+        logprobs: return, for each generated token, its logprob and rank and the
+            `logprobs` most likely alternatives (0: the token alone), from the model's raw
+            distribution (before temperature and filters); at most the engine's
+            `max_logprobs`. None: no logprobs.
+        prompt_logprobs: the same for every prompt token after the first.
         skip_special_tokens: drop special tokens from the decoded text.
     """
 
@@ -35,6 +40,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -56,6 +63,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
 

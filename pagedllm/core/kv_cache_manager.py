@@ -49,9 +49,10 @@ class KVCacheManager:
         """The longest cached prefix of the request's tokens: (blocks, number of tokens).
 
         The last token is never taken from the cache: the step must compute it to have
-        logits to sample from.
+        logits to sample from. Requests asking for prompt logprobs get no hits.
         """
-        if not self.enable_caching:
+        # Prompt logprobs need logits at every prompt position, so such requests skip hits.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         token_ids = request.all_token_ids

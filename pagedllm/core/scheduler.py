@@ -12,6 +12,7 @@ from pagedllm.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    TokenLogprob,
 )
 from pagedllm.engine.request import Request, RequestStatus
 
@@ -27,6 +28,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    new_prompt_logprobs: dict[int, TokenLogprob] | None = None
 
 
 class Scheduler:
@@ -194,27 +197,38 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply token-level stops, free what finished."""
         outputs = []
-        for request_id, token_id in runner_output.sampled_token_ids.items():
+        for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None:
-                continue  # aborted while the step ran
-            request.append_output_token(token_id, runner_output.logprobs.get(request_id, 0.0))
-            finished = self._check_stop(request)
-            if finished:
-                self.running.remove(request)
-                self._free(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=request_id,
-                    new_token_ids=[token_id],
-                    finished=finished,
-                    cumulative_logprob=request.cumulative_logprob,
-                    num_cached_tokens=request.num_cached_tokens,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                )
-            )
+            token_id = runner_output.sampled_token_ids.get(request_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            if request is None or (token_id is None and prompt_logprobs is None):
+                continue  # aborted while the step ran, or a prefill chunk with nothing to say
+            output = EngineCoreOutput(request_id, [], False, new_prompt_logprobs=prompt_logprobs)
+            if token_id is not None:
+                self._append_token(request, token_id, runner_output, output)
+            outputs.append(output)
         return outputs
+
+    def _append_token(
+        self,
+        request: Request,
+        token_id: int,
+        runner_output: ModelRunnerOutput,
+        output: EngineCoreOutput,
+    ) -> None:
+        request_id = request.request_id
+        request.append_output_token(token_id, runner_output.logprobs.get(request_id, 0.0))
+        output.finished = self._check_stop(request)
+        if output.finished:
+            self.running.remove(request)
+            self._free(request)
+        output.new_token_ids = [token_id]
+        output.cumulative_logprob = request.cumulative_logprob
+        output.num_cached_tokens = request.num_cached_tokens
+        output.finish_reason = request.status.finish_reason
+        output.stop_reason = request.stop_reason
+        if request_id in runner_output.sample_logprobs:
+            output.new_logprobs = [runner_output.sample_logprobs[request_id]]
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

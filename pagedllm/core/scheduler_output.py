@@ -46,9 +46,18 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
 
+# (logprob, rank, top-k token ids, top-k logprobs) of one chosen token.
+TokenLogprob = tuple[float, int, list[int], list[float]]
+
+
 @dataclass
 class ModelRunnerOutput:
     """One sampled token (and its logprob) per request that was due one this step."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
+    # For requests that asked for logprobs: the sampled token's rank and alternatives.
+    sample_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # For requests that asked for prompt_logprobs: prompt index -> logprob of that prompt
+    # token given the tokens before it, for the positions this step computed.
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)

@@ -62,6 +62,7 @@ def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, toke
         max_model_len=derive_max_model_len(hf_config, args.max_model_len),
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         seed=args.seed,
+        max_logprobs=args.max_logprobs,
     )
     cache_config = _cache_config(args, model_config)
     scheduler_config = SchedulerConfig(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import build_engine_config
 from pagedllm.engine.processor import (
@@ -19,7 +20,13 @@ from pagedllm.engine.processor import (
 from pagedllm.engine.request import Request
 from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -30,7 +37,11 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Prompt index -> logprobs; keyed so a recompute after preemption overwrites, not repeats.
+    prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -63,9 +74,20 @@ class LLMEngine:
     ) -> None:
         text, token_ids = self.process_prompt(prompt)
         self.check_priority(priority)
+        self.check_sampling_params(params)
         self.add_tokenized_request(
             request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
         )
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Checks that need the engine's limits (SamplingParams checks the rest itself)."""
+        limit = self.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name}={value} is above max_logprobs={limit} (an engine argument)"
+                )
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.config.scheduler_config.policy != "priority":
@@ -92,7 +114,8 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         self.engine_core.add_request(request)
-        self._states[request_id] = _RequestState(text, token_ids, params)
+        metrics = RequestMetrics(arrival_time=request.arrival_time)
+        self._states[request_id] = _RequestState(text, token_ids, params, metrics)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
@@ -105,15 +128,40 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that finished in it."""
         finished = []
-        for output in self.engine_core.step():
+        outputs = self.engine_core.step()
+        now = time.monotonic()
+        for output in outputs:
             state = self._states.get(output.request_id)
             if state is None:
                 continue
+            if output.new_token_ids and not state.output_token_ids:
+                state.metrics.first_token_time = now
+            self._record_logprobs(state, output)
             state.output_token_ids.extend(output.new_token_ids)
             if output.finished:
+                state.metrics.finished_time = now
                 del self._states[output.request_id]
                 finished.append(self._request_output(output.request_id, state, output))
         return finished
+
+    def _record_logprobs(self, state: _RequestState, output: EngineCoreOutput) -> None:
+        for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
+            state.logprobs.append(self._position_logprobs(token_id, entry))
+        for index, entry in (output.new_prompt_logprobs or {}).items():
+            token_id = state.prompt_token_ids[index]
+            state.prompt_logprobs[index] = self._position_logprobs(token_id, entry)
+
+    def _position_logprobs(self, token_id: int, entry: TokenLogprob) -> PositionLogprobs:
+        """The chosen token (always present) and the top alternatives, with their text."""
+        logprob, rank, top_ids, top_logprobs = entry
+        result = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
+        for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+            if top_id != token_id:
+                result[top_id] = Logprob(top_logprob, top_rank + 1, self._token_text(top_id))
+        return result
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _request_output(
         self, request_id: str, state: _RequestState, output: EngineCoreOutput
@@ -130,7 +178,12 @@ class LLMEngine:
             cumulative_logprob=output.cumulative_logprob,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
+            logprobs=state.logprobs if state.params.logprobs is not None else None,
         )
+        prompt_logprobs = None
+        if state.params.prompt_logprobs is not None:
+            num_prompt = len(state.prompt_token_ids)
+            prompt_logprobs = [None] + [state.prompt_logprobs[i] for i in range(1, num_prompt)]
         return RequestOutput(
             request_id,
             state.prompt,
@@ -138,4 +191,6 @@ class LLMEngine:
             [completion],
             finished=True,
             num_cached_tokens=output.num_cached_tokens,
+            metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )

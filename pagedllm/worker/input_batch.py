@@ -25,6 +25,10 @@ class InputBatch:
         self.top_k = np.zeros(num_rows, dtype=np.int64)
         self.top_p = np.ones(num_rows, dtype=np.float32)
         self.min_p = np.zeros(num_rows, dtype=np.float32)
+        # -1: not asked for; else how many alternatives to return.
+        self.num_logprobs = np.full(num_rows, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(num_rows, -1, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
@@ -50,6 +54,11 @@ class InputBatch:
         self.top_k[row] = vocab_size if params.top_k == -1 else min(params.top_k, vocab_size)
         self.top_p[row] = params.top_p
         self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.num_prompt_logprobs[row] = (
+            -1 if params.prompt_logprobs is None else params.prompt_logprobs
+        )
+        self.num_prompt_tokens[row] = len(token_ids)
         if params.seed is not None:
             self.generators[row] = torch.Generator().manual_seed(params.seed)
         return row
@@ -70,20 +79,11 @@ class InputBatch:
         self.num_tokens[rows] += 1
 
     def _grow(self) -> None:
+        """Double the rows of every per-row array (add_request fills a row before use)."""
         old = self.num_rows
-        for name in (
-            "token_ids",
-            "num_tokens",
-            "num_computed_tokens",
-            "block_table",
-            "num_blocks",
-            "temperature",
-            "top_k",
-            "top_p",
-            "min_p",
-        ):
-            array = getattr(self, name)
-            grown = np.zeros((old * 2, *array.shape[1:]), dtype=array.dtype)
-            grown[:old] = array
-            setattr(self, name, grown)
+        for name, array in list(vars(self).items()):
+            if isinstance(array, np.ndarray):
+                grown = np.zeros((old * 2, *array.shape[1:]), dtype=array.dtype)
+                grown[:old] = array
+                setattr(self, name, grown)
         self._free_rows = list(range(2 * old - 1, old - 1, -1))

@@ -18,6 +18,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
+from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
 
@@ -87,18 +88,54 @@ class ModelRunner:
             rows, num_scheduled
         )
         hidden_states = self.model(input_ids, positions, metadata)
+        output = ModelRunnerOutput()
+        self._prompt_logprobs(output, req_ids, rows, num_scheduled, hidden_states)
         if not len(logits_indices):
-            return ModelRunnerOutput()
+            return output
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = rows[sample_mask]
         sampled = self.sampler(logits, self._sampling_metadata(sample_rows))
         token_ids = sampled.token_ids.cpu().numpy()
         self.input_batch.append_tokens(sample_rows, token_ids)
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
-        return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(sample_req_ids, token_ids.tolist(), strict=True)),
-            logprobs=dict(zip(sample_req_ids, sampled.logprobs.tolist(), strict=True)),
-        )
+        output.sampled_token_ids = dict(zip(sample_req_ids, token_ids.tolist(), strict=True))
+        output.logprobs = dict(zip(sample_req_ids, sampled.logprobs.tolist(), strict=True))
+        self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
+        return output
+
+    def _sample_logprobs(self, output, req_ids, rows, logits, token_ids) -> None:
+        """Rank and top alternatives of each sampled token, for the rows that asked."""
+        wanted = self.input_batch.num_logprobs[rows]
+        asking = np.flatnonzero(wanted >= 0)
+        if not len(asking):
+            return
+        index = self._tensor(asking)
+        result = token_logprobs(logits[index], token_ids[index], int(wanted[asking].max()))
+        for i, row_index in enumerate(asking.tolist()):
+            output.sample_logprobs[req_ids[row_index]] = result.row(i, int(wanted[row_index]))
+
+    def _prompt_logprobs(self, output, req_ids, rows, num_scheduled, hidden_states) -> None:
+        """Logprob of each prompt token this step saw the position before (rows that asked)."""
+        batch = self.input_batch
+        query_start = 0
+        for request_id, row, count in zip(
+            req_ids, rows.tolist(), num_scheduled.tolist(), strict=True
+        ):
+            num_top = int(batch.num_prompt_logprobs[row])
+            start = int(batch.num_computed_tokens[row])
+            # Position p's logits score prompt token p + 1; the last prompt position's
+            # logits belong to the first sampled token instead.
+            end = min(start + count, int(batch.num_prompt_tokens[row]) - 1)
+            if num_top >= 0 and end > start:
+                logits = self.model.compute_logits(
+                    hidden_states[query_start : query_start + end - start]
+                )
+                targets = self._tensor(batch.token_ids[row, start + 1 : end + 1])
+                result = token_logprobs(logits, targets, num_top)
+                output.prompt_logprobs[request_id] = {
+                    start + 1 + i: result.row(i, num_top) for i in range(end - start)
+                }
+            query_start += count
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch

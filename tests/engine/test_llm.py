@@ -145,3 +145,15 @@ def test_max_tokens_none_runs_to_max_model_len(tiny_llama):
         use_tqdm=False,
     )[0].outputs[0]
     assert len(output.token_ids) == 12 and output.finish_reason == "length"
+
+
+def test_request_metrics_are_ordered(llm):
+    outputs = llm.generate(
+        random_prompts(3, seed=8),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
+    for output in outputs:
+        metrics = output.metrics
+        assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
+        assert metrics.time_to_first_token >= 0
