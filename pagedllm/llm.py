@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -14,7 +15,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, prompt_cache_salt
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -52,8 +53,16 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
+        # Offline callers want one output per request, at the end.
+        params_list = [
+            dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for params in params_list
+        ]
         # Tokenize and validate everything first so bad input leaves nothing half-queued.
-        processed = [engine.process_prompt(p) for p in prompt_list]
+        processed = [
+            engine.process_prompt(p, params)
+            for p, params in zip(prompt_list, params_list, strict=True)
+        ]
         salts = [prompt_cache_salt(p) for p in prompt_list]
         for value in priorities:
             engine.check_priority(value)
@@ -136,7 +145,7 @@ class LLM:
         ) as progress:
             while pending:
                 for output in self.llm_engine.step():
-                    if output.request_id in pending:
+                    if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         outputs[output.request_id] = output
                         num_output_tokens += len(output.outputs[0].token_ids)

@@ -171,6 +171,8 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
+                    eos_token_ids=request.eos_token_ids,
+                    bad_words_token_ids=request.bad_words_token_ids,
                 )
             )
         else:

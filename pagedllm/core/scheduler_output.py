@@ -16,6 +16,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -1,18 +1,25 @@
-"""`LLMEngine`: the synchronous engine behind `LLM` — prompts in, `RequestOutput`s out."""
+"""`LLMEngine`: the synchronous engine behind `LLM` — prompts in, `RequestOutput`s out.
+
+Also the engine-level streaming API: `stream()` (a sync iterator) and `astream()` (an async
+one) yield one request's outputs as the engine steps, while other requests go on.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.scheduler import EngineCoreOutput
-from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import build_engine_config
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import (
     PromptType,
+    bad_words_token_ids,
     check_prompt_length,
     prompt_cache_salt,
     prompt_to_token_ids,
@@ -20,28 +27,10 @@ from pagedllm.engine.processor import (
 from pagedllm.engine.request import Request
 from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.outputs import (
-    CompletionOutput,
-    Logprob,
-    PositionLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
-
-
-@dataclass
-class _RequestState:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    output_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    # Prompt index -> logprobs; keyed so a recompute after preemption overwrites, not repeats.
-    prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -56,7 +45,11 @@ class LLMEngine:
         self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
         self.model_config = self.config.model_config
         self.engine_core = EngineCore(self.config, source)
-        self._states: dict[str, _RequestState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # Outputs waiting for a stream() / astream() consumer, per request id.
+        self._stream_queues: dict[str, deque[RequestOutput]] = {}
+        self._stream_ids = itertools.count()
+        self._step_lock: asyncio.Lock | None = None
         logger.info(
             "Loaded %s (%s) in %.1f s",
             source.path,
@@ -64,20 +57,15 @@ class LLMEngine:
             time.monotonic() - started,
         )
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    # ---- requests in ----------------------------------------------------------------------
+    def process_prompt(
+        self, prompt: PromptType, params: SamplingParams | None = None
+    ) -> tuple[str | None, list[int]]:
         text, token_ids = prompt_to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        if params is not None and params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         check_prompt_length(token_ids, self.model_config.max_model_len)
         return text, token_ids
-
-    def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
-    ) -> None:
-        text, token_ids = self.process_prompt(prompt)
-        self.check_priority(priority)
-        self.check_sampling_params(params)
-        self.add_tokenized_request(
-            request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
-        )
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Checks that need the engine's limits (SamplingParams checks the rest itself)."""
@@ -88,6 +76,12 @@ class LLMEngine:
                 raise ValueError(
                     f"{name}={value} is above max_logprobs={limit} (an engine argument)"
                 )
+        vocab_size = self.model_config.vocab_size
+        ids = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
+        if any(token_id >= vocab_size for token_id in ids):
+            raise ValueError(f"logit_bias / allowed_token_ids: token ids must be < {vocab_size}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set)")
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.config.scheduler_config.policy != "priority":
@@ -95,6 +89,17 @@ class LLMEngine:
                 f"priority: {priority} given, but scheduling_policy is "
                 f"{self.config.scheduler_config.policy!r}; use scheduling_policy='priority'"
             )
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Validate, tokenize and queue one request (raises ValueError on bad input)."""
+        text, token_ids = self.process_prompt(prompt, params)
+        self.check_priority(priority)
+        self.check_sampling_params(params)
+        self.add_tokenized_request(
+            request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
+        )
 
     def add_tokenized_request(
         self,
@@ -112,85 +117,87 @@ class LLMEngine:
             self.model_config.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt,
+            bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer),
         )
         self.engine_core.add_request(request)
-        metrics = RequestMetrics(arrival_time=request.arrival_time)
-        self._states[request_id] = _RequestState(text, token_ids, params, metrics)
+        self.output_processor.add_request(request_id, text, token_ids, params, request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)
         for request_id in request_ids:
-            self._states.pop(request_id, None)
+            final = self.output_processor.abort(request_id)
+            if final is not None and request_id in self._stream_queues:
+                self._stream_queues[request_id].append(final)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
+    # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that finished in it."""
-        finished = []
-        outputs = self.engine_core.step()
-        now = time.monotonic()
+        """Run one engine step; return the outputs it produced (per each request's output_kind)."""
+        outputs, stopped = self.output_processor.process(self.engine_core.step())
+        if stopped:  # finished by a stop string: the core must let go of them now
+            self.engine_core.abort_requests(stopped)
         for output in outputs:
-            state = self._states.get(output.request_id)
-            if state is None:
-                continue
-            if output.new_token_ids and not state.output_token_ids:
-                state.metrics.first_token_time = now
-            self._record_logprobs(state, output)
-            state.output_token_ids.extend(output.new_token_ids)
-            if output.finished:
-                state.metrics.finished_time = now
-                del self._states[output.request_id]
-                finished.append(self._request_output(output.request_id, state, output))
-        return finished
+            queue = self._stream_queues.get(output.request_id)
+            if queue is not None:
+                queue.append(output)
+        return outputs
 
-    def _record_logprobs(self, state: _RequestState, output: EngineCoreOutput) -> None:
-        for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
-            state.logprobs.append(self._position_logprobs(token_id, entry))
-        for index, entry in (output.new_prompt_logprobs or {}).items():
-            token_id = state.prompt_token_ids[index]
-            state.prompt_logprobs[index] = self._position_logprobs(token_id, entry)
+    # ---- streaming ------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Iterator[RequestOutput]:
+        """Add a request and yield its outputs as they come; other requests keep running."""
+        request_id, queue = self._open_stream(prompt, params, request_id, priority)
+        try:
+            while True:
+                while queue:
+                    output = queue.popleft()
+                    yield output
+                    if output.finished:
+                        return
+                self.step()
+        finally:
+            self._close_stream(request_id)
 
-    def _position_logprobs(self, token_id: int, entry: TokenLogprob) -> PositionLogprobs:
-        """The chosen token (always present) and the top alternatives, with their text."""
-        logprob, rank, top_ids, top_logprobs = entry
-        result = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
-        for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True)):
-            if top_id != token_id:
-                result[top_id] = Logprob(top_logprob, top_rank + 1, self._token_text(top_id))
-        return result
+    async def astream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """`stream()` for asyncio: steps run in a worker thread, one at a time."""
+        request_id, queue = self._open_stream(prompt, params, request_id, priority)
+        if self._step_lock is None:
+            self._step_lock = asyncio.Lock()
+        try:
+            while True:
+                while queue:
+                    output = queue.popleft()
+                    yield output
+                    if output.finished:
+                        return
+                async with self._step_lock:
+                    if not queue:
+                        await asyncio.to_thread(self.step)
+        finally:
+            self._close_stream(request_id)
 
-    def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+    def _open_stream(self, prompt, params, request_id, priority):
+        request_id = request_id or f"stream-{next(self._stream_ids)}"
+        self.add_request(request_id, prompt, params, priority)
+        queue: deque[RequestOutput] = deque()
+        self._stream_queues[request_id] = queue
+        return request_id, queue
 
-    def _request_output(
-        self, request_id: str, state: _RequestState, output: EngineCoreOutput
-    ) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                state.output_token_ids, skip_special_tokens=state.params.skip_special_tokens
-            )
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(state.output_token_ids),
-            cumulative_logprob=output.cumulative_logprob,
-            finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
-            logprobs=state.logprobs if state.params.logprobs is not None else None,
-        )
-        prompt_logprobs = None
-        if state.params.prompt_logprobs is not None:
-            num_prompt = len(state.prompt_token_ids)
-            prompt_logprobs = [None] + [state.prompt_logprobs[i] for i in range(1, num_prompt)]
-        return RequestOutput(
-            request_id,
-            state.prompt,
-            state.prompt_token_ids,
-            [completion],
-            finished=True,
-            num_cached_tokens=output.num_cached_tokens,
-            metrics=state.metrics,
-            prompt_logprobs=prompt_logprobs,
-        )
+    def _close_stream(self, request_id: str) -> None:
+        """A consumer that stops early (or disconnects) aborts its request."""
+        if request_id in self.output_processor.states:
+            self.abort_request([request_id])
+        self._stream_queues.pop(request_id, None)

@@ -44,3 +44,16 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError("cache_salt: must be a non-empty string")
     return salt
+
+
+def bad_words_token_ids(bad_words: list[str] | None, tokenizer: Any) -> list[list[int]] | None:
+    """Each bad word as token ids, with and without a leading space (as vLLM does)."""
+    if not bad_words:
+        return None
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        for text in (word, " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

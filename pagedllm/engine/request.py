@@ -54,6 +54,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first (under the "priority" scheduling policy)
     cache_salt: str | None = None  # requests share cached KV only with equal salts
+    bad_words_token_ids: list[list[int]] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0

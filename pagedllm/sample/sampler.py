@@ -33,11 +33,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        raw_logits: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample from `logits`; logprobs come from `raw_logits` (the model's own) if given."""
         logits = logits.to(torch.float32)
         token_ids = logits.argmax(dim=-1) if metadata.all_greedy else self._sample(logits, metadata)
-        chosen = logits.gather(1, token_ids[:, None]).squeeze(1)
-        return SamplerOutput(token_ids, chosen - torch.logsumexp(logits, dim=-1))
+        raw = logits if raw_logits is None else raw_logits.to(torch.float32)
+        chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
+        return SamplerOutput(token_ids, chosen - torch.logsumexp(raw, dim=-1))
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy = metadata.temperature == 0

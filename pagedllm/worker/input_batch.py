@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.sample.logits_processors import LogitsProcessorState
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class InputBatch:
         self.num_prompt_logprobs = np.full(num_rows, -1, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(num_rows, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
+        # Only rows with penalties, biases, bans or min_tokens have one.
+        self.logits_states: dict[int, LogitsProcessorState] = {}
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
@@ -41,7 +44,13 @@ class InputBatch:
         return self.req_id_to_row[request_id]
 
     def add_request(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, vocab_size: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        bad_words_token_ids: list[list[int]] | None = None,
     ) -> int:
         if not self._free_rows:
             self._grow()
@@ -61,12 +70,27 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(token_ids)
         if params.seed is not None:
             self.generators[row] = torch.Generator().manual_seed(params.seed)
+        state = LogitsProcessorState(
+            prompt_token_ids=list(token_ids),
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=params.logit_bias,
+            allowed_token_ids=params.allowed_token_ids,
+            bad_words_token_ids=bad_words_token_ids,
+            min_tokens=params.min_tokens,
+            stop_token_ids=params.stop_token_ids,
+            eos_token_ids=eos_token_ids,
+        )
+        if state.needs_processing():
+            self.logits_states[row] = state
         return row
 
     def remove_request(self, request_id: str) -> None:
         row = self.req_id_to_row.pop(request_id, None)
         if row is not None:
             self.generators.pop(row, None)
+            self.logits_states.pop(row, None)
             self._free_rows.append(row)
 
     def set_blocks(self, row: int, block_ids: list[int], replace: bool) -> None:
@@ -77,6 +101,11 @@ class InputBatch:
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1
+        if self.logits_states:
+            for row, token_id in zip(rows.tolist(), token_ids.tolist(), strict=True):
+                state = self.logits_states.get(row)
+                if state is not None:
+                    state.append_output_token(token_id)
 
     def _grow(self) -> None:
         """Double the rows of every per-row array (add_request fills a row before use)."""

@@ -18,6 +18,7 @@ from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
+from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.worker.input_batch import InputBatch
@@ -94,7 +95,8 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = rows[sample_mask]
-        sampled = self.sampler(logits, self._sampling_metadata(sample_rows))
+        processed = self._apply_logits_processors(logits, sample_rows)
+        sampled = self.sampler(processed, self._sampling_metadata(sample_rows), raw_logits=logits)
         token_ids = sampled.token_ids.cpu().numpy()
         self.input_batch.append_tokens(sample_rows, token_ids)
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
@@ -102,6 +104,16 @@ class ModelRunner:
         output.logprobs = dict(zip(sample_req_ids, sampled.logprobs.tolist(), strict=True))
         self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
+
+    def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Penalties, biases and bans on a copy: logprobs are reported from the raw logits."""
+        states = self.input_batch.logits_states
+        if not states:
+            return logits
+        row_states = [states.get(row) for row in rows.tolist()]
+        if not any(state is not None and state.needs_processing() for state in row_states):
+            return logits
+        return apply_logits_processors(logits.to(torch.float32).clone(), row_states)
 
     def _sample_logprobs(self, output, req_ids, rows, logits, token_ids) -> None:
         """Rank and top alternatives of each sampled token, for the rows that asked."""
@@ -143,7 +155,12 @@ class ModelRunner:
             batch.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             row = batch.add_request(
-                new.request_id, new.prompt_token_ids, new.sampling_params, self.vocab_size
+                new.request_id,
+                new.prompt_token_ids,
+                new.sampling_params,
+                self.vocab_size,
+                new.eos_token_ids,
+                new.bad_words_token_ids,
             )
             batch.set_blocks(row, new.block_ids, replace=True)
             batch.num_computed_tokens[row] = new.num_computed_tokens

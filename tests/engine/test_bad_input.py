@@ -134,3 +134,28 @@ def test_corrupt_files(tmp_path, tiny_llama):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json"):
         LLM(str(broken))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x"], "detokenize": False}, "detokenize"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
+)
+def test_bad_output_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_out_of_vocabulary_bias_is_refused(llm):
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("a", SamplingParams(logit_bias={10_000: 1.0}), use_tqdm=False)

@@ -1,0 +1,183 @@
+"""`OutputProcessor`: turns the core's per-step token outputs into user-facing `RequestOutput`s.
+
+Owns, per request: detokenization and stop strings (a stop string ends the request here,
+and the engine aborts it in the core), logprobs with decoded tokens, first-token and
+finish times, and the shape of each output (cumulative, delta or final only).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.core.scheduler_output import TokenLogprob
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer | None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # Prompt index -> logprobs; keyed so a recompute after preemption overwrites, not repeats.
+    prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
+    text: str = ""  # text released so far (stop-string hold-back excluded)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        detokenizer = None
+        if self.tokenizer is not None and params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        self.states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time), detokenizer
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Forget the request; its final output (finish_reason "abort") if it was known."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return None
+        state.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return self._make_output(state, finished=True, force=True)
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs to hand to users, ids that a stop string finished and the core must abort)."""
+        results, stopped = [], []
+        now = time.monotonic()
+        for output in outputs:
+            state = self.states.get(output.request_id)
+            if state is None:
+                continue
+            finished = self._absorb(state, output, now)
+            if finished and not output.finished:  # a stop string; the core still runs it
+                stopped.append(output.request_id)
+            if finished:
+                state.metrics.finished_time = now
+                del self.states[output.request_id]
+            result = self._make_output(state, finished)
+            if result is not None:
+                results.append(result)
+        return results, stopped
+
+    def _absorb(self, state: RequestState, output: EngineCoreOutput, now: float) -> bool:
+        """Take one step's tokens into the state; True if the request is now finished."""
+        if output.new_token_ids and not state.output_token_ids:
+            state.metrics.first_token_time = now
+        for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
+            state.logprobs.append(self._position_logprobs(token_id, entry))
+        for index, entry in (output.new_prompt_logprobs or {}).items():
+            token_id = state.prompt_token_ids[index]
+            state.prompt_logprobs[index] = self._position_logprobs(token_id, entry)
+        state.output_token_ids.extend(output.new_token_ids)
+        if output.new_token_ids:
+            state.cumulative_logprob = output.cumulative_logprob
+            state.num_cached_tokens = output.num_cached_tokens
+        finished = output.finished
+        state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+        detokenizer = state.detokenizer
+        if detokenizer is not None and output.new_token_ids and not detokenizer.finished:
+            stop_string = detokenizer.update(output.new_token_ids)
+            if stop_string is not None:
+                finished = True
+                state.finish_reason, state.stop_reason = "stop", stop_string
+        if finished and detokenizer is not None:
+            detokenizer.finish()
+        if detokenizer is not None:
+            state.text += detokenizer.get_next_delta()
+        return finished
+
+    def _make_output(
+        self, state: RequestState, finished: bool, force: bool = False
+    ) -> RequestOutput | None:
+        kind = state.params.output_kind
+        has_news = len(state.output_token_ids) > state.num_sent_tokens
+        if not force and (
+            (kind == RequestOutputKind.FINAL_ONLY and not finished)
+            or (not has_news and not finished)
+        ):
+            return None
+        start = state.num_sent_tokens if kind == RequestOutputKind.DELTA else 0
+        text = state.text[state.num_sent_chars :] if kind == RequestOutputKind.DELTA else state.text
+        state.num_sent_chars = len(state.text)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=state.output_token_ids[start:],
+            cumulative_logprob=state.cumulative_logprob,
+            finish_reason=state.finish_reason if finished else None,
+            stop_reason=state.stop_reason if finished else None,
+            logprobs=state.logprobs[start:] if state.params.logprobs is not None else None,
+        )
+        first_output = state.num_sent_tokens == 0
+        state.num_sent_tokens = len(state.output_token_ids)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            [completion],
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+            prompt_logprobs=self._prompt_logprobs(state, first_output),
+        )
+
+    def _prompt_logprobs(self, state: RequestState, first_output: bool):
+        if state.params.prompt_logprobs is None:
+            return None
+        if state.params.output_kind == RequestOutputKind.DELTA and not first_output:
+            return None
+        num_prompt = len(state.prompt_token_ids)
+        return [None] + [state.prompt_logprobs.get(i) for i in range(1, num_prompt)]
+
+    def _position_logprobs(self, token_id: int, entry: TokenLogprob) -> PositionLogprobs:
+        """The chosen token (always present) and the top alternatives, with their text."""
+        logprob, rank, top_ids, top_logprobs = entry
+        result = {token_id: Logprob(logprob, rank, self._token_text(token_id))}
+        for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs, strict=True)):
+            if top_id != token_id:
+                result[top_id] = Logprob(top_logprob, top_rank + 1, self._token_text(top_id))
+        return result
+
+    def _token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
