@@ -23,7 +23,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None  # None unless the request asked for logprobs
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     logprobs: list[PositionLogprobs] | None = None  # one per token, if asked for

@@ -24,7 +24,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | None = None
@@ -219,7 +219,7 @@ class Scheduler:
         output: EngineCoreOutput,
     ) -> None:
         request_id = request.request_id
-        request.append_output_token(token_id, runner_output.logprobs.get(request_id, 0.0))
+        request.append_output_token(token_id, runner_output.logprobs.get(request_id))
         output.finished = self._check_stop(request)
         if output.finished:
             self.running.remove(request)

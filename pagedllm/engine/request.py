@@ -60,7 +60,8 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
-    cumulative_logprob: float = 0.0
+    # Sum of the sampled tokens' logprobs; None unless the request asked for logprobs.
+    cumulative_logprob: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[int] = field(default_factory=list)
@@ -85,6 +86,7 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int, logprob: float) -> None:
+    def append_output_token(self, token_id: int, logprob: float | None) -> None:
         self.output_token_ids.append(token_id)
-        self.cumulative_logprob += logprob
+        if logprob is not None:
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + logprob

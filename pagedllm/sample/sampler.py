@@ -1,9 +1,10 @@
 """The sampler: one token per row from its logits, vectorized over the batch.
 
 Order (as vLLM): temperature, min_p, top_k, top_p, then a draw. Greedy rows cost one
-argmax; a batch of only greedy rows never touches the random path. The draw is
-`argmax(probs / q)` with q ~ Exp(1), which samples from `probs`; a seeded row draws its
-q from its own generator, so its tokens do not depend on the other rows.
+argmax; a batch of only greedy rows never touches the random path. Top-k and top-p work on
+the few most likely tokens found by a partial sort (`topk`), not a sort of the vocabulary.
+The draw is an inverse-CDF lookup with one uniform number per row; a seeded row draws it
+from its own generator, so its tokens do not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [R] long
-    logprobs: torch.Tensor  # [R] float: log-probability of each token under the raw logits
+    # [R] float: log-probability of each token under the raw logits (None if not asked)
+    logprobs: torch.Tensor | None
+
+
+# Top-p alone first looks at this many most likely tokens; a row whose nucleus is wider
+# (only a very flat distribution) falls back to sorting its whole row.
+TOP_P_CANDIDATES = 1024
 
 
 class Sampler:
@@ -38,10 +45,14 @@ class Sampler:
         logits: torch.Tensor,
         metadata: SamplingMetadata,
         raw_logits: torch.Tensor | None = None,
+        compute_logprobs: bool = True,
     ) -> SamplerOutput:
-        """Sample from `logits`; logprobs come from `raw_logits` (the model's own) if given."""
+        """Sample from `logits`; logprobs come from `raw_logits` (the model's own) if given,
+        and only when `compute_logprobs` (a logsumexp over the vocabulary is not free)."""
         logits = logits.to(torch.float32)
         token_ids = logits.argmax(dim=-1) if metadata.all_greedy else self._sample(logits, metadata)
+        if not compute_logprobs:
+            return SamplerOutput(token_ids, None)
         raw = logits if raw_logits is None else raw_logits.to(torch.float32)
         chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
         return SamplerOutput(token_ids, chosen - torch.logsumexp(raw, dim=-1))
@@ -51,38 +62,99 @@ class Sampler:
         temperature = torch.where(
             greedy, torch.ones_like(metadata.temperature), metadata.temperature
         )
-        probs = apply_filters(logits / temperature[:, None], metadata).softmax(dim=-1)
-        random_ids = (probs / exponential_like(probs, metadata.generators)).argmax(dim=-1)
+        scaled = logits / temperature[:, None]
+        if metadata.min_p is not None:
+            scaled = apply_min_p(scaled, metadata.min_p)
+        uniforms = uniform_per_row(scaled.shape[0], metadata.generators, scaled.device)
+        random_ids = sample_filtered(scaled, metadata.top_k, metadata.top_p, uniforms)
         if metadata.all_random:
             return random_ids
         return torch.where(greedy, logits.argmax(dim=-1), random_ids)
 
 
-def apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Mask (to -inf) what min_p, top_k and top_p exclude; rows that disable a filter keep all."""
-    if metadata.min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if metadata.top_k is None and metadata.top_p is None:
-        return logits
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if metadata.top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)
-        remove |= ranks[None, :] >= metadata.top_k[:, None]
-    if metadata.top_p is not None:
-        sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # The most likely token is always kept: its mass_before is 0 < top_p.
-        remove |= mass_before >= metadata.top_p[:, None]
-    return logits.scatter(1, sorted_ids, sorted_logits.masked_fill(remove, float("-inf")))
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the best: p_i < min_p * p_max is
+    logit_i < logit_max + log(min_p), so no softmax is needed (log 0 = -inf keeps all)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def exponential_like(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+def sample_filtered(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row from softmax(logits) restricted by top-k then top-p."""
+    num_rows, vocab_size = logits.shape
+    k = top_k if top_k is not None else torch.full((num_rows,), vocab_size, device=logits.device)
+    p = top_p if top_p is not None else torch.ones(num_rows, device=logits.device)
+    filtered = (k < vocab_size) | (p < 1)
+    token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+    plain = (~filtered).nonzero().squeeze(1)
+    if len(plain):
+        token_ids[plain] = inverse_cdf(logits[plain].softmax(dim=-1), uniforms[plain])
+    rows = filtered.nonzero().squeeze(1)
+    if len(rows):
+        token_ids[rows] = sample_candidates(logits[rows], k[rows], p[rows], uniforms[rows])
+    return token_ids
+
+
+def sample_candidates(
+    logits: torch.Tensor,
+    k: torch.Tensor,
+    p: torch.Tensor,
+    uniforms: torch.Tensor,
+    num_candidates: int | None = None,
+) -> torch.Tensor:
+    """Top-k / top-p sampling over the few most likely tokens (a partial sort, not a full one)."""
+    vocab_size = logits.shape[-1]
+    if num_candidates is None:
+        bounded = k[k < vocab_size]
+        wanted = int(bounded.max()) if len(bounded) else 0
+        if bool((p < 1).any()):
+            wanted = max(wanted, TOP_P_CANDIDATES)
+        num_candidates = min(vocab_size, wanted)
+    values, ids = logits.topk(num_candidates, dim=-1)  # sorted, most likely first
+    keep = torch.arange(num_candidates, device=logits.device)[None, :] < k[:, None]
+    # Probabilities over what top-k keeps: the candidates hold all of it when k fits among
+    # them; otherwise (top-p alone) normalize over the whole row.
+    within = k <= num_candidates
+    log_total = torch.logsumexp(values.masked_fill(~keep, float("-inf")), dim=-1)
+    if not bool(within.all()):
+        log_total[~within] = torch.logsumexp(logits[~within], dim=-1)
+    probs = (values - log_total[:, None]).exp().masked_fill(~keep, 0.0)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # The most likely token is always kept: its mass_before is 0 < top_p.
+    keep &= mass_before < p[:, None]
+    choice = inverse_cdf(probs.masked_fill(~keep, 0.0), uniforms)
+    token_ids = ids.gather(1, choice[:, None]).squeeze(1)
+    wider = ~within & (probs.sum(dim=-1) < p)  # the nucleus reaches past the candidates
+    if bool(wider.any()):
+        token_ids[wider] = sample_candidates(
+            logits[wider], k[wider], p[wider], uniforms[wider], num_candidates=vocab_size
+        )
+    return token_ids
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of (unnormalized) `probs` with one uniform number per row.
+
+    One random number per row instead of one per token: drawing a Gumbel or exponential
+    variate for every vocabulary entry costs more than the rest of sampling together.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    index = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+def uniform_per_row(
+    num_rows: int, generators: dict[int, torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """U[0, 1) per row; a seeded row draws from its own generator, so other rows cannot
+    change what it samples."""
+    uniforms = torch.rand(num_rows, device=device)
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    return q
+        uniforms[row] = torch.rand(1, generator=generator, device=device)[0]
+    return uniforms

@@ -96,13 +96,27 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = rows[sample_mask]
         processed = self._apply_logits_processors(logits, sample_rows)
-        sampled = self.sampler(processed, self._sampling_metadata(sample_rows), raw_logits=logits)
+        wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
+        sampled = self.sampler(
+            processed,
+            self._sampling_metadata(sample_rows),
+            raw_logits=logits,
+            compute_logprobs=wants_logprobs,
+        )
         token_ids = sampled.token_ids.cpu().numpy()
         self.input_batch.append_tokens(sample_rows, token_ids)
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
         output.sampled_token_ids = dict(zip(sample_req_ids, token_ids.tolist(), strict=True))
-        output.logprobs = dict(zip(sample_req_ids, sampled.logprobs.tolist(), strict=True))
-        self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
+        if wants_logprobs:
+            asking = self.input_batch.num_logprobs[sample_rows] >= 0
+            output.logprobs = {
+                request_id: logprob
+                for request_id, logprob, ask in zip(
+                    sample_req_ids, sampled.logprobs.tolist(), asking, strict=True
+                )
+                if ask
+            }
+            self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
 
     def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:

@@ -52,7 +52,7 @@ def test_logprobs_match_transformers_in_a_mixed_batch(tiny_llama, hf_model):
         completion = output.outputs[0]
         expected = hf_logprobs(hf_model, prompt + completion.token_ids)
         if param.logprobs is None:
-            assert completion.logprobs is None
+            assert completion.logprobs is None and completion.cumulative_logprob is None
         else:
             assert len(completion.logprobs) == len(completion.token_ids)
             for i, token_id in enumerate(completion.token_ids):

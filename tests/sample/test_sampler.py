@@ -108,3 +108,41 @@ def test_mixed_greedy_and_random_rows():
     meta.all_random = False
     out = Sampler()(logits, meta).token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_wide_nucleus_falls_back_to_the_whole_row():
+    # A nearly flat distribution over 3000 tokens: top-p 0.9 needs ~2700 of them, more than
+    # the partial sort looks at first.
+    from pagedllm.sample.sampler import TOP_P_CANDIDATES
+
+    vocab = 3000
+    logits = -torch.arange(vocab, dtype=torch.float32) * 1e-4
+    probs = logits.double().softmax(-1)
+    nucleus = int((probs.cumsum(-1) - probs < 0.9).sum())
+    assert nucleus > TOP_P_CANDIDATES
+    num_draws = 20_000
+    torch.manual_seed(5)
+    tokens = Sampler()(logits.repeat(num_draws, 1), metadata(num_draws, top_p=0.9)).token_ids
+    assert int(tokens.max()) < nucleus
+    assert int(tokens.max()) > TOP_P_CANDIDATES  # the fallback really sampled past them
+    # Mass of the first half of the nucleus, renormalized, within 5 standard errors.
+    half = probs[: nucleus // 2].sum() / probs[:nucleus].sum()
+    frequency = float((tokens < nucleus // 2).double().mean())
+    assert abs(frequency - float(half)) <= 5 * math.sqrt(float(half * (1 - half)) / num_draws)
+
+
+def test_top_k_with_top_p_and_min_p_together():
+    num_draws = 40_000
+    probs = LOGITS.double().softmax(-1)
+    # top_k 3 keeps [0, 1, 2]; top_p 0.8 of those keeps [0, 1] (0.55+0.20 < 0.8 of 0.87).
+    top3 = probs[:3] / probs[:3].sum()
+    keep = (top3.cumsum(-1) - top3) < 0.8
+    expected = torch.zeros(5, dtype=torch.float64)
+    expected[:3] = torch.where(keep, top3, 0) / top3[keep].sum()
+    assert_matches(frequencies(num_draws, top_k=3, top_p=0.8), expected, num_draws)
+
+
+def test_logprobs_are_skipped_unless_asked():
+    logits = torch.randn(3, 10)
+    out = Sampler()(logits, metadata(3, temperature=0), compute_logprobs=False)
+    assert out.logprobs is None and out.token_ids.tolist() == logits.argmax(-1).tolist()
