@@ -20,7 +20,8 @@ class SamplingParams:
     """Per-request sampling and stopping options.
 
     Attributes:
-        n: number of completions to return (only 1 for now).
+        n: number of completions to return. They share the prompt's KV: the prompt is
+            computed once; with a seed, completion i uses seed + i.
         temperature: 0 means greedy; higher flattens the distribution. Must be >= 0.
         top_p: keep the smallest set of tokens whose probability sums to at least top_p;
             in (0, 1], 1 keeps all.
@@ -95,8 +96,8 @@ class SamplingParams:
         self._validate_outputs()
 
     def _validate_sampling(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now, got {self.n}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -36,6 +36,10 @@ class KVCacheManager:
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Copy-on-write: (source, destination) block copies the runner must make before the
+        # next forward, and the requests whose block tables changed other than by appending.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.rewritten_tables: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,8 +98,12 @@ class KVCacheManager:
         )
         # Hits that sit in the free queue stop being free once taken.
         num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+        shared_index = self._shared_partial_block(request, blocks)
+        num_copies = 0 if shared_index is None else 1
+        if num_new_blocks + num_copies > self.block_pool.num_free_blocks - num_free_hits:
             return None
+        if shared_index is not None:
+            self._copy_on_write(request.request_id, blocks, shared_index)
         self.block_pool.touch(computed)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
@@ -104,6 +112,36 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
         return new_blocks
+
+    def _shared_partial_block(self, request: Request, blocks: list[KVCacheBlock]) -> int | None:
+        """Index of the block the next token lands in, if it is partly filled and shared."""
+        index, offset = divmod(request.num_computed_tokens, self.block_size)
+        if offset and index < len(blocks) and blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, request_id: str, blocks: list[KVCacheBlock], index: int) -> None:
+        """Give the request its own copy of a shared block before it writes into it."""
+        (copy,) = self.block_pool.get_new_blocks(1)
+        shared = blocks[index]
+        blocks[index] = copy
+        self.block_pool.free_blocks([shared])
+        self.pending_copies.append((shared.block_id, copy.block_id))
+        self.rewritten_tables.add(request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        blocks = list(self.req_to_blocks.get(parent.request_id, []))
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = blocks
+        num_prompt_blocks = parent.num_prompt_tokens // self.block_size
+        self.num_cached_blocks[child.request_id] = min(
+            self.num_cached_blocks.get(parent.request_id, 0), num_prompt_blocks
+        )
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_hits: int, num_tokens: int
@@ -138,6 +176,7 @@ class KVCacheManager:
         """Return every block of `request`. Tail blocks go first so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.rewritten_tables.discard(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

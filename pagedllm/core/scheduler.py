@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
@@ -109,6 +110,7 @@ class Scheduler:
             index += 1
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(output, token_budget)
+        output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
         return output
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[int] | None:
@@ -176,14 +178,16 @@ class Scheduler:
                 )
             )
         else:
-            resumed = request_id in self._resumed
+            kv = self.kv_cache_manager
+            rewritten = request_id in self._resumed or request_id in kv.rewritten_tables
             self._resumed.discard(request_id)
+            kv.rewritten_tables.discard(request_id)
             output.scheduled_cached_reqs.append(
                 CachedRequestData(
                     request_id=request_id,
-                    new_block_ids=new_block_ids,
+                    new_block_ids=kv.get_block_ids(request_id) if rewritten else new_block_ids,
                     num_computed_tokens=request.num_computed_tokens,
-                    resumed_from_preemption=resumed,
+                    resumed_from_preemption=rewritten,
                 )
             )
         output.num_scheduled_tokens[request_id] = num_new_tokens
@@ -205,11 +209,46 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             if request is None or (token_id is None and prompt_logprobs is None):
                 continue  # aborted while the step ran, or a prefill chunk with nothing to say
+            # Children share the parent's blocks before the parent may finish and free them.
+            children = [
+                self._fork(request, child_id, index + 1)
+                for index, child_id in enumerate(runner_output.forked.get(request_id, ()))
+            ]
             output = EngineCoreOutput(request_id, [], False, new_prompt_logprobs=prompt_logprobs)
             if token_id is not None:
                 self._append_token(request, token_id, runner_output, output)
             outputs.append(output)
+            for child in children:
+                child_output = EngineCoreOutput(child.request_id, [], False)
+                child_token = runner_output.sampled_token_ids[child.request_id]
+                self._append_token(child, child_token, runner_output, child_output)
+                outputs.append(child_output)
         return outputs
+
+    def _fork(self, parent: Request, child_id: str, index: int) -> Request:
+        """A parallel-sampling child: the parent's prompt and blocks, its own seed."""
+        params = parent.sampling_params
+        seed = None if params.seed is None else params.seed + index
+        child = Request(
+            child_id,
+            parent.prompt_token_ids,
+            dataclasses.replace(params, n=1, seed=seed),
+            parent.eos_token_ids,
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            cache_salt=parent.cache_salt,
+            bad_words_token_ids=parent.bad_words_token_ids,
+        )
+        child.status = RequestStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        block_size = self.kv_cache_manager.block_size
+        child.block_hashes = parent.block_hashes[: parent.num_prompt_tokens // block_size]
+        self.kv_cache_manager.fork(parent, child)
+        self.requests[child_id] = child
+        self.running.append(child)
+        self._seen_by_runner.add(child_id)
+        return child
 
     def _append_token(
         self,

@@ -24,8 +24,8 @@ class NewRequestData:
 class CachedRequestData:
     """A request the runner already holds: only what changed since its last step.
 
-    A request resumed after preemption gets a whole new block table (`new_block_ids`
-    replaces its blocks); otherwise `new_block_ids` are appended.
+    A request resumed after preemption, or whose table changed by copy-on-write, gets its
+    whole block table (`new_block_ids` replaces its blocks); otherwise they are appended.
     """
 
     request_id: str
@@ -42,6 +42,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests that ended since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Copy-on-write: copy block `source` to block `destination` before the forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -63,3 +65,5 @@ class ModelRunnerOutput:
     # For requests that asked for prompt_logprobs: prompt index -> logprob of that prompt
     # token given the tokens before it, for the positions this step computed.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    # Parallel sampling (n > 1): parent id -> the child ids forked at its first token.
+    forked: dict[str, list[str]] = field(default_factory=dict)

@@ -123,8 +123,8 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, params, request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(request_ids)
         for request_id in request_ids:
+            self.engine_core.abort_requests(self.output_processor.family(request_id))
             final = self.output_processor.abort(request_id)
             if final is not None and request_id in self._stream_queues:
                 self._stream_queues[request_id].append(final)

@@ -14,6 +14,7 @@ from typing import Any
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.request import child_request_id
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -43,12 +44,29 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    index: int = 0  # which of the request's n completions this is
+    group: SampleGroup | None = None  # the request's n completions when n > 1
+
+
+@dataclass
+class SampleGroup:
+    """The n completions of one request with n > 1 (index 0 is the parent itself)."""
+
+    parent: RequestState
+    member_ids: list[str]
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.member_ids)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.groups: dict[str, SampleGroup] = {}  # by parent id, until all n finish
 
     def add_request(
         self,
@@ -58,28 +76,56 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
     ) -> None:
-        detokenizer = None
-        if self.tokenizer is not None and params.detokenize:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
+        metrics = RequestMetrics(arrival_time)
+        member_ids = [child_request_id(request_id, i) for i in range(params.n)]
+        states = [
+            RequestState(
+                member_id,
+                prompt,
                 prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
+                params,
+                metrics,
+                self._detokenizer(prompt_token_ids, params),
+                index=index,
             )
-        self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time), detokenizer
+            for index, member_id in enumerate(member_ids)
+        ]
+        if params.n > 1:
+            group = SampleGroup(states[0], member_ids)
+            self.groups[request_id] = group
+            for state in states:
+                state.group = group
+        for state in states:
+            self.states[state.request_id] = state
+
+    def _detokenizer(self, prompt_token_ids, params: SamplingParams):
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
         )
+
+    def family(self, request_id: str) -> list[str]:
+        """The ids the core knows the request by: itself and, when n > 1, its children."""
+        group = self.groups.get(request_id)
+        return [request_id] if group is None else list(group.member_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request; its final output (finish_reason "abort") if it was known."""
-        state = self.states.pop(request_id, None)
-        if state is None:
-            return None
-        state.finish_reason = "abort"
-        state.metrics.finished_time = time.monotonic()
-        return self._make_output(state, finished=True, force=True)
+        result = None
+        for member_id in self.family(request_id):
+            state = self.states.pop(member_id, None)
+            if state is None:
+                continue
+            state.finish_reason = "abort"
+            state.metrics.finished_time = time.monotonic()
+            result = self._make_output(state, finished=True, force=True) or result
+        return result
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """(outputs to hand to users, ids that a stop string finished and the core must abort)."""
@@ -133,7 +179,7 @@ class OutputProcessor:
         kind = state.params.output_kind
         has_news = len(state.output_token_ids) > state.num_sent_tokens
         if not force and (
-            (kind == RequestOutputKind.FINAL_ONLY and not finished)
+            (kind == RequestOutputKind.FINAL_ONLY and not finished and state.group is None)
             or (not has_news and not finished)
         ):
             return None
@@ -141,7 +187,7 @@ class OutputProcessor:
         text = state.text[state.num_sent_chars :] if kind == RequestOutputKind.DELTA else state.text
         state.num_sent_chars = len(state.text)
         completion = CompletionOutput(
-            index=0,
+            index=state.index,
             text=text,
             token_ids=state.output_token_ids[start:],
             cumulative_logprob=state.cumulative_logprob,
@@ -151,6 +197,8 @@ class OutputProcessor:
         )
         first_output = state.num_sent_tokens == 0
         state.num_sent_tokens = len(state.output_token_ids)
+        if state.group is not None:
+            return self._group_output(state, completion, finished)
         return RequestOutput(
             state.request_id,
             state.prompt,
@@ -160,6 +208,36 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             prompt_logprobs=self._prompt_logprobs(state, first_output),
+        )
+
+    def _group_output(
+        self, state: RequestState, completion: CompletionOutput, finished: bool
+    ) -> RequestOutput | None:
+        """n > 1: streamed kinds get the completion that moved; final-only gets all n at once."""
+        group = state.group
+        assert group is not None
+        group.latest[state.index] = completion
+        group.num_finished += int(finished)
+        if group.finished:
+            self.groups.pop(group.parent.request_id, None)
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
+            return None
+        parent = group.parent
+        completions = (
+            [group.latest[i] for i in sorted(group.latest)]
+            if kind == RequestOutputKind.FINAL_ONLY
+            else [completion]
+        )
+        return RequestOutput(
+            parent.request_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            completions,
+            finished=group.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+            prompt_logprobs=self._prompt_logprobs(parent, first_output=True),
         )
 
     def _prompt_logprobs(self, state: RequestState, first_output: bool):

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from pagedllm.sampling_params import SamplingParams
 
 
+def child_request_id(parent_id: str, index: int) -> str:
+    """Id of the index-th parallel sample of a request with n > 1 (index 0 is the parent)."""
+    return parent_id if index == 0 else f"{parent_id}#{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.request import child_request_id
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
@@ -80,6 +81,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        self._copy_blocks(scheduler_output.blocks_to_copy)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput()
         req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -95,6 +97,9 @@ class ModelRunner:
             return output
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = rows[sample_mask]
+        sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
+        if self.input_batch.pending_forks:
+            logits, sample_rows = self._fork(output, logits, sample_rows, sample_req_ids)
         processed = self._apply_logits_processors(logits, sample_rows)
         wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
         sampled = self.sampler(
@@ -105,7 +110,6 @@ class ModelRunner:
         )
         token_ids = sampled.token_ids.cpu().numpy()
         self.input_batch.append_tokens(sample_rows, token_ids)
-        sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
         output.sampled_token_ids = dict(zip(sample_req_ids, token_ids.tolist(), strict=True))
         if wants_logprobs:
             asking = self.input_batch.num_logprobs[sample_rows] >= 0
@@ -118,6 +122,28 @@ class ModelRunner:
             }
             self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
+
+    def _fork(self, output, logits, sample_rows, sample_req_ids):
+        """Parallel sampling: a request with n > 1 samples n first tokens from its one set of
+        logits; each extra sample becomes a child row (its blocks are shared by the scheduler).
+        Extends `sample_req_ids` in place; returns the widened logits and rows."""
+        batch = self.input_batch
+        extra_index, extra_rows = [], []
+        for index, (request_id, row) in enumerate(
+            zip(list(sample_req_ids), sample_rows.tolist(), strict=True)
+        ):
+            n = batch.pending_forks.pop(row, 0)
+            children = [child_request_id(request_id, i) for i in range(1, n)]
+            for child_index, child_id in enumerate(children, start=1):
+                extra_rows.append(batch.fork_row(row, child_id, child_index))
+                extra_index.append(index)
+                sample_req_ids.append(child_id)
+            if children:
+                output.forked[request_id] = children
+        if not extra_rows:
+            return logits, sample_rows
+        widened = torch.cat([logits, logits[self._tensor(np.array(extra_index))]])
+        return widened, np.concatenate([sample_rows, np.array(extra_rows, dtype=np.int64)])
 
     def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """Penalties, biases and bans on a copy: logprobs are reported from the raw logits."""
@@ -162,6 +188,16 @@ class ModelRunner:
                     start + 1 + i: result.row(i, num_top) for i in range(end - start)
                 }
             query_start += count
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: a request gets its own copy of a shared block before writing it."""
+        if not copies:
+            return
+        sources = self._tensor(np.array([source for source, _ in copies]))
+        destinations = self._tensor(np.array([destination for _, destination in copies]))
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[destinations] = key_cache[sources]
+            value_cache[destinations] = value_cache[sources]
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
