@@ -1,12 +1,22 @@
 """pagedllm: fast, memory-efficient LLM inference (paged KV cache, continuous batching)."""
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
 from pagedllm.llm import LLM
 from pagedllm.logger import init_logger
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 init_logger()

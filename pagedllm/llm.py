@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, prompt_cache_salt
@@ -76,6 +77,16 @@ class LLM:
             engine.add_tokenized_request(request_id, text, token_ids, params, value, salt)
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` continuations of each prompt (see beam_search.py)."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        return beam_search(self, prompt_list, params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (refused while requests run)."""
