@@ -156,11 +156,10 @@ class LLMEngine:
         request_id, queue = self._open_stream(prompt, params, request_id, priority)
         try:
             while True:
-                while queue:
-                    output = queue.popleft()
-                    yield output
-                    if output.finished:
-                        return
+                ready, done = _pop_ready(queue)
+                yield from ready
+                if done:
+                    return
                 self.step()
         finally:
             self._close_stream(request_id)
@@ -178,11 +177,11 @@ class LLMEngine:
             self._step_lock = asyncio.Lock()
         try:
             while True:
-                while queue:
-                    output = queue.popleft()
+                ready, done = _pop_ready(queue)
+                for output in ready:
                     yield output
-                    if output.finished:
-                        return
+                if done:
+                    return
                 async with self._step_lock:
                     if not queue:
                         await asyncio.to_thread(self.step)
@@ -201,3 +200,13 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             self.abort_request([request_id])
         self._stream_queues.pop(request_id, None)
+
+
+def _pop_ready(queue: deque[RequestOutput]) -> tuple[list[RequestOutput], bool]:
+    """The outputs waiting in a stream's queue, and whether the last one ends the request."""
+    ready = []
+    while queue:
+        ready.append(queue.popleft())
+        if ready[-1].finished:
+            return ready, True
+    return ready, False
