@@ -171,10 +171,16 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """`stream()` for asyncio: steps run in a worker thread, one at a time."""
-        request_id, queue = self._open_stream(prompt, params, request_id, priority)
+        """`stream()` for asyncio: steps run in a worker thread, one at a time.
+
+        Every change to the engine (add, step, abort) holds one lock, so a request added by
+        one coroutine never races a step that another one runs in the worker thread.
+        """
         if self._step_lock is None:
             self._step_lock = asyncio.Lock()
+        lock = self._step_lock
+        async with lock:
+            request_id, queue = self._open_stream(prompt, params, request_id, priority)
         try:
             while True:
                 ready, done = _pop_ready(queue)
@@ -182,11 +188,12 @@ class LLMEngine:
                     yield output
                 if done:
                     return
-                async with self._step_lock:
+                async with lock:
                     if not queue:
                         await asyncio.to_thread(self.step)
         finally:
-            self._close_stream(request_id)
+            async with lock:
+                self._close_stream(request_id)
 
     def _open_stream(self, prompt, params, request_id, priority):
         request_id = request_id or f"stream-{next(self._stream_ids)}"

@@ -171,3 +171,14 @@ def test_truncate_prompt_tokens_keeps_the_tail(llm):
 def test_detokenize_false_leaves_text_empty(llm):
     out = llm.generate(PROMPT, greedy(detokenize=False), use_tqdm=False)[0].outputs[0]
     assert out.text == "" and len(out.token_ids) == 24
+
+
+def test_async_consumer_that_leaves_early_aborts_its_request(llm):
+    async def main():
+        stream = llm.llm_engine.astream(PROMPT, greedy(), request_id="leaver")
+        await stream.__anext__()
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert "leaver" not in llm.llm_engine.engine_core.scheduler.requests
+    assert not llm.llm_engine.has_unfinished_requests()
