@@ -1,4 +1,4 @@
-"""`pagedllm` command line: `pagedllm generate` (and later serve, chat, bench)."""
+"""`pagedllm` command line: `pagedllm generate`, `pagedllm bench throughput|latency`."""
 
 from __future__ import annotations
 
@@ -7,32 +7,8 @@ import dataclasses
 import sys
 from collections.abc import Sequence
 
-from pagedllm.config import EngineArgs
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag-name` per EngineArgs field (vLLM's names), typed from the field's default."""
-    group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineArgs):
-        if field.name == "model":
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        if field.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        elif field.type in ("int", int) or field.name in ("max_model_len",):
-            group.add_argument(flag, type=int, default=field.default)
-        else:
-            group.add_argument(flag, default=field.default)
-    group.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)",
-    )
-
-
-def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)}
-    return EngineArgs(**values)
+from pagedllm.entrypoints.bench_cli import add_bench_parser
+from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 
 
 def _generate_parser(subparsers) -> None:
@@ -81,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _generate_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 
