@@ -51,6 +51,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={request.sampling_params.n} is above max_num_seqs={self.config.max_num_seqs}"
+            )
         if request.priority != 0 and self.config.policy == "fcfs":
             raise ValueError(
                 f"priority: {request.priority} given, but scheduling_policy is 'fcfs'; "
@@ -136,10 +140,12 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
         kv = self.kv_cache_manager
-        while (
-            len(self.waiting) and token_budget > 0 and len(self.running) < self.config.max_num_seqs
-        ):
+        # Running requests with n > 1 hold seats for the samples they will fork.
+        num_seats = len(self.running) + sum(r.num_unforked_samples for r in self.running)
+        while len(self.waiting) and token_budget > 0:
             request = self.waiting.peek()
+            if num_seats + 1 + request.num_unforked_samples > self.config.max_num_seqs:
+                break
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             new_blocks = kv.allocate_slots(request, num_new_tokens, hits)
@@ -152,6 +158,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
+            num_seats += 1 + request.num_unforked_samples
             block_ids = [block.block_id for block in hits + new_blocks]
             self._schedule(output, request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens

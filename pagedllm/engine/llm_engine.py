@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -49,7 +50,9 @@ class LLMEngine:
         # Outputs waiting for a stream() / astream() consumer, per request id.
         self._stream_queues: dict[str, deque[RequestOutput]] = {}
         self._stream_ids = itertools.count()
-        self._step_lock: asyncio.Lock | None = None
+        # Held by every change to the engine (add, step, abort): async consumers make those
+        # changes from worker threads, and a step must never overlap another change.
+        self._lock = threading.RLock()
         logger.info(
             "Loaded %s (%s) in %.1f s",
             source.path,
@@ -69,6 +72,9 @@ class LLMEngine:
 
     def check_sampling_params(self, params: SamplingParams) -> None:
         """Checks that need the engine's limits (SamplingParams checks the rest itself)."""
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise ValueError(f"n={params.n} is above max_num_seqs={max_num_seqs}")
         limit = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -97,9 +103,10 @@ class LLMEngine:
         text, token_ids = self.process_prompt(prompt, params)
         self.check_priority(priority)
         self.check_sampling_params(params)
-        self.add_tokenized_request(
-            request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
-        )
+        with self._lock:
+            self.add_tokenized_request(
+                request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
+            )
 
     def add_tokenized_request(
         self,
@@ -123,11 +130,12 @@ class LLMEngine:
         self.output_processor.add_request(request_id, text, token_ids, params, request.arrival_time)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.engine_core.abort_requests(self.output_processor.family(request_id))
-            final = self.output_processor.abort(request_id)
-            if final is not None and request_id in self._stream_queues:
-                self._stream_queues[request_id].append(final)
+        with self._lock:
+            for request_id in request_ids:
+                self.engine_core.abort_requests(self.output_processor.family(request_id))
+                final = self.output_processor.abort(request_id)
+                if final is not None and request_id in self._stream_queues:
+                    self._stream_queues[request_id].append(final)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
@@ -135,6 +143,10 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the outputs it produced (per each request's output_kind)."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, stopped = self.output_processor.process(self.engine_core.step())
         if stopped:  # finished by a stop string: the core must let go of them now
             self.engine_core.abort_requests(stopped)
@@ -171,16 +183,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """`stream()` for asyncio: steps run in a worker thread, one at a time.
-
-        Every change to the engine (add, step, abort) holds one lock, so a request added by
-        one coroutine never races a step that another one runs in the worker thread.
-        """
-        if self._step_lock is None:
-            self._step_lock = asyncio.Lock()
-        lock = self._step_lock
-        async with lock:
-            request_id, queue = self._open_stream(prompt, params, request_id, priority)
+        """`stream()` for asyncio: adding, stepping and aborting run in worker threads under
+        the engine lock, so concurrent consumers (in any event loop) take turns, and one that is
+        cancelled mid-step aborts its request only after that step is done."""
+        request_id, queue = await asyncio.to_thread(
+            self._open_stream, prompt, params, request_id, priority
+        )
         try:
             while True:
                 ready, done = _pop_ready(queue)
@@ -188,12 +196,14 @@ class LLMEngine:
                     yield output
                 if done:
                     return
-                async with lock:
-                    if not queue:
-                        await asyncio.to_thread(self.step)
+                await asyncio.to_thread(self._step_unless_ready, queue)
         finally:
-            async with lock:
-                self._close_stream(request_id)
+            await asyncio.to_thread(self._close_stream, request_id)
+
+    def _step_unless_ready(self, queue: deque[RequestOutput]) -> None:
+        with self._lock:
+            if not queue:  # another consumer's step may have produced our output meanwhile
+                self._step()
 
     def _open_stream(self, prompt, params, request_id, priority):
         request_id = request_id or f"stream-{next(self._stream_ids)}"
@@ -203,9 +213,9 @@ class LLMEngine:
         return request_id, queue
 
     def _close_stream(self, request_id: str) -> None:
-        """A consumer that stops early (or disconnects) aborts its request."""
-        if request_id in self.output_processor.states:
-            self.abort_request([request_id])
+        """A consumer that stops early (or disconnects) aborts its request and, when n > 1,
+        every sample still running (aborting finished ones does nothing)."""
+        self.abort_request([request_id])
         self._stream_queues.pop(request_id, None)
 
 

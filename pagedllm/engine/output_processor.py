@@ -56,6 +56,7 @@ class SampleGroup:
     member_ids: list[str]
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     num_finished: int = 0
+    num_outputs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -224,6 +225,8 @@ class OutputProcessor:
         if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
             return None
         parent = group.parent
+        first_output = group.num_outputs == 0
+        group.num_outputs += 1
         completions = (
             [group.latest[i] for i in sorted(group.latest)]
             if kind == RequestOutputKind.FINAL_ONLY
@@ -237,7 +240,7 @@ class OutputProcessor:
             finished=group.finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
-            prompt_logprobs=self._prompt_logprobs(parent, first_output=True),
+            prompt_logprobs=self._prompt_logprobs(parent, first_output),
         )
 
     def _prompt_logprobs(self, state: RequestState, first_output: bool):

@@ -72,6 +72,13 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
 
     @property
+    def num_unforked_samples(self) -> int:
+        """Parallel samples (n > 1) still to be forked: they run once the first token is due."""
+        if self.num_output_tokens:
+            return 0
+        return self.sampling_params.n - 1
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
