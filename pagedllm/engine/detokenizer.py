@@ -80,8 +80,12 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
+        # As vLLM: stop strings count only once min_tokens output tokens exist.
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         self._decode_kwargs = {
             "skip_special_tokens": skip_special_tokens,
             "spaces_between_special_tokens": spaces_between_special_tokens,
@@ -125,8 +129,11 @@ class IncrementalDetokenizer:
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.update after it finished")
         self._token_ids.extend(int(t) for t in new_token_ids)
+        self._num_output_tokens += len(new_token_ids)
         old_len = len(self._text)
         self._text += self._decode_pending(final=False)
+        if self._num_output_tokens < self._min_tokens:
+            return None
         return self._check_stop(old_len)
 
     def finish(self) -> None:

@@ -109,6 +109,7 @@ class OutputProcessor:
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def family(self, request_id: str) -> list[str]:

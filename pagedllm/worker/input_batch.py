@@ -16,8 +16,16 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class InputBatch:
-    def __init__(self, max_model_len: int, max_blocks_per_req: int, num_rows: int = 16) -> None:
+    def __init__(
+        self,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        num_rows: int = 16,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.max_model_len = max_model_len
+        # Seeded rows' generators live where sampling runs.
+        self.device = torch.device(device)
         # One spare column: the token sampled at max_model_len is stored before the stop check.
         self.token_ids = np.zeros((num_rows, max_model_len + 1), dtype=np.int64)
         self.num_tokens = np.zeros(num_rows, dtype=np.int64)
@@ -75,7 +83,7 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(token_ids)
         if params.seed is not None:
             self.seeds[row] = params.seed
-            self.generators[row] = torch.Generator().manual_seed(params.seed)
+            self.generators[row] = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.n > 1:
             self.pending_forks[row] = params.n
         state = LogitsProcessorState(
@@ -107,7 +115,7 @@ class InputBatch:
         self.num_prompt_logprobs[row] = -1
         if parent_row in self.seeds:
             self.seeds[row] = self.seeds[parent_row] + index
-            self.generators[row] = torch.Generator().manual_seed(self.seeds[row])
+            self.generators[row] = torch.Generator(device=self.device).manual_seed(self.seeds[row])
         if parent_row in self.logits_states:
             self.logits_states[row] = copy.deepcopy(self.logits_states[parent_row])
         return row

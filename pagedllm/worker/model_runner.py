@@ -38,7 +38,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache()
         self.model.bind_kv_cache(self.kv_caches)
         max_blocks = -(-model_config.max_model_len // self.block_size)
-        self.input_batch = InputBatch(model_config.max_model_len, max_blocks)
+        self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
         self.sampler = Sampler()
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:

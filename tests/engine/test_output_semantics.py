@@ -182,3 +182,13 @@ def test_async_consumer_that_leaves_early_aborts_its_request(llm):
     asyncio.run(main())
     assert "leaver" not in llm.llm_engine.engine_core.scheduler.requests
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    full = llm.generate(PROMPT, greedy(), use_tqdm=False)[0].outputs[0]
+    stop = llm.get_tokenizer().decode(full.token_ids[1:3])
+    early = llm.generate(PROMPT, greedy(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 3
+    held = llm.generate(PROMPT, greedy(stop=[stop], min_tokens=12), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= 12
+    assert held.text.startswith(full.text[: full.text.index(stop) + len(stop)])
