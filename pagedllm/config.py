@@ -7,7 +7,6 @@ frozen configs each component reads.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -199,6 +198,3 @@ class EngineArgs:
                 f"known: {', '.join(sorted(known))}"
             )
         return cls(**kwargs)
-
-    def replace(self, **changes: Any) -> EngineArgs:
-        return dataclasses.replace(self, **changes)

@@ -78,10 +78,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(len(self.waiting) or self.running)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- one step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         # The rule: one token budget (max_num_batched_tokens) per step, shared by all.

@@ -159,7 +159,3 @@ def get_attention_backend(name: str) -> AttentionBackend:
             f"attention_backend {name!r} is unknown; choose one of {sorted(_BACKENDS)}"
         )
     return _BACKENDS[name]()
-
-
-def attention_backend_names() -> list[str]:
-    return sorted(_BACKENDS)
