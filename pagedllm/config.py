@@ -164,6 +164,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    disable_log_stats: bool = False
     seed: int = 0
     attention_backend: str = "torch"
     device: str = "cpu"

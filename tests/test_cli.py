@@ -106,3 +106,23 @@ def test_dtype_reaches_weights_and_cache(tiny_llama, dtype):
         use_tqdm=False,
     )
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_periodic_stats_line(tiny_llama, caplog):
+    from pagedllm import SamplingParams
+
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    llm.llm_engine.stat_logger.interval_s = 0.0
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(caplog.handler)
+    try:
+        llm.generate(
+            {"prompt_token_ids": [5] * 10},
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "Avg generation throughput" in caplog.text and "KV cache usage" in caplog.text
+    quiet = LLM(str(tiny_llama), max_model_len=64, disable_log_stats=True)
+    assert quiet.llm_engine.stat_logger is None

@@ -26,6 +26,7 @@ from pagedllm.engine.processor import (
     prompt_to_token_ids,
 )
 from pagedllm.engine.request import Request
+from pagedllm.metrics.logger import StatLogger
 from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
@@ -47,6 +48,7 @@ class LLMEngine:
         self.model_config = self.config.model_config
         self.engine_core = EngineCore(self.config, source)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_logger = None if args.disable_log_stats else StatLogger()
         # Outputs waiting for a stream() / astream() consumer, per request id.
         self._stream_queues: dict[str, deque[RequestOutput]] = {}
         self._stream_ids = itertools.count()
@@ -147,7 +149,11 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(self.engine_core.step())
+        core_outputs = self.engine_core.step()
+        if self.stat_logger is not None:
+            num_generated = sum(len(o.new_token_ids) for o in core_outputs)
+            self.stat_logger.record(self.engine_core.get_stats(), num_generated)
+        outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:  # finished by a stop string: the core must let go of them now
             self.engine_core.abort_requests(stopped)
         for output in outputs:

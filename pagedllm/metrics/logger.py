@@ -1,0 +1,47 @@
+"""The periodic stats log line: throughput since the last line, load, KV usage, cache hits."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.metrics.stats import EngineStats
+
+logger = logging.getLogger("pagedllm")
+
+LOG_INTERVAL_S = 10.0
+
+
+class StatLogger:
+    """Logs one line every `interval_s` seconds of engine activity (never when idle)."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_prompt_tokens_total = 0
+
+    def record(self, stats: EngineStats, num_generated_tokens: int) -> None:
+        """Count one step's tokens; log if the interval has passed."""
+        self._num_generation_tokens += num_generated_tokens
+        now = time.monotonic()
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return
+        prompt_tokens = stats.num_computed_prompt_tokens - self._last_prompt_tokens_total
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+            "Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            prompt_tokens / elapsed,
+            self._num_generation_tokens / elapsed,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            100 * stats.kv_cache_usage,
+            100 * stats.prefix_cache_hit_rate,
+            stats.num_preemptions,
+        )
+        self._last_time = now
+        self._last_prompt_tokens_total = stats.num_computed_prompt_tokens
+        self._num_generation_tokens = 0
