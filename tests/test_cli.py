@@ -6,7 +6,8 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.entrypoints.cli import build_parser, engine_args_from, main
+from pagedllm.entrypoints.cli import build_parser, main
+from pagedllm.entrypoints.engine_flags import engine_args_from
 
 
 def test_generate_prints_the_completion(tiny_llama, capsys):

@@ -152,7 +152,7 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         if self.stat_logger is not None:
             num_generated = sum(len(o.new_token_ids) for o in core_outputs)
-            self.stat_logger.record(self.engine_core.get_stats(), num_generated)
+            self.stat_logger.record(num_generated, self.engine_core.get_stats)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:  # finished by a stop string: the core must let go of them now
             self.engine_core.abort_requests(stopped)

@@ -7,7 +7,7 @@ import dataclasses
 
 from pagedllm.bench.datasets import DATASETS, DatasetConfig, load_dataset
 from pagedllm.bench.runs import format_table, run_latency, run_throughput, write_json
-from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
+from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 
 
 def add_bench_parser(subparsers) -> None:
@@ -37,12 +37,6 @@ def add_bench_parser(subparsers) -> None:
     latency.set_defaults(handler=run_latency_command)
 
 
-def _llm(args: argparse.Namespace):
-    from pagedllm import LLM
-
-    return LLM(**dataclasses.asdict(engine_args_from(args)))
-
-
 def run_throughput_command(args: argparse.Namespace) -> int:
     config = DatasetConfig(
         name=args.dataset_name,
@@ -55,7 +49,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
         path=args.dataset_path,
         seed=args.dataset_seed,
     )
-    llm = _llm(args)
+    llm = llm_from_args(args)
     requests = load_dataset(config, llm.llm_engine.model_config.vocab_size, llm.get_tokenizer())
     result = run_throughput(llm, requests)
     print(format_table("Offline throughput", result))
@@ -66,7 +60,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
 def run_latency_command(args: argparse.Namespace) -> int:
     if min(args.batch_size, args.input_len, args.output_len, args.num_iters) < 1:
         raise ValueError("batch-size, input-len, output-len and num-iters must be >= 1")
-    llm = _llm(args)
+    llm = llm_from_args(args)
     result = run_latency(
         llm, args.batch_size, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup
     )

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 
 from pagedllm.entrypoints.bench_cli import add_bench_parser
-from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
+from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 
 
 def _generate_parser(subparsers) -> None:
@@ -31,11 +30,9 @@ def _generate_parser(subparsers) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
-    engine_args = engine_args_from(args)
-    engine_args.model = args.model or args.model_positional
-    llm = LLM(**dataclasses.asdict(engine_args))
+    llm = llm_from_args(args, model=args.model or args.model_positional)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

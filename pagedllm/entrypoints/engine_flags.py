@@ -31,3 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**values)
+
+
+def llm_from_args(namespace: argparse.Namespace, model: str | None = None):
+    """The `LLM` the engine flags describe; `model` overrides `--model` when given."""
+    from pagedllm import LLM
+
+    engine_args = engine_args_from(namespace)
+    if model is not None:
+        engine_args.model = model
+    return LLM(**dataclasses.asdict(engine_args))

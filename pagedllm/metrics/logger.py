@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from pagedllm.metrics.stats import EngineStats
 
@@ -22,13 +23,14 @@ class StatLogger:
         self._num_generation_tokens = 0
         self._last_prompt_tokens_total = 0
 
-    def record(self, stats: EngineStats, num_generated_tokens: int) -> None:
-        """Count one step's tokens; log if the interval has passed."""
+    def record(self, num_generated_tokens: int, get_stats: Callable[[], EngineStats]) -> None:
+        """Count one step's tokens; when the interval has passed, take a stats snapshot and log."""
         self._num_generation_tokens += num_generated_tokens
         now = time.monotonic()
         elapsed = now - self._last_time
         if elapsed < self.interval_s:
             return
+        stats = get_stats()
         prompt_tokens = stats.num_computed_prompt_tokens - self._last_prompt_tokens_total
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "

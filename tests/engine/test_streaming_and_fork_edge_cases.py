@@ -44,8 +44,8 @@ def test_parallel_sampling_children_respect_max_num_seqs(tiny_llama):
 
 
 def test_closing_a_stream_after_the_parent_finished_aborts_the_children(llm):
-    """`_close_stream` only aborts when the *parent's* state is still live; once completion 0
-    has finished, a consumer that leaves early leaves the other n - 1 samples running."""
+    """A consumer that leaves early aborts every sample still running, even once
+    completion 0 (the parent) has finished."""
     engine = llm.llm_engine
     probe = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=10, ignore_eos=True)
     (output,) = llm.generate(PROMPT, probe, use_tqdm=False)
@@ -84,8 +84,8 @@ async def _consume(engine, index):
 
 
 def test_astream_works_in_a_second_event_loop(llm):
-    """`_step_lock` is created once and bound to the first loop that contends for it; a
-    later `asyncio.run` with concurrent streams raises "bound to a different event loop"."""
+    """The same engine serves concurrent streams from a second `asyncio.run` (a lock bound
+    to the first event loop would raise there)."""
     engine = llm.llm_engine
 
     async def main():
@@ -146,8 +146,8 @@ def test_cancelled_astream_does_not_touch_the_engine_while_a_step_runs(llm):
 
 
 def test_delta_stream_with_n_sends_prompt_logprobs_once_per_completion(llm):
-    """DELTA outputs carry prompt_logprobs only with a completion's first output (as n == 1
-    does); `_group_output` passes first_output=True, so every n > 1 delta repeats them."""
+    """With n > 1, DELTA outputs carry prompt_logprobs once, with the first output (as
+    n == 1 does)."""
     params = SamplingParams(
         temperature=1.0,
         seed=4,
