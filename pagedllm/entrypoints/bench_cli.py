@@ -1,9 +1,15 @@
-"""`pagedllm bench throughput` and `pagedllm bench latency` flags and their runners."""
+"""`pagedllm bench throughput|latency|serve` flags and their runners.
+
+`throughput` and `latency` run the engine offline; `serve` is a load generator for any
+OpenAI-compatible server (pagedllm's, vLLM, llama.cpp, ...) and needs no engine here.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 
 from pagedllm.bench.datasets import DATASETS, DatasetConfig, load_dataset
 from pagedllm.bench.runs import format_table, run_latency, run_throughput, write_json
@@ -11,18 +17,10 @@ from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 
 
 def add_bench_parser(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="benchmark the engine offline")
+    bench = subparsers.add_parser("bench", help="benchmark the engine offline, or a server")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     throughput = kinds.add_parser("throughput", help="requests/s and tokens/s over a dataset")
-    throughput.add_argument("--dataset-name", default="random", choices=sorted(DATASETS))
-    throughput.add_argument("--dataset-path", default=None, help="JSONL for --dataset-name file")
-    throughput.add_argument("--num-prompts", type=int, default=64)
-    throughput.add_argument("--input-len", type=int, default=256)
-    throughput.add_argument("--output-len", type=int, default=128)
-    throughput.add_argument("--range-ratio", type=float, default=0.0)
-    throughput.add_argument("--num-prefixes", type=int, default=4)
-    throughput.add_argument("--prefix-len", type=int, default=512)
-    throughput.add_argument("--dataset-seed", type=int, default=0)
+    _add_dataset_args(throughput)
     throughput.add_argument("--output-json", default=None)
     add_engine_args(throughput)
     throughput.set_defaults(handler=run_throughput_command)
@@ -35,10 +33,23 @@ def add_bench_parser(subparsers) -> None:
     latency.add_argument("--output-json", default=None)
     add_engine_args(latency)
     latency.set_defaults(handler=run_latency_command)
+    _add_serve_parser(kinds)
 
 
-def run_throughput_command(args: argparse.Namespace) -> int:
-    config = DatasetConfig(
+def _add_dataset_args(parser: argparse.ArgumentParser, seed_default: int | None = 0) -> None:
+    parser.add_argument("--dataset-name", default="random", choices=sorted(DATASETS))
+    parser.add_argument("--dataset-path", default=None, help="JSONL for --dataset-name file")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0)
+    parser.add_argument("--num-prefixes", type=int, default=4)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--dataset-seed", type=int, default=seed_default)
+
+
+def _dataset_config(args: argparse.Namespace, seed: int) -> DatasetConfig:
+    return DatasetConfig(
         name=args.dataset_name,
         num_prompts=args.num_prompts,
         input_len=args.input_len,
@@ -47,8 +58,12 @@ def run_throughput_command(args: argparse.Namespace) -> int:
         num_prefixes=args.num_prefixes,
         prefix_len=args.prefix_len,
         path=args.dataset_path,
-        seed=args.dataset_seed,
+        seed=seed,
     )
+
+
+def run_throughput_command(args: argparse.Namespace) -> int:
+    config = _dataset_config(args, args.dataset_seed)
     llm = llm_from_args(args)
     requests = load_dataset(config, llm.llm_engine.model_config.vocab_size, llm.get_tokenizer())
     result = run_throughput(llm, requests)
@@ -72,3 +87,135 @@ def run_latency_command(args: argparse.Namespace) -> int:
     print(format_table("Latency", rows))
     write_json(args.output_json, result)
     return 0
+
+
+def _comma_list(kind: type) -> type:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+
+    return parse  # type: ignore[return-value]
+
+
+def _add_serve_parser(kinds) -> None:
+    serve = kinds.add_parser(
+        "serve", help="latency and throughput of an OpenAI-compatible server under load"
+    )
+    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
+    serve.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
+    serve.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
+    _add_dataset_args(serve, seed_default=None)
+    serve.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)"
+    )
+    serve.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)"
+    )
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--ignore-eos", action="store_true")
+    serve.add_argument("--temperature", type=float, default=0.0)
+    serve.add_argument("--seed", type=int, default=0, help="arrivals; dataset unless given")
+    serve.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
+    serve.add_argument("--request-timeout", type=float, default=3600.0, help="seconds")
+    _add_serve_prompt_args(serve)
+    _add_serve_report_args(serve)
+    serve.set_defaults(handler=run_serve_command)
+
+
+def _add_serve_prompt_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--prompt-format",
+        default="text",
+        choices=["text", "token-ids"],
+        help="token-ids: send prompt ids (/v1/completions only)",
+    )
+    serve.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model dir or .gguf whose tokenizer renders prompts (default model's)",
+    )
+    serve.add_argument(
+        "--tokenizer-free",
+        action="store_true",
+        help="load no tokenizer: prompts are common words, one per token",
+    )
+    serve.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="draw prompt ids below this (default: the tokenizer's size)",
+    )
+
+
+def _add_serve_report_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs, e.g. ttft:500 tpot:50 e2el:5000",
+    )
+    serve.add_argument(
+        "--percentile-metrics",
+        type=_comma_list(str),
+        default="ttft,tpot,itl,e2el",
+        help="comma-separated metrics to summarize (of ttft,tpot,itl,e2el)",
+    )
+    serve.add_argument(
+        "--metric-percentiles",
+        type=_comma_list(float),
+        default="90,99",
+        help="comma-separated percentiles (mean, median and std always)",
+    )
+    serve.add_argument("--disable-tqdm", action="store_true")
+    serve.add_argument("--output-json", default=None)
+    serve.add_argument("--plot", default=None, metavar="FILE.png")
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """Exit status 0 when at least one request succeeded, 1 when every request failed."""
+    from pagedllm.bench.serve import (
+        ServeBenchConfig,
+        format_report,
+        load_prompt_tokenizer,
+        prepare_prompts,
+        run_serve_benchmark,
+    )
+
+    config = ServeBenchConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=args.model,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        seed=args.seed,
+        goodput=tuple(args.goodput or ()),
+        percentile_metrics=args.percentile_metrics,
+        metric_percentiles=args.metric_percentiles,
+        prompt_format=args.prompt_format,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        request_timeout_s=args.request_timeout,
+        disable_tqdm=args.disable_tqdm,
+    )
+    dataset = _dataset_config(args, args.seed if args.dataset_seed is None else args.dataset_seed)
+    tokenizer, vocab_size = load_prompt_tokenizer(
+        args.tokenizer, args.tokenizer_free, args.vocab_size
+    )
+    prompts = prepare_prompts(
+        load_dataset(dataset, vocab_size, tokenizer), tokenizer, config.prompt_format
+    )
+    report = {"dataset": dataclasses.asdict(dataset), **run_serve_benchmark(config, prompts)}
+    print(format_report(report))
+    write_json(args.output_json, report)
+    if args.plot:
+        from pagedllm.bench.plots import plot_serve_run
+
+        plot_serve_run(args.plot, report)
+    return 0 if report["completed"] else 1
