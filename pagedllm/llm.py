@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType, prompt_cache_salt
+from pagedllm.engine.processor import PromptType, prompt_cache_salt, render_chat
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -129,19 +129,16 @@ class LLM:
         chat_template,
         chat_template_kwargs,
     ) -> list[int]:
-        tokenizer = self.llm_engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("chat: the model has no chat template; pass chat_template=")
-        text = tokenizer.apply_chat_template(
+        text = render_chat(
+            self.llm_engine.tokenizer,
             conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **chat_template_kwargs,
+            add_generation_prompt,
+            continue_final_message,
+            chat_template,
+            chat_template_kwargs,
         )
         # The template already holds any special tokens the model expects.
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

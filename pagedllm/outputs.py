@@ -37,6 +37,7 @@ class RequestMetrics:
     """Times (time.monotonic seconds) in one request's life."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 

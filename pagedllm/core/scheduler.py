@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
@@ -31,6 +32,8 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     new_logprobs: list[TokenLogprob] | None = None
     new_prompt_logprobs: dict[int, TokenLogprob] | None = None
+    # When the request was first scheduled (time.monotonic): its queue time for metrics.
+    first_scheduled_time: float | None = None
 
 
 class Scheduler:
@@ -150,6 +153,8 @@ class Scheduler:
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -217,7 +222,13 @@ class Scheduler:
                 self._fork(request, child_id, index + 1)
                 for index, child_id in enumerate(runner_output.forked.get(request_id, ()))
             ]
-            output = EngineCoreOutput(request_id, [], False, new_prompt_logprobs=prompt_logprobs)
+            output = EngineCoreOutput(
+                request_id,
+                [],
+                False,
+                new_prompt_logprobs=prompt_logprobs,
+                first_scheduled_time=request.first_scheduled_time,
+            )
             if token_id is not None:
                 self._append_token(request, token_id, runner_output, output)
             outputs.append(output)

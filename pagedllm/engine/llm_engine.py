@@ -18,13 +18,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import build_engine_config
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import (
-    PromptType,
-    bad_words_token_ids,
-    check_prompt_length,
-    prompt_cache_salt,
-    prompt_to_token_ids,
-)
+from pagedllm.engine.processor import InputProcessor, PromptType, prompt_cache_salt
 from pagedllm.engine.request import Request
 from pagedllm.metrics.logger import StatLogger
 from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
@@ -46,6 +40,7 @@ class LLMEngine:
         )
         self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
         self.model_config = self.config.model_config
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine_core = EngineCore(self.config, source)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = None if args.disable_log_stats else StatLogger()
@@ -66,37 +61,13 @@ class LLMEngine:
     def process_prompt(
         self, prompt: PromptType, params: SamplingParams | None = None
     ) -> tuple[str | None, list[int]]:
-        text, token_ids = prompt_to_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
-        if params is not None and params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens :]
-        check_prompt_length(token_ids, self.model_config.max_model_len)
-        return text, token_ids
+        return self.input_processor.process_prompt(prompt, params)
 
     def check_sampling_params(self, params: SamplingParams) -> None:
-        """Checks that need the engine's limits (SamplingParams checks the rest itself)."""
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        if params.n > max_num_seqs:
-            raise ValueError(f"n={params.n} is above max_num_seqs={max_num_seqs}")
-        limit = self.model_config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise ValueError(
-                    f"{name}={value} is above max_logprobs={limit} (an engine argument)"
-                )
-        vocab_size = self.model_config.vocab_size
-        ids = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
-        if any(token_id >= vocab_size for token_id in ids):
-            raise ValueError(f"logit_bias / allowed_token_ids: token ids must be < {vocab_size}")
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set)")
+        self.input_processor.check_sampling_params(params)
 
     def check_priority(self, priority: int) -> None:
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise ValueError(
-                f"priority: {priority} given, but scheduling_policy is "
-                f"{self.config.scheduler_config.policy!r}; use scheduling_policy='priority'"
-            )
+        self.input_processor.check_priority(priority)
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
@@ -126,7 +97,7 @@ class LLMEngine:
             self.model_config.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt,
-            bad_words_token_ids=bad_words_token_ids(params.bad_words, self.tokenizer),
+            bad_words_token_ids=self.input_processor.bad_words_token_ids(params),
         )
         self.engine_core.add_request(request)
         self.output_processor.add_request(request_id, text, token_ids, params, request.arrival_time)

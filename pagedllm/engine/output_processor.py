@@ -152,6 +152,7 @@ class OutputProcessor:
         """Take one step's tokens into the state; True if the request is now finished."""
         if output.new_token_ids and not state.output_token_ids:
             state.metrics.first_token_time = now
+            state.metrics.first_scheduled_time = output.first_scheduled_time
         for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
             state.logprobs.append(self._position_logprobs(token_id, entry))
         for index, entry in (output.new_prompt_logprobs or {}).items():

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.config import EngineConfig
+from pagedllm.sampling_params import SamplingParams
+
 PromptType = str | dict[str, Any]
+
+
+class InvalidRequestError(ValueError):
+    """A ValueError that names the request field at fault (the server's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def prompt_to_token_ids(
@@ -31,10 +42,12 @@ def prompt_to_token_ids(
 
 def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:
     if not token_ids:
-        raise ValueError("prompt: empty prompt (no tokens)")
+        raise InvalidRequestError("prompt: empty prompt (no tokens)", "prompt")
     if len(token_ids) > max_model_len:
-        raise ValueError(
-            f"prompt: {len(token_ids)} tokens is longer than max_model_len={max_model_len}"
+        raise InvalidRequestError(
+            f"prompt: {len(token_ids)} input tokens is more than the context window of "
+            f"max_model_len={max_model_len} tokens",
+            "input_tokens",
         )
 
 
@@ -57,3 +70,80 @@ def bad_words_token_ids(bad_words: list[str] | None, tokenizer: Any) -> list[lis
             if ids and ids not in sequences:
                 sequences.append(ids)
     return sequences
+
+
+def render_chat(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The conversation as the model's chat template writes it (text, special tokens included)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "chat: the model has no chat template; pass chat_template=", "chat_template"
+        )
+    return tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **(chat_template_kwargs or {}),
+    )
+
+
+class InputProcessor:
+    """Tokenizes and validates requests against the engine's limits; shared by the offline
+    engine and the server's API process, so both refuse the same input the same way."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def process_prompt(
+        self, prompt: PromptType, params: SamplingParams | None = None
+    ) -> tuple[str | None, list[int]]:
+        model_config = self.config.model_config
+        text, token_ids = prompt_to_token_ids(prompt, self.tokenizer, model_config.vocab_size)
+        if params is not None and params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
+        check_prompt_length(token_ids, model_config.max_model_len)
+        return text, token_ids
+
+    def check_sampling_params(self, params: SamplingParams) -> None:
+        """Checks that need the engine's limits (SamplingParams checks the rest itself)."""
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.n > max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} is above max_num_seqs={max_num_seqs}", "n")
+        limit = self.config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise InvalidRequestError(
+                    f"{name}={value} is above max_logprobs={limit} (an engine argument)", name
+                )
+        vocab_size = self.config.model_config.vocab_size
+        ids = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
+        if any(token_id >= vocab_size for token_id in ids):
+            raise InvalidRequestError(
+                f"logit_bias / allowed_token_ids: token ids must be < {vocab_size}", "logit_bias"
+            )
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError(
+                "bad_words need a tokenizer (skip_tokenizer_init is set)", "bad_words"
+            )
+
+    def check_priority(self, priority: int) -> None:
+        policy = self.config.scheduler_config.policy
+        if priority != 0 and policy != "priority":
+            raise InvalidRequestError(
+                f"priority: {priority} given, but scheduling_policy is {policy!r}; "
+                "use scheduling_policy='priority'",
+                "priority",
+            )
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        return bad_words_token_ids(params.bad_words, self.tokenizer)

@@ -68,6 +68,7 @@ class Request:
     # Sum of the sampled tokens' logprobs; None unless the request asked for logprobs.
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[int] = field(default_factory=list)
 

@@ -1,4 +1,4 @@
-"""`pagedllm` command line: `pagedllm generate`, `pagedllm bench throughput|latency`."""
+"""`pagedllm` command line: `pagedllm serve`, `generate`, `bench throughput|latency|serve`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pagedllm.entrypoints.bench_cli import add_bench_parser
 from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
+from pagedllm.entrypoints.serve_cli import add_serve_parser
 
 
 def _generate_parser(subparsers) -> None:
@@ -53,6 +54,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm LLM inference engine")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
     _generate_parser(subparsers)
     add_bench_parser(subparsers)
     return parser

@@ -44,7 +44,8 @@ def test_empty_prompt(llm):
 
 
 def test_prompt_longer_than_max_model_len(llm):
-    with pytest.raises(ValueError, match=r"prompt: 65 tokens is longer than max_model_len=64"):
+    match = r"prompt: 65 input tokens is more than the context window of max_model_len=64"
+    with pytest.raises(ValueError, match=match):
         llm.generate({"prompt_token_ids": [5] * 65}, use_tqdm=False)
 
 

@@ -1,0 +1,198 @@
+"""`AsyncLLM`: the server's engine — the API-process half of a two-process engine.
+
+It owns what runs next to HTTP: the tokenizer, validation (`InputProcessor`), and output
+processing (detokenization, stop strings, logprob text). The scheduler and the model run in
+the engine-core process behind `MPClient`. Each request gets an asyncio queue; one task reads
+the core's events and fans them out, so the event loop never waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.engine.client import EngineDeadError, MPClient
+from pagedllm.engine.engine_config import build_engine_config
+from pagedllm.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import InputProcessor, InvalidRequestError
+from pagedllm.metrics.stats import EngineStats
+from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
+from pagedllm.model.registry import resolve_model_class
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class StepObserver(Protocol):
+    """Sees every request and step (the Prometheus metrics implement it)."""
+
+    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None: ...
+
+    def on_step(
+        self, outputs: list[EngineCoreOutput], stopped: list[str], stats: EngineStats, now: float
+    ) -> None: ...
+
+    def on_request_aborted(self, request_ids: list[str], now: float) -> None: ...
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs) -> None:
+        source = resolve_model(args.model)
+        hf_config = load_hf_config(source)
+        resolve_model_class(getattr(hf_config, "architectures", None))
+        self.tokenizer = (
+            None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+        )
+        self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
+        self.model_config = self.config.model_config
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = MPClient(self.config, source, log_stats=not args.disable_log_stats)
+        self.observers: list[StepObserver] = []
+        self.latest_stats: EngineStats | None = None
+        self.dead_error: EngineDeadError | None = None
+        self.on_dead: list[Callable[[], None]] = []  # called once the engine process is gone
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Requests that have not produced a token yet: the server's queue-depth limit.
+        self._awaiting_first_token: set[str] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._output_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Wait for the engine core to load the model, then start reading its outputs."""
+        await self.client.wait_ready()
+        self._output_task = asyncio.create_task(self._handle_events())
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_queued_requests(self) -> int:
+        return len(self._awaiting_first_token)
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one validated request; yields its outputs (per `params.output_kind`).
+
+        A consumer that stops early (a client disconnect cancels it) aborts the request in
+        the core at once, which frees its KV blocks.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._queues:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        arrival_time = time.monotonic()
+        self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, params, arrival_time
+        )
+        self._awaiting_first_token.add(request_id)
+        for observer in self.observers:
+            observer.on_request_added(request_id, arrival_time, len(prompt_token_ids))
+        finished = False
+        try:
+            await self.client.send(
+                self._core_request(
+                    request_id, prompt_token_ids, params, arrival_time, priority, cache_salt
+                )
+            )
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _core_request(self, request_id, token_ids, params, arrival_time, priority, cache_salt):
+        return EngineCoreRequest(
+            request_id,
+            token_ids,
+            params,
+            sorted(self.model_config.eos_token_ids),
+            arrival_time,
+            priority,
+            cache_salt,
+            self.input_processor.bad_words_token_ids(params),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and tell the core to drop it (and its n > 1 samples)."""
+        family = self.output_processor.family(request_id)
+        self.output_processor.abort(request_id)
+        self._awaiting_first_token.discard(request_id)
+        for observer in self.observers:
+            observer.on_request_aborted(family, time.monotonic())
+        if not self.is_dead:
+            self._send_in_background(AbortRequests(family))
+
+    def _send_in_background(self, message: AbortRequests) -> None:
+        task = asyncio.get_running_loop().create_task(self.client.send(message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _handle_events(self) -> None:
+        try:
+            async for event in self.client.events():
+                if isinstance(event, EngineCoreOutputs):
+                    self._process_outputs(event)
+        except EngineDeadError as error:
+            logger.error("Engine core died: %s", error)
+            self._fail_all(error)
+        except Exception as error:  # a bug here must not leave requests hanging
+            logger.exception("Output handler failed")
+            self._fail_all(EngineDeadError(f"output handler failed: {error}"))
+
+    def _process_outputs(self, event: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        outputs, stopped = self.output_processor.process(event.outputs)
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        for core_output in event.outputs:
+            if core_output.new_token_ids:
+                self._awaiting_first_token.discard(core_output.request_id)
+        if stopped:  # finished by a stop string: the core must let go of them now
+            self._send_in_background(AbortRequests(stopped))
+        self.latest_stats = event.stats
+        for observer in self.observers:
+            observer.on_step(event.outputs, stopped, event.stats, now)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        for callback in self.on_dead:
+            callback()
+
+    async def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        await self.client.shutdown()

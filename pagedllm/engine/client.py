@@ -1,0 +1,105 @@
+"""`MPClient`: the API process's handle on an engine-core process (start, send, receive, stop).
+
+The client binds two IPC sockets (requests out, events in) and spawns the core, which
+connects to them. Sends go through an asyncio ZMQ socket, so the event loop never blocks on
+the engine; `events()` yields what the core reports and raises `EngineDeadError` when the
+process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.messages import (
+    EngineCoreEvent,
+    EngineCoreInput,
+    EngineReady,
+    Shutdown,
+    event_decoder,
+    input_encoder,
+)
+from pagedllm.model.loader import ModelSource
+
+logger = logging.getLogger("pagedllm")
+
+# How often a waiting receiver checks that the engine process is alive.
+LIVENESS_POLL_MS = 200
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process exited; nothing in flight can finish."""
+
+
+class MPClient:
+    def __init__(self, config: EngineConfig, source: ModelSource, log_stats: bool) -> None:
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="pagedllm-")
+        input_address = f"ipc://{os.path.join(self._socket_dir.name, 'input')}"
+        output_address = f"ipc://{os.path.join(self._socket_dir.name, 'output')}"
+        self.context = zmq.asyncio.Context()
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.bind(input_address)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.bind(output_address)
+        # spawn, not fork: the API process may hold threads and an event loop.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core,
+            args=(config, source, input_address, output_address, log_stats),
+            name="pagedllm-engine-core",
+            daemon=True,
+        )
+        self.process.start()
+        self.dead = False
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        started = time.monotonic()
+        event = await self.recv(timeout_s)
+        if not isinstance(event, EngineReady):
+            raise RuntimeError(f"engine core sent {type(event).__name__} before it was ready")
+        logger.info("Engine core (pid %d) ready in %.1f s", event.pid, time.monotonic() - started)
+
+    async def send(self, message: EngineCoreInput) -> None:
+        if self.dead:
+            raise EngineDeadError("the engine process is not running")
+        await self.input_socket.send(input_encoder.encode(message), copy=False)
+
+    async def recv(self, timeout_s: float | None = None) -> EngineCoreEvent:
+        """The next event from the core; EngineDeadError once its process is gone."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if await self.output_socket.poll(LIVENESS_POLL_MS):
+                return event_decoder.decode(await self.output_socket.recv())
+            if not self.process.is_alive():
+                self.dead = True
+                raise EngineDeadError(
+                    f"the engine process exited with code {self.process.exitcode}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine core did not answer in {timeout_s:.0f} s")
+
+    async def events(self) -> AsyncIterator[EngineCoreEvent]:
+        while True:
+            yield await self.recv()
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Ask the core to exit; kill it if it does not within `timeout_s`."""
+        if self.process.is_alive():
+            with contextlib.suppress(EngineDeadError, TimeoutError):
+                await asyncio.wait_for(self.send(Shutdown()), timeout_s)
+            await asyncio.to_thread(self.process.join, timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.context.destroy(linger=0)
+        self._socket_dir.cleanup()

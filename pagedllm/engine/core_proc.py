@@ -1,0 +1,143 @@
+"""The engine-core process: a busy loop around `EngineCore`, fed and drained over ZMQ.
+
+Two IO threads keep sockets off the loop: one decodes incoming messages into a queue, one
+encodes outputs and sends them. The loop drains the input queue, steps while any request
+is unfinished, and blocks on the queue only when idle. It exits on a `Shutdown` message,
+when the API process that started it is gone, or (non-zero) when a step raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from typing import Any
+
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.messages import (
+    AbortRequests,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+    event_encoder,
+    input_decoder,
+)
+from pagedllm.logger import init_logger
+from pagedllm.metrics.logger import StatLogger
+from pagedllm.model.loader import ModelSource
+
+logger = logging.getLogger("pagedllm")
+
+# How often an idle loop checks that the API process is still alive.
+IDLE_POLL_S = 1.0
+
+
+def run_engine_core(
+    config: EngineConfig,
+    source: ModelSource,
+    input_address: str,
+    output_address: str,
+    log_stats: bool,
+) -> None:
+    """Entry point of the child process (started with the `spawn` method)."""
+    init_logger()
+    # Ctrl-C reaches the whole process group; the API process decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    try:
+        core = EngineCore(config, source)
+        EngineCoreProc(core, input_address, output_address, log_stats, parent_pid).run()
+    except Exception:
+        logger.exception("Engine core failed")
+        sys.exit(1)
+
+
+class EngineCoreProc:
+    def __init__(
+        self,
+        core: EngineCore,
+        input_address: str,
+        output_address: str,
+        log_stats: bool,
+        parent_pid: int,
+    ) -> None:
+        self.core = core
+        self.parent_pid = parent_pid
+        self.stat_logger = StatLogger() if log_stats else None
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.context = zmq.Context()
+        self._start_io_thread(self._read_inputs, input_address, zmq.PULL)
+        self._start_io_thread(self._write_outputs, output_address, zmq.PUSH)
+
+    def _start_io_thread(self, target, address: str, socket_type: int) -> None:
+        socket = self.context.socket(socket_type)
+        socket.connect(address)
+        threading.Thread(target=target, args=(socket,), daemon=True).start()
+
+    def _read_inputs(self, socket: zmq.Socket) -> None:
+        while True:
+            self.input_queue.put(input_decoder.decode(socket.recv()))
+
+    def _write_outputs(self, socket: zmq.Socket) -> None:
+        while True:
+            socket.send(event_encoder.encode(self.output_queue.get()))
+
+    def run(self) -> None:
+        self.output_queue.put(EngineReady(os.getpid()))
+        while True:
+            busy = self.core.has_unfinished_requests()
+            if not self._drain_inputs(block=not busy):
+                return
+            if self.core.has_unfinished_requests():
+                self._step()
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        if self.stat_logger is not None:
+            num_generated = sum(len(o.new_token_ids) for o in outputs)
+            self.stat_logger.record(num_generated, self.core.get_stats)
+        self.output_queue.put(EngineCoreOutputs(outputs, self.core.get_stats()))
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Apply every waiting message (waiting for one when idle); False on shutdown."""
+        num_aborts = 0
+        while True:
+            try:
+                message = self.input_queue.get(block=block, timeout=IDLE_POLL_S)
+            except queue.Empty:
+                if not block:
+                    break
+                if os.getppid() != self.parent_pid:
+                    logger.warning("API process is gone; engine core exits")
+                    return False
+                continue
+            block = False
+            if isinstance(message, Shutdown):
+                return False
+            num_aborts += self._apply(message)
+        if num_aborts and not self.core.has_unfinished_requests():
+            # No step follows to report the freed blocks, so report them now.
+            self.output_queue.put(EngineCoreOutputs([], self.core.get_stats()))
+        return True
+
+    def _apply(self, message: Any) -> int:
+        """Apply one input; returns how many requests it aborted."""
+        if isinstance(message, EngineCoreRequest):
+            self.core.add_request(message.to_request())
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+            return len(message.request_ids)
+        elif isinstance(message, UtilityCall):
+            result = getattr(self.core, message.method)()
+            self.output_queue.put(UtilityResult(message.call_id, result))
+        return 0

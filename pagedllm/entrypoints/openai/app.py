@@ -1,0 +1,178 @@
+"""The FastAPI application: routes, API-key guard, CORS, request ids, disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import pagedllm
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.metrics.prometheus import PrometheusMetrics
+
+# Routes anyone may call without the API key (load balancers probe it).
+OPEN_PATHS = frozenset({"/health"})
+# Status for a request whose client went away (nginx's convention; the client never sees it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+class GuardMiddleware:
+    """API-key check on every route but /health, and an `X-Request-Id` on every response.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which would buffer streams and hide
+    disconnects from the routes.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        if (
+            self.expected is not None
+            and scope["path"] not in OPEN_PATHS
+            and scope["method"] != "OPTIONS"
+            and headers.get("authorization") != self.expected
+        ):
+            response = error_response(401, "Unauthorized: missing or wrong API key")
+            response.headers["X-Request-Id"] = request_id
+            await response(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                response_headers = MutableHeaders(scope=message)
+                if "x-request-id" not in response_headers:
+                    response_headers["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
+    """Run a handler, cancelling it (which aborts its requests) if the client goes away."""
+    handler = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not handler.done():
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return handler.result()
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics) -> FastAPI:
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    install_error_handlers(app)
+    completions = OpenAIServingCompletion(engine, config)
+    chat = OpenAIServingChat(engine, config)
+    _add_info_routes(app, engine, config, metrics, chat)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        return await until_disconnect(raw, completions.create_completion(request, raw))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await until_disconnect(raw, chat.create_chat_completion(request, raw))
+
+    app.add_middleware(GuardMiddleware, api_key=config.api_key)
+    # Added last, so it runs first: preflight requests never need the API key.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(config.allowed_origins),
+        allow_methods=list(config.allowed_methods),
+        allow_headers=list(config.allowed_headers),
+        allow_credentials=config.allow_credentials,
+    )
+    return app
+
+
+def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServingChat) -> None:
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in config.served_model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_dead:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pagedllm",
+                "root": engine.model_config.model,
+                "max_model_len": engine.model_config.max_model_len,
+            }
+            for name in config.served_model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        check_model(request.model)
+        chat.check_unknown(request)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "tokenize: give exactly one of prompt and messages", "prompt")
+        if request.messages is not None:
+            if "add_special_tokens" not in request.model_fields_set:
+                request.add_special_tokens = False  # the template holds them
+            tokens = (await chat.render(request)).token_ids
+        else:
+            text = request.prompt or ""
+            tokens = await chat.tokenize(text, request.add_special_tokens, check_length=False)
+        max_model_len = engine.model_config.max_model_len
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        check_model(request.model)
+        chat.check_unknown(request)
+        token_ids = chat.check_prompt(request.tokens) if request.tokens else []
+        return JSONResponse({"prompt": engine.tokenizer.decode(token_ids)})

@@ -1,0 +1,206 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
+
+Every model keeps unknown fields (`extra="allow"`) so the server can refuse them by name
+(or, with `--allow-unknown-fields`, log them): nothing a client sends is silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+# OpenAI fields that only describe the caller: accepted, never used for generation.
+CALLER_FIELDS = ("user", "metadata", "store", "service_tier")
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_extra_body(cls, data: Any) -> Any:
+        """Raw-HTTP clients sometimes nest vendor fields in `extra_body`, as the OpenAI SDK's
+        argument of that name suggests; treat them as top-level fields."""
+        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+            data = {**{k: v for k, v in data.items() if k != "extra_body"}, **data["extra_body"]}
+        return data
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options: only allowed with stream=true", "stream_options"
+            )
+
+    def sampling_params(
+        self, max_tokens: int | None, num_logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias: keys must be token ids", "logit_bias") from None
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=logit_bias or None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=num_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def refused_fields(self) -> list[str]:
+        refused = []
+        if self.suffix is not None:
+            refused.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            refused.append("best_of")
+        return refused
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        message = self.model_dump(exclude_none=True, exclude={"content"})
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        else:
+            message["content"] = self.content or ""
+        return message
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    def refused_fields(self) -> list[str]:
+        refused = []
+        if self.response_format is not None and self.response_format.type != "text":
+            refused.append("response_format")
+        if self.tools:
+            refused.append("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            refused.append("tool_choice")
+        return refused
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs: needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

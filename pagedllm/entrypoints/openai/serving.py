@@ -1,0 +1,229 @@
+"""What completions and chat completions share: request checks, prompt tokenization with
+length limits, request ids, fan-in of several generations, SSE framing and usage counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
+from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+# JSON has no -inf; clients get a very unlikely logprob instead (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self.model_name = config.served_model_names[0]
+        # No token spans more characters than the longest vocabulary entry, so a text longer
+        # than this cannot fit the context: refuse it before spending time tokenizing it.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_model_len * max(longest, 1)
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_request(self, request: SamplingRequest, refused: list[str]) -> None:
+        if request.model is not None and request.model not in self.config.served_model_names:
+            raise OpenAIError(404, f"The model `{request.model}` does not exist.", "model")
+        self.check_unknown(request)
+        if refused:
+            raise OpenAIError(400, f"{refused[0]}: not supported by this server", refused[0])
+        request.check_stream_options()
+        self.check_capacity()
+
+    def check_unknown(self, request: OpenAIModel) -> None:
+        unknown = request.unknown_fields()
+        if unknown and not self.config.allow_unknown_fields:
+            raise OpenAIError(
+                400,
+                f"unknown field(s): {', '.join(unknown)} (start the server with "
+                "--allow-unknown-fields to ignore fields it does not know)",
+                unknown[0],
+            )
+        if unknown:
+            logger.warning("Ignoring unknown request field(s): %s", ", ".join(unknown))
+
+    def check_capacity(self) -> None:
+        if self.engine.is_dead:
+            raise OpenAIError(503, "the engine is not running")
+        limit = self.config.max_num_queued_requests
+        if limit is not None and self.engine.num_queued_requests >= limit:
+            raise OpenAIError(
+                503, f"server is busy: {limit} requests are already waiting; retry later"
+            )
+
+    def check_params(self, params: SamplingParams, priority: int) -> None:
+        self.engine.input_processor.check_sampling_params(params)
+        self.engine.input_processor.check_priority(priority)
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None):
+        """The request's max_tokens, checked against what the context window leaves."""
+        room = self.max_model_len - num_prompt_tokens
+        if requested is not None and requested > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
+                f"the prompt, {requested} in the completion). Reduce the prompt or max_tokens.",
+                "max_tokens",
+            )
+        if requested is not None:
+            return requested
+        if room < 1:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens and the "
+                f"prompt has {num_prompt_tokens} input tokens: no room to generate",
+                "input_tokens",
+            )
+        return room if default is None else min(default, room)
+
+    # ---- prompts --------------------------------------------------------------------------
+    async def tokenize(
+        self, text: str, add_special_tokens: bool, check_length: bool = True
+    ) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"prompt: {len(text)} characters cannot fit the model's context window of "
+                f"{self.max_model_len} tokens",
+                "input_tokens",
+            )
+        # Long prompts take a while to tokenize; do it off the event loop.
+        token_ids = await asyncio.to_thread(
+            self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
+        return self.check_prompt(token_ids) if check_length else token_ids
+
+    def check_prompt(self, token_ids: list[int]) -> list[int]:
+        processor = self.engine.input_processor
+        return processor.process_prompt({"prompt_token_ids": token_ids})[1]
+
+    def request_id(self, raw: Request, request: SamplingRequest, prefix: str) -> str:
+        return (
+            request.request_id or raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+        )
+
+    def log_request(self, request_id: str, prompts: list[Prompt], params: SamplingParams):
+        if self.config.enable_log_requests:
+            logger.info(
+                "Received request %s: prompt tokens %s, params %s",
+                request_id,
+                [len(p.token_ids) for p in prompts],
+                params,
+            )
+
+    # ---- generation -----------------------------------------------------------------------
+    def generations(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        request: SamplingRequest,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [
+            self.engine.generate(
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                prompt.text,
+                prompt.token_ids,
+                prompt_params,
+                request.priority,
+                request.cache_salt,
+            )
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return merge_streams(streams)
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several generations as their outputs arrive, tagged with their index.
+
+    Closing the merged stream (a client disconnect) cancels every generation, which aborts
+    each request in the engine.
+    """
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as error:
+            queue.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE body: the chunks, then `[DONE]`; an error mid-stream is sent as an error event."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as error:
+        mapped = as_openai_error(error)
+        yield sse(error_body(mapped.status, mapped.message, mapped.param))
+    yield SSE_DONE
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,150 @@
+"""`POST /v1/chat/completions`: messages rendered by the model's chat template, n choices,
+logprobs with top alternatives, streaming deltas with an optional usage chunk."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedllm.engine.processor import InvalidRequestError, render_chat
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    clamp_logprob,
+    now_s,
+    sse,
+    stream_with_errors,
+    usage,
+)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
+        self.check_request(request, request.refused_fields())
+        prompt = await self.render(request)
+        max_tokens = self.max_tokens(
+            request.max_completion_tokens or request.max_tokens, len(prompt.token_ids), None
+        )
+        params = request.sampling_params(
+            max_tokens, request.num_logprobs(), request.prompt_logprobs
+        )
+        self.check_params(params, request.priority)
+        request_id = self.request_id(raw, request, "chatcmpl")
+        self.log_request(request_id, [prompt], params)
+        results = self.generations(request_id, [prompt], [params], request)
+        headers = {"X-Request-Id": request_id}
+        if request.stream:
+            chunks = self._stream(request_id, request, prompt, results)
+            return StreamingResponse(
+                stream_with_errors(chunks), media_type="text/event-stream", headers=headers
+            )
+        final = None
+        async for _, output in results:
+            final = output
+        assert final is not None
+        return JSONResponse(self._response(request_id, request, prompt, final), headers=headers)
+
+    async def render(self, request: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+        """The chat template's text for the messages, tokenized and checked for length."""
+        messages = request.messages or []
+        continue_final = request.continue_final_message
+        add_generation_prompt = request.add_generation_prompt
+        if continue_final and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message: cannot be combined with add_generation_prompt=true",
+                "continue_final_message",
+            )
+        if continue_final and messages[-1].role != "assistant":
+            raise InvalidRequestError(
+                "continue_final_message: the last message must be the assistant's",
+                "continue_final_message",
+            )
+        conversation = [message.for_template() for message in messages]
+        try:
+            text = await asyncio.to_thread(
+                render_chat,
+                self.tokenizer,
+                conversation,
+                add_generation_prompt,
+                continue_final,
+                request.chat_template,
+                request.chat_template_kwargs,
+            )
+        except InvalidRequestError:
+            raise
+        except Exception as error:  # jinja raises many kinds of errors on odd input
+            raise InvalidRequestError(
+                f"messages: the chat template failed: {error}", "messages"
+            ) from None
+        return Prompt(text, await self.tokenize(text, request.add_special_tokens))
+
+    def _logprobs(self, completion: CompletionOutput, top_logprobs: int) -> dict:
+        content = []
+        for token_id, entry in zip(completion.token_ids, completion.logprobs or (), strict=False):
+            chosen = entry[token_id]
+            top = sorted(
+                (lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_logprobs),
+                key=lambda lp: lp.rank or 0,
+            )
+            content.append({**_token_entry(chosen), "top_logprobs": [_token_entry(t) for t in top]})
+        return {"content": content}
+
+    def _choice(self, request, completion: CompletionOutput, streaming: bool) -> dict:
+        logprobs = None
+        if request.logprobs:
+            logprobs = self._logprobs(completion, request.top_logprobs or 0)
+        choice = {"index": completion.index, "logprobs": logprobs}
+        if streaming:
+            choice["delta"] = {"content": completion.text} if completion.text else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": completion.text, "tool_calls": []}
+        choice["finish_reason"] = completion.finish_reason
+        choice["stop_reason"] = completion.stop_reason
+        return choice
+
+    def _response(self, request_id, request, prompt: Prompt, final: RequestOutput) -> dict:
+        num_completion = sum(len(c.token_ids) for c in final.outputs)
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now_s(),
+            "model": self.model_name,
+            "choices": [self._choice(request, c, streaming=False) for c in final.outputs],
+            "usage": usage(len(prompt.token_ids), num_completion),
+        }
+
+    async def _stream(self, request_id, request, prompt: Prompt, results) -> AsyncIterator[str]:
+        created = now_s()
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created}
+        base["model"] = self.model_name
+        options = request.stream_options
+        num_completion = 0
+        for index in range(request.n):
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+            yield sse({**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+        async for _, output in results:
+            for completion in output.outputs:
+                num_completion += len(completion.token_ids)
+                if not (completion.text or completion.finish_reason or request.logprobs):
+                    continue  # tokens held back (a possible stop string) or not yet text
+                chunk = {**base, "choices": [self._choice(request, completion, streaming=True)]}
+                if options is not None and options.continuous_usage_stats:
+                    chunk["usage"] = usage(len(prompt.token_ids), num_completion)
+                yield sse(chunk)
+        if options is not None and options.include_usage:
+            final_usage = usage(len(prompt.token_ids), num_completion)
+            yield sse({**base, "choices": [], "usage": final_usage})
+
+
+def _token_entry(logprob: Logprob) -> dict:
+    token = logprob.decoded_token or ""
+    return {
+        "token": token,
+        "logprob": clamp_logprob(logprob.logprob),
+        "bytes": list(token.encode("utf-8")),
+    }

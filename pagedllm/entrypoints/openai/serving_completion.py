@@ -1,0 +1,181 @@
+"""`POST /v1/completions`: prompts as text, token ids or lists of either; echo, logprobs, n,
+streaming with an optional usage chunk."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.serving import (
+    OpenAIServing,
+    Prompt,
+    clamp_logprob,
+    now_s,
+    sse,
+    stream_with_errors,
+    usage,
+)
+from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+# OpenAI's default for /v1/completions when max_tokens is not given.
+DEFAULT_MAX_TOKENS = 16
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, raw: Request):
+        self.check_request(request, request.refused_fields())
+        prompts = await self._prompts(request)
+        params = [self._params(request, len(prompt.token_ids)) for prompt in prompts]
+        for each in params:
+            self.check_params(each, request.priority)
+        request_id = self.request_id(raw, request, "cmpl")
+        self.log_request(request_id, prompts, params[0])
+        results = self.generations(request_id, prompts, params, request)
+        headers = {"X-Request-Id": request_id}
+        if request.stream:
+            chunks = self._stream(request_id, request, prompts, results)
+            return StreamingResponse(
+                stream_with_errors(chunks), media_type="text/event-stream", headers=headers
+            )
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in results:
+            finals[index] = output
+        body = self._response(request_id, request, prompts, finals)
+        return JSONResponse(body, headers=headers)
+
+    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt: must not be empty", "prompt")
+        prompts = []
+        for item in prompt:
+            if isinstance(item, str):
+                if not item:
+                    raise InvalidRequestError("prompt: empty prompt", "prompt")
+                token_ids = await self.tokenize(item, request.add_special_tokens)
+                prompts.append(Prompt(item, token_ids))
+            else:
+                prompts.append(Prompt(None, self.check_prompt(list(item))))
+        return prompts
+
+    def _params(self, request: CompletionRequest, num_prompt_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens(request.max_tokens, num_prompt_tokens, DEFAULT_MAX_TOKENS)
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
+        return request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids)
+        return prompt.text
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        prompt: Prompt,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        echo_prompt: bool,
+    ) -> dict:
+        text, logprobs = completion.text, None
+        token_ids = list(completion.token_ids)
+        positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
+        if echo_prompt:
+            text = self._prompt_text(prompt) + text
+            token_ids = prompt.token_ids + token_ids
+            positions = list(output.prompt_logprobs or [None] * len(prompt.token_ids)) + positions
+        if request.logprobs is not None:
+            logprobs = self._logprobs(token_ids, positions)
+        return {
+            "index": prompt_index * request.n + completion.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+
+    def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None]) -> dict:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(token_ids, positions, strict=False):
+            if entry is None:  # the first prompt token has no logprob
+                token = self.tokenizer.decode([token_id])
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                token = entry[token_id].decoded_token or ""
+                token_logprobs.append(clamp_logprob(entry[token_id].logprob))
+                top_logprobs.append(
+                    {lp.decoded_token or "": clamp_logprob(lp.logprob) for lp in entry.values()}
+                )
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    def _response(self, request_id, request, prompts, finals: dict[int, RequestOutput]) -> dict:
+        choices = [
+            self._choice(request, index, prompts[index], output, completion, request.echo)
+            for index, output in sorted(finals.items())
+            for completion in output.outputs
+        ]
+        num_completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now_s(),
+            "model": self.model_name,
+            "choices": sorted(choices, key=lambda c: c["index"]),
+            "usage": usage(sum(len(p.token_ids) for p in prompts), num_completion),
+        }
+
+    async def _stream(self, request_id, request, prompts, results) -> AsyncIterator[str]:
+        created = now_s()
+        num_prompt = sum(len(p.token_ids) for p in prompts)
+        num_completion = 0
+        options = request.stream_options
+        echoed: set[int] = set()
+        async for prompt_index, output in results:
+            for completion in output.outputs:
+                num_completion += len(completion.token_ids)
+                index = prompt_index * request.n + completion.index
+                echo = request.echo and index not in echoed
+                echoed.add(index)
+                choice = self._choice(
+                    request, prompt_index, prompts[prompt_index], output, completion, echo
+                )
+                chunk = {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [choice],
+                }
+                if options is not None and options.continuous_usage_stats:
+                    chunk["usage"] = usage(num_prompt, num_completion)
+                yield sse(chunk)
+        if options is not None and options.include_usage:
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": self.model_name,
+                    "choices": [],
+                    "usage": usage(num_prompt, num_completion),
+                }
+            )

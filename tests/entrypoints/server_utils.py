@@ -1,0 +1,87 @@
+"""Start `pagedllm serve` as a subprocess on 127.0.0.1 and a free port; stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args]
+        command += ["--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--disable-uvicorn-access-log"]
+        if api_key:
+            command += ["--api-key", api_key]
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "PAGEDLLM_DEBUG": "1"}
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
+        self._wait_healthy()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.base_url + path, headers=self.headers, timeout=60, **kwargs)
+
+    def post(self, path: str, body=None, **kwargs) -> httpx.Response:
+        return httpx.post(
+            self.base_url + path, json=body, headers=self.headers, timeout=120, **kwargs
+        )
+
+    def metric(self, name: str) -> float:
+        """One sample of `pagedllm:<name>` from /metrics (the first series with that name)."""
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(f"pagedllm:{name}{{") or line.startswith(f"pagedllm:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)

@@ -1,0 +1,81 @@
+"""Server lifecycle on a tiny model: SIGTERM drains in-flight work and exits 0; a dead engine
+turns /health to 503, fails in-flight requests with a 500 and ends the server non-zero; a full
+queue answers 503."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+from server_utils import RunningServer
+
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.serving import OpenAIServing
+
+
+def start_long_request(server: RunningServer, max_tokens: int) -> dict:
+    """POST a long completion in a thread; returns a dict that gets its response."""
+    result: dict = {}
+    body = {"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+
+    def run() -> None:
+        result["response"] = server.post("/v1/completions", body)
+
+    result["thread"] = threading.Thread(target=run)
+    result["thread"].start()
+    deadline = time.monotonic() + 60
+    while server.metric("num_requests_running") < 1:
+        assert time.monotonic() < deadline, "request never started"
+        time.sleep(0.02)
+    return result
+
+
+def engine_process(server: RunningServer) -> psutil.Process:
+    children = psutil.Process(server.process.pid).children()
+    return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+
+def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama, tmp_path):
+    server = RunningServer([str(tiny_llama), "--shutdown-timeout", "120"], tmp_path / "log")
+    pending = start_long_request(server, max_tokens=600)
+    server.process.send_signal(signal.SIGTERM)
+    pending["thread"].join(120)
+    response = pending["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 600
+    assert server.process.wait(60) == 0, server.log()
+    server.stop()
+
+
+def test_dead_engine_gives_503_health_500_in_flight_and_nonzero_exit(tiny_llama, tmp_path):
+    server = RunningServer([str(tiny_llama)], tmp_path / "log")
+    pending = start_long_request(server, max_tokens=1000)
+    engine_process(server).kill()
+    pending["thread"].join(60)
+    assert pending["response"].status_code == 500
+    assert "engine" in pending["response"].json()["error"]["message"]
+    health = server.get("/health")  # the server answers a little while before it exits
+    assert health.status_code == 503
+    assert server.post("/v1/completions", {"prompt": "hi"}).status_code == 503
+    assert server.process.wait(60) != 0
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    "queued,limit,dead,status",
+    [(1, 1, False, 503), (0, 1, False, None), (0, None, True, 503), (5, None, False, None)],
+)
+def test_capacity_check(queued, limit, dead, status):
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.engine = SimpleNamespace(num_queued_requests=queued, is_dead=dead)
+    serving.config = SimpleNamespace(max_num_queued_requests=limit)
+    if status is None:
+        serving.check_capacity()
+    else:
+        with pytest.raises(OpenAIError) as error:
+            serving.check_capacity()
+        assert error.value.status == status
