@@ -5,8 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
 
-.PHONY: install test generate lint bench clean
+.PHONY: install test serve generate lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +22,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 generate: $(STAMP)
 	$(BIN)/pagedllm generate --prompt "$(PROMPT)"

@@ -268,3 +268,16 @@ def test_metrics_use_vllm_names(server):
         assert f"pagedllm:{name}" in text, name
     assert server.metric("generation_tokens_total") > 0
     assert 'finished_reason="abort"' in text  # the disconnected stream
+
+
+def test_cors_preflight_needs_no_key(server):
+    response = httpx.options(
+        server.base_url + "/v1/chat/completions",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] in ("*", "https://app.example")

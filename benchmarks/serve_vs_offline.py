@@ -1,0 +1,118 @@
+"""The server against the offline engine on one workload, in one run (default model, fp32).
+
+1. Start-up: time from launching `pagedllm serve` to its first `/health` 200, twice (the
+   second start finds every cache warm).
+2. Load: `pagedllm bench serve` with `--num-prompts` random prompts of `--input-len` tokens,
+   `--output-len` output tokens each (ignore_eos), `--max-concurrency` in flight.
+3. Offline: `pagedllm bench throughput` on the same prompts with `--max-num-seqs` equal to
+   that concurrency, so the difference is the server's own overhead.
+
+    .venv/bin/python benchmarks/serve_vs_offline.py [--num-prompts 200 --max-concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+OUT = Path(__file__).parent / "out"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "serve_16.png"))
+    return parser.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, log_path: Path) -> tuple[subprocess.Popen, float]:
+    """Launch the server; returns it and the seconds until /health answered 200."""
+    started = time.monotonic()
+    command = [str(BIN / "pagedllm"), "serve", "--port", str(port)]
+    command += ["--disable-uvicorn-access-log"]
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited: see {log_path}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
+                if reply.status == 200:
+                    return server, time.monotonic() - started
+        except OSError:
+            time.sleep(0.05)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGTERM)
+    server.wait(120)
+
+
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
+        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+        "--dataset-seed", "0",
+    ]  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    OUT.mkdir(exist_ok=True)
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    startups = []
+    for attempt in range(2):
+        port = free_port()
+        server, seconds = start_server(port, OUT / f"serve_start_{attempt}.log")
+        startups.append(round(seconds, 2))
+        if attempt == 0:
+            stop_server(server)
+    serve_json = OUT / "serve_load.json"
+    subprocess.run(
+        [str(BIN / "pagedllm"), "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+         *workload_flags(args), "--max-concurrency", str(args.max_concurrency),
+         "--ignore-eos", "--temperature", "1.0", "--prompt-format", "token-ids",
+         "--metric-percentiles", "50,90,99", "--output-json", str(serve_json),
+         "--plot", args.plot],
+        check=True,
+    )  # fmt: skip
+    stop_server(server)
+    offline_json = OUT / "serve_offline.json"
+    subprocess.run(
+        [str(BIN / "pagedllm"), "bench", "throughput", *workload_flags(args),
+         "--max-num-seqs", str(args.max_concurrency), "--output-json", str(offline_json)],
+        check=True,
+    )  # fmt: skip
+    served = json.loads(serve_json.read_text())
+    offline = json.loads(offline_json.read_text())
+    summary = {
+        "startup_to_health_s": startups,
+        "served": {k: v for k, v in served.items() if not isinstance(v, list)},
+        "offline": offline,
+        "served_over_offline_output_tok_s": round(
+            served["output_throughput"] / offline["output_tokens_per_s"], 3
+        ),
+    }
+    print(json.dumps(summary, indent=2))
+    (OUT / "serve_vs_offline.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
