@@ -25,13 +25,15 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = ["iter_gguf_weights", "load_gguf_config", "load_gguf_tokenizer"]
@@ -41,6 +43,10 @@ logger = logging.getLogger(__name__)
 _T = GGMLQuantizationType
 # Bump when the conversion changes, so cached tokenizers are rebuilt.
 _TOKENIZER_CACHE_VERSION = "1"
+_CONFIG_CACHE_VERSION = "1"
+_WEIGHTS_CACHE_VERSION = "1"
+# Small files load fast anyway; caching their weights would only fill the disk.
+_MIN_WEIGHTS_CACHE_BYTES = 32 * 1024 * 1024
 # An explicit list (rather than "whatever gguf-py can decode") so that an
 # unsupported file is rejected before any tensor is dequantized.
 SUPPORTED_TENSOR_TYPES: frozenset[GGMLQuantizationType] = frozenset(
@@ -319,7 +325,36 @@ def load_gguf_config(path: str) -> PreTrainedConfig:
     llama3 scaling when the file has it. ``tie_word_embeddings`` is true when the
     file has no ``output.weight``.
     """
-    return _config_from_reader(_open_gguf(path), path)
+    cache_dir = _cache_dir(path, "gguf-configs", _CONFIG_CACHE_VERSION)
+    if os.path.isfile(os.path.join(cache_dir, "config.json")):
+        config = AutoConfig.from_pretrained(cache_dir, local_files_only=True)
+        config._name_or_path = ""  # as built from the file, not a path into the cache
+        return config
+    config = _config_from_reader(_open_gguf(path), path)
+    # Parsing the file's metadata takes seconds; the next start reads a small JSON instead.
+    _save_atomically(cache_dir, config.save_pretrained)
+    return config
+
+
+def _cache_dir(path: str, kind: str, version: str) -> str:
+    """A cache directory for something derived from GGUF file `path` (by path, size, mtime)."""
+    stat = os.stat(path)
+    key = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:{version}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
+    return os.path.join(root, kind, digest)
+
+
+def _save_atomically(cache_dir: str, save: Callable[[str], Any]) -> None:
+    """Write into a staging directory and rename it, so a concurrent reader never sees half."""
+    staging = f"{cache_dir}.tmp-{os.getpid()}"
+    try:
+        save(staging)
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        os.replace(staging, cache_dir)
+    except OSError as error:  # a read-only home only costs the next start some seconds
+        logger.warning("could not write the cache %s: %s", cache_dir, error)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -332,27 +367,12 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     under the cache directory, keyed by the file's path, size and mtime.
     """
     _check_magic(path)
-    cache_dir = _tokenizer_cache_dir(path)
+    cache_dir = _cache_dir(path, "gguf-tokenizers", _TOKENIZER_CACHE_VERSION)
     if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
     tokenizer = _convert_gguf_tokenizer(path)
-    staging = f"{cache_dir}.tmp-{os.getpid()}"
-    try:
-        # Written aside and renamed, so a concurrent reader never sees half a tokenizer.
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, cache_dir)
-    except OSError as error:  # a read-only home only costs the next start some seconds
-        logger.warning("could not cache the tokenizer in %s: %s", cache_dir, error)
-        shutil.rmtree(staging, ignore_errors=True)
+    _save_atomically(cache_dir, tokenizer.save_pretrained)
     return tokenizer
-
-
-def _tokenizer_cache_dir(path: str) -> str:
-    stat = os.stat(path)
-    key = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:{_TOKENIZER_CACHE_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
-    return os.path.join(root, "gguf-tokenizers", digest)
 
 
 def _convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -444,6 +464,10 @@ def iter_gguf_weights(
     ``lm_head.weight`` is only yielded when the file stores it (untied models).
     The file is validated (format, tensor names, tensor types) before this returns.
     """
+    cache_dir = _cache_dir(path, "gguf-weights", _WEIGHTS_CACHE_VERSION)
+    cached = os.path.join(cache_dir, "model.safetensors")
+    if os.path.isfile(cached):
+        return _stream_cached(cached)
     reader = _open_gguf(path)
     plan = _plan(reader, path)
     heads: dict[str, int] = {}
@@ -451,7 +475,33 @@ def iter_gguf_weights(
         config = _config_from_reader(reader, path)
     if _get(reader, "general.architecture") in _PERMUTED_ARCHITECTURES:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    return _stream(plan, heads, path)
+    weights = _stream(plan, heads, path)
+    if os.path.getsize(path) < _MIN_WEIGHTS_CACHE_BYTES:
+        return weights
+    return _stream_and_cache(weights, cache_dir)
+
+
+def _stream_cached(cached: str) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(cached, framework="pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+            yield name, checkpoint.get_tensor(name)
+
+
+def _stream_and_cache(
+    weights: Iterator[tuple[str, torch.Tensor]], cache_dir: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the dequantized weights, then save them all for the next start: reading the
+    GGUF tensor table and dequantizing costs seconds, a safetensors file is mapped at once."""
+    kept: dict[str, torch.Tensor] = {}
+    for name, weight in weights:
+        kept[name] = weight
+        yield name, weight
+
+    def save(directory: str) -> None:
+        os.makedirs(directory)
+        save_file(kept, os.path.join(directory, "model.safetensors"))
+
+    _save_atomically(cache_dir, save)
 
 
 def _stream(

@@ -202,6 +202,29 @@ def test_llama_weights_match_hf_state_dict(tiny_llama) -> None:
         assert error <= _TOLERANCE[qtype] * scale, (name, qtype.name, error, scale)
 
 
+def test_config_and_weights_come_back_from_the_cache(tiny_llama, tmp_path, monkeypatch) -> None:
+    """A second load reads the cached config and weights, equal to the first, without the file."""
+    from pagedllm.model import gguf_loader
+
+    path, _, _ = tiny_llama
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_loader, "_MIN_WEIGHTS_CACHE_BYTES", 0)
+    config = load_gguf_config(str(path))
+    first = dict(iter_gguf_weights(str(path), config))
+    gguf_loader._open_gguf_cached.cache_clear()
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", no_reader)
+    cached_config = load_gguf_config(str(path))
+    assert cached_config.to_dict() == config.to_dict()
+    second = dict(iter_gguf_weights(str(path), cached_config))
+    assert set(second) == set(first)
+    for name, tensor in first.items():
+        assert torch.equal(second[name], tensor), name
+
+
 def test_llama_config(tiny_llama) -> None:
     path, model, _ = tiny_llama
     config = load_gguf_config(str(path))
