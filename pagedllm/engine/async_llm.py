@@ -17,13 +17,11 @@ from typing import Any, Protocol
 from pagedllm.config import EngineArgs
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.engine.client import EngineDeadError, MPClient
-from pagedllm.engine.engine_config import build_engine_config
+from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, InvalidRequestError
 from pagedllm.metrics.stats import EngineStats
-from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
-from pagedllm.model.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -44,17 +42,17 @@ class StepObserver(Protocol):
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs) -> None:
-        source = resolve_model(args.model)
-        hf_config = load_hf_config(source)
-        resolve_model_class(getattr(hf_config, "architectures", None))
-        self.tokenizer = (
-            None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
-        )
-        self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
+        # The core process loads its own config and the model while this one loads the
+        # same config and the tokenizer: the two start-ups overlap.
+        self.client = MPClient(args)
+        try:
+            _, self.tokenizer, self.config = load_engine_config(args, log=False)
+        except Exception:
+            self.client.kill()
+            raise
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = MPClient(self.config, source, log_stats=not args.disable_log_stats)
         self.observers: list[StepObserver] = []
         self.latest_stats: EngineStats | None = None
         self.dead_error: EngineDeadError | None = None

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineArgs
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.engine.messages import (
     EngineCoreEvent,
@@ -30,7 +30,6 @@ from pagedllm.engine.messages import (
     event_decoder,
     input_encoder,
 )
-from pagedllm.model.loader import ModelSource
 
 logger = logging.getLogger("pagedllm")
 
@@ -43,7 +42,7 @@ class EngineDeadError(RuntimeError):
 
 
 class MPClient:
-    def __init__(self, config: EngineConfig, source: ModelSource, log_stats: bool) -> None:
+    def __init__(self, args: EngineArgs) -> None:
         self._socket_dir = tempfile.TemporaryDirectory(prefix="pagedllm-")
         input_address = f"ipc://{os.path.join(self._socket_dir.name, 'input')}"
         output_address = f"ipc://{os.path.join(self._socket_dir.name, 'output')}"
@@ -55,7 +54,7 @@ class MPClient:
         # spawn, not fork: the API process may hold threads and an event loop.
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(config, source, input_address, output_address, log_stats),
+            args=(args, input_address, output_address),
             name="pagedllm-engine-core",
             daemon=True,
         )
@@ -98,6 +97,10 @@ class MPClient:
             with contextlib.suppress(EngineDeadError, TimeoutError):
                 await asyncio.wait_for(self.send(Shutdown()), timeout_s)
             await asyncio.to_thread(self.process.join, timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop the core at once and release the sockets."""
         if self.process.is_alive():
             self.process.kill()
             self.process.join()

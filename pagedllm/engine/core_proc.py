@@ -18,8 +18,9 @@ from typing import Any
 
 import zmq
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
     AbortRequests,
     EngineCoreOutputs,
@@ -33,7 +34,6 @@ from pagedllm.engine.messages import (
 )
 from pagedllm.logger import init_logger
 from pagedllm.metrics.logger import StatLogger
-from pagedllm.model.loader import ModelSource
 
 logger = logging.getLogger("pagedllm")
 
@@ -41,20 +41,16 @@ logger = logging.getLogger("pagedllm")
 IDLE_POLL_S = 1.0
 
 
-def run_engine_core(
-    config: EngineConfig,
-    source: ModelSource,
-    input_address: str,
-    output_address: str,
-    log_stats: bool,
-) -> None:
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
     """Entry point of the child process (started with the `spawn` method)."""
     init_logger()
     # Ctrl-C reaches the whole process group; the API process decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
+        source, _, config = load_engine_config(args)
         core = EngineCore(config, source)
+        log_stats = not args.disable_log_stats
         EngineCoreProc(core, input_address, output_address, log_stats, parent_pid).run()
     except Exception:
         logger.exception("Engine core failed")

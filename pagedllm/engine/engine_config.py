@@ -15,6 +15,8 @@ from pagedllm.config import (
     parse_memory_size,
     resolve_dtype,
 )
+from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
+from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import get_attention_backend
 
 logger = logging.getLogger("pagedllm")
@@ -54,7 +56,18 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
     return per_token * element_size * block_size
 
 
-def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any):
+def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource, Any, Any]:
+    """(model source, tokenizer or None, EngineConfig) for `args`; the model is not loaded."""
+    source = resolve_model(args.model)
+    hf_config = load_hf_config(source)
+    resolve_model_class(getattr(hf_config, "architectures", None))
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+    return source, tokenizer, build_engine_config(args, source.path, hf_config, tokenizer, log)
+
+
+def build_engine_config(
+    args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any, log: bool = True
+):
     model_config = ModelConfig(
         model=source_path,
         hf_config=hf_config,
@@ -64,7 +77,7 @@ def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, toke
         seed=args.seed,
         max_logprobs=args.max_logprobs,
     )
-    cache_config = _cache_config(args, model_config)
+    cache_config = _cache_config(args, model_config, log)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -77,7 +90,7 @@ def build_engine_config(args: EngineArgs, source_path: str, hf_config: Any, toke
     )
 
 
-def _cache_config(args: EngineArgs, model_config: ModelConfig) -> CacheConfig:
+def _cache_config(args: EngineArgs, model_config: ModelConfig, log: bool) -> CacheConfig:
     block_size = args.block_size
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -97,6 +110,8 @@ def _cache_config(args: EngineArgs, model_config: ModelConfig) -> CacheConfig:
             f"kv_cache_memory={memory} bytes holds {num_tokens} tokens, fewer than "
             f"max_model_len={max_len}; raise kv_cache_memory or lower max_model_len"
         )
+    if not log:
+        return cache_config
     logger.info(
         "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
         "max_model_len=%d: %.2fx",

@@ -16,13 +16,11 @@ from collections.abc import AsyncIterator, Iterator
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.engine_config import build_engine_config
+from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, PromptType, prompt_cache_salt
 from pagedllm.engine.request import Request
 from pagedllm.metrics.logger import StatLogger
-from pagedllm.model.loader import load_hf_config, load_tokenizer, resolve_model
-from pagedllm.model.registry import resolve_model_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,13 +30,7 @@ logger = logging.getLogger("pagedllm")
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         started = time.monotonic()
-        source = resolve_model(args.model)
-        hf_config = load_hf_config(source)
-        resolve_model_class(getattr(hf_config, "architectures", None))
-        self.tokenizer = (
-            None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
-        )
-        self.config = build_engine_config(args, source.path, hf_config, self.tokenizer)
+        source, self.tokenizer, self.config = load_engine_config(args)
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.engine_core = EngineCore(self.config, source)
