@@ -281,3 +281,21 @@ def test_cors_preflight_needs_no_key(server):
     )
     assert response.status_code == 200
     assert response.headers["access-control-allow-origin"] in ("*", "https://app.example")
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_serve_against_the_server(server, tmp_path, endpoint):
+    from pagedllm.entrypoints.cli import main
+
+    report = tmp_path / "serve.json"
+    status = main(
+        ["bench", "serve", "--base-url", server.base_url, "--endpoint", endpoint,
+         "--api-key", API_KEY, "--num-prompts", "8", "--input-len", "16", "--output-len", "8",
+         "--ignore-eos", "--max-concurrency", "4", "--disable-tqdm",
+         "--output-json", str(report)]
+    )  # fmt: skip
+    assert status == 0
+    result = json.loads(report.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_output_tokens"] == 64
+    assert result["median_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
