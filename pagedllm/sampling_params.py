@@ -9,6 +9,53 @@ _GREEDY_EPSILON = 1e-5
 _MAX_LOGIT_BIAS = 100.0
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output; exactly one of the five kinds.
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text); the output is a JSON value that
+            validates against it.
+        regex: the output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: the output is a sentence of this EBNF grammar (xgrammar's GBNF dialect,
+            start rule `root`).
+        json_object: the output is any JSON object.
+        disable_any_whitespace: JSON without optional whitespace (compact).
+        max_whitespace: the longest run of optional whitespace JSON output may hold (keeps a
+            sampled model from looping on blanks); None: unlimited.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    max_whitespace: int | None = 16
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                f"json_object; got {len(given)}{': ' + ', '.join(given) if given else ''}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs.choice: must be a list of non-empty strings")
+        if self.max_whitespace is not None and self.max_whitespace < 0:
+            raise ValueError("structured_outputs.max_whitespace: must be >= 0 or None")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # every output holds everything generated so far
     DELTA = 1  # every output holds only what is new since the last one
@@ -54,6 +101,8 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces between special tokens in the text.
         truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1).
         output_kind: what each streamed output holds (cumulative, delta, final only).
+        structured_outputs: constrain the output to a JSON schema, regex, choice list or
+            grammar (`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -81,6 +130,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.top_k is None:

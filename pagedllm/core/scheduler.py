@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -17,6 +18,9 @@ from pagedllm.core.scheduler_output import (
     TokenLogprob,
 )
 from pagedllm.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -37,9 +41,17 @@ class EngineCoreOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.structured_output = structured_output
+        # Outputs decided outside a model step (a grammar that failed to compile).
+        self._pending_outputs: list[EngineCoreOutput] = []
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
@@ -63,6 +75,10 @@ class Scheduler:
                 f"priority: {request.priority} given, but scheduling_policy is 'fcfs'; "
                 "start the engine with scheduling_policy='priority'"
             )
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs: this engine has no structured output")
+            self.structured_output.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -79,7 +95,7 @@ class Scheduler:
         self._free(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(len(self.waiting) or self.running)
+        return bool(len(self.waiting) or self.running or self._pending_outputs)
 
     # ---- one step ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -114,7 +130,37 @@ class Scheduler:
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(output, token_budget)
         output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+        self._add_grammar_bitmask(output)
         return output
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        if self.structured_output is None:
+            return
+        sampling = [
+            request
+            for request_id in output.num_scheduled_tokens
+            if (request := self.requests[request_id]).num_computed_tokens == request.num_tokens
+        ]
+        result = self.structured_output.bitmask(sampling)
+        if result is not None:
+            output.grammar_bitmask, output.grammar_rows = result
+
+    def _grammar_pending(self, request: Request) -> bool:
+        """True while the request's grammar compiles; a failed one ends the request here."""
+        manager = self.structured_output
+        if manager is None or request.structured_output is None:
+            return False
+        if not manager.is_ready(request):
+            return True
+        if request.structured_output.error is not None:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request.request_id]
+            self._pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], True, finish_reason="abort")
+            )
+            return True
+        return False
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[int] | None:
         """Block ids for the request's next tokens, preempting the newest requests as needed."""
@@ -141,8 +187,13 @@ class Scheduler:
         kv = self.kv_cache_manager
         # Running requests with n > 1 hold seats for the samples they will fork.
         num_seats = len(self.running) + sum(r.num_unforked_samples for r in self.running)
+        skipped: list[Request] = []
         while len(self.waiting) and token_budget > 0:
             request = self.waiting.peek()
+            if self._grammar_pending(request):
+                if not request.is_finished:  # still compiling: let the requests behind go
+                    skipped.append(self.waiting.pop())
+                continue
             if num_seats + 1 + request.num_unforked_samples > self.config.max_num_seqs:
                 break
             hits, num_hit_tokens = kv.get_computed_blocks(request)
@@ -163,6 +214,8 @@ class Scheduler:
             block_ids = [block.block_id for block in hits + new_blocks]
             self._schedule(output, request, num_new_tokens, block_ids)
             token_budget -= num_new_tokens
+        for request in reversed(skipped):  # back at the head, in their order
+            self.waiting.add_preempted(request)
 
     def _schedule(
         self,
@@ -210,7 +263,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply token-level stops, free what finished."""
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             token_id = runner_output.sampled_token_ids.get(request_id)
@@ -259,6 +312,8 @@ class Scheduler:
         block_size = self.kv_cache_manager.block_size
         child.block_hashes = parent.block_hashes[: parent.num_prompt_tokens // block_size]
         self.kv_cache_manager.fork(parent, child)
+        if self.structured_output is not None:
+            self.structured_output.fork(parent, child)
         self.requests[child_id] = child
         self.running.append(child)
         self._seen_by_runner.add(child_id)
@@ -274,6 +329,11 @@ class Scheduler:
         request_id = request.request_id
         request.append_output_token(token_id, runner_output.logprobs.get(request_id))
         output.finished = self._check_stop(request)
+        if request.structured_output is not None and self.structured_output is not None:
+            grammar_done = self.structured_output.accept(request, token_id)
+            if grammar_done and not output.finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+                output.finished = True
         if output.finished:
             self.running.remove(request)
             self._free(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -44,6 +45,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Copy-on-write: copy block `source` to block `destination` before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Structured output: allowed-token bitmask rows (int32 words) for the constrained
+    # requests that sample this step, and each one's row.
+    grammar_bitmask: Any = None
+    grammar_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

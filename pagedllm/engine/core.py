@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -11,9 +13,13 @@ from pagedllm.core.scheduler import EngineCoreOutput, Scheduler
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.model.loader import ModelSource
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
+
+# A step with nothing to run (every waiting request's grammar still compiles) sleeps this long.
+IDLE_STEP_S = 0.001
 
 
 def debug_checks_enabled() -> bool:
@@ -22,14 +28,20 @@ def debug_checks_enabled() -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, tokenizer: Any = None) -> None:
         self.config = config
         self.model_runner = ModelRunner(config, source)
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        model_config = config.model_config
+        self.structured_output = StructuredOutputManager(
+            tokenizer, model_config.vocab_size, sorted(model_config.eos_token_ids)
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, self.structured_output
+        )
         self.debug_checks = debug_checks_enabled()
 
     def add_request(self, request: Request) -> None:
@@ -45,6 +57,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, and report the tokens it produced."""
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.num_scheduled_tokens:
+            time.sleep(IDLE_STEP_S)  # only grammars compiling: do not spin
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.debug_checks:

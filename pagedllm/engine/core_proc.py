@@ -48,8 +48,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
-        source, _, config = load_engine_config(args)
-        core = EngineCore(config, source)
+        source, tokenizer, config = load_engine_config(args)
+        core = EngineCore(config, source, tokenizer)
         log_stats = not args.disable_log_stats
         EngineCoreProc(core, input_address, output_address, log_stats, parent_pid).run()
     except Exception:

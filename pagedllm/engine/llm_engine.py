@@ -33,7 +33,7 @@ class LLMEngine:
         source, self.tokenizer, self.config = load_engine_config(args)
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.engine_core = EngineCore(self.config, source)
+        self.engine_core = EngineCore(self.config, source, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = None if args.disable_log_stats else StatLogger()
         # Outputs waiting for a stream() / astream() consumer, per request id.

@@ -135,6 +135,17 @@ class InputProcessor:
             raise InvalidRequestError(
                 "bad_words need a tokenizer (skip_tokenizer_init is set)", "bad_words"
             )
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params, "structured_outputs")
+
+    def check_structured_outputs(self, params: SamplingParams, param: str) -> None:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "structured_outputs need a tokenizer (skip_tokenizer_init is set)", param
+            )
+        from pagedllm.structured_output.validation import validate_structured_outputs
+
+        validate_structured_outputs(params.structured_outputs, param)
 
     def check_priority(self, priority: int) -> None:
         policy = self.config.scheduler_config.policy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -71,6 +72,8 @@ class Request:
     first_scheduled_time: float | None = None  # time.monotonic() of the first admission
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[int] = field(default_factory=list)
+    # Grammar state when sampling_params.structured_outputs is set (the manager owns it).
+    structured_output: Any = None
 
     @property
     def num_unforked_samples(self) -> int:

@@ -52,6 +52,12 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--enable-log-requests", action="store_true")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice="auto" parse tool calls from free text (needs --tool-call-parser)',
+    )
+    parser.add_argument("--tool-call-parser", choices=["hermes"], default=None)
     add_engine_args(parser)
     parser.set_defaults(handler=run_serve)
 
@@ -76,5 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "shutdown_timeout": args.shutdown_timeout,
         "enable_log_requests": args.enable_log_requests,
         "disable_uvicorn_access_log": args.disable_uvicorn_access_log,
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
     }
     return run_server(engine_args, overrides)

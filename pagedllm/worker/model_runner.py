@@ -22,6 +22,7 @@ from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class ModelRunner:
         if self.input_batch.pending_forks:
             logits, sample_rows = self._fork(output, logits, sample_rows, sample_req_ids)
         processed = self._apply_logits_processors(logits, sample_rows)
+        processed = self._apply_grammar(scheduler_output, output, processed, logits, sample_req_ids)
         wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
         sampled = self.sampler(
             processed,
@@ -154,6 +156,28 @@ class ModelRunner:
         if not any(state is not None and state.needs_processing() for state in row_states):
             return logits
         return apply_logits_processors(logits.to(torch.float32).clone(), row_states)
+
+    def _apply_grammar(self, scheduler_output, output, processed, raw_logits, sample_req_ids):
+        """Structured output: forbid the tokens each constrained row's grammar does not allow
+        (on a copy when no processor made one: logprobs are reported from the raw logits)."""
+        bitmask = scheduler_output.grammar_bitmask
+        if bitmask is None:
+            return processed
+        grammar_rows = scheduler_output.grammar_rows
+        # A sample forked this step starts from its parent's grammar state.
+        parent_of = {child: parent for parent, kids in output.forked.items() for child in kids}
+        logits_rows, mask_rows = [], []
+        for index, request_id in enumerate(sample_req_ids):
+            row = grammar_rows.get(parent_of.get(request_id, request_id))
+            if row is not None:
+                logits_rows.append(index)
+                mask_rows.append(row)
+        if not logits_rows:
+            return processed
+        if processed is raw_logits:
+            processed = raw_logits.to(torch.float32).clone()
+        apply_bitmask(processed, bitmask[mask_rows], torch.tensor(logits_rows))
+        return processed
 
     def _sample_logprobs(self, output, req_ids, rows, logits, token_ids) -> None:
         """Rank and top alternatives of each sampled token, for the rows that asked."""

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.engine.processor import InvalidRequestError
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # OpenAI fields that only describe the caller: accepted, never used for generation.
 CALLER_FIELDS = ("user", "metadata", "store", "service_tier")
@@ -65,6 +65,13 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # Structured output: vLLM's field, and its older guided_* names for the same thing.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +87,32 @@ class SamplingRequest(OpenAIModel):
             raise InvalidRequestError(
                 "stream_options: only allowed with stream=true", "stream_options"
             )
+
+    def structured_output_sources(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Every constraint the body asks for, with the field that asked (at most one
+        is allowed; the caller refuses more)."""
+        sources = []
+        if self.structured_outputs is not None:
+            sources.append(
+                ("structured_outputs", _spec("structured_outputs", self.structured_outputs))
+            )
+        legacy = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        for field_name, kind in legacy.items():
+            value = getattr(self, field_name)
+            if value is not None:
+                sources.append((field_name, _spec(field_name, {kind: value})))
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise InvalidRequestError(
+                f"guided_decoding_backend: {self.guided_decoding_backend!r} is not available; "
+                "this server has 'xgrammar'",
+                "guided_decoding_backend",
+            )
+        return sources
 
     def sampling_params(
         self, max_tokens: int | None, num_logprobs: int | None, prompt_logprobs: int | None
@@ -114,6 +147,17 @@ class SamplingRequest(OpenAIModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+
+
+def _spec(field_name: str, value: dict[str, Any]) -> StructuredOutputsParams:
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{field_name}: must be an object", field_name)
+    try:
+        return StructuredOutputsParams(**value)
+    except TypeError as error:
+        raise InvalidRequestError(f"{field_name}: {error}", field_name) from None
+    except ValueError as error:
+        raise InvalidRequestError(f"{field_name}: {error}", field_name) from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -155,8 +199,27 @@ class ChatMessage(OpenAIModel):
         return message
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "response_format: type json_schema needs json_schema.schema", "response_format"
+                )
+            return StructuredOutputsParams(json=self.json_schema.schema_)
+        return None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -175,14 +238,14 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
 
     def refused_fields(self) -> list[str]:
-        refused = []
-        if self.response_format is not None and self.response_format.type != "text":
-            refused.append("response_format")
-        if self.tools:
-            refused.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            refused.append("tool_choice")
-        return refused
+        return []
+
+    def structured_output_sources(self) -> list[tuple[str, StructuredOutputsParams]]:
+        sources = super().structured_output_sources()
+        spec = self.response_format.spec() if self.response_format is not None else None
+        if spec is not None:
+            sources.append(("response_format", spec))
+        return sources
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -21,6 +21,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     enable_log_requests: bool = False
     disable_uvicorn_access_log: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -33,5 +35,9 @@ class ServerConfig:
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ValueError(f"tool_call_parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")

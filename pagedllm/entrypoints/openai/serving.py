@@ -4,6 +4,7 @@ length limits, request ids, fan-in of several generations, SSE framing and usage
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, err
 from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -94,6 +95,27 @@ class OpenAIServing:
             raise OpenAIError(
                 503, f"server is busy: {limit} requests are already waiting; retry later"
             )
+
+    def with_structured_output(
+        self,
+        params: SamplingParams,
+        request: SamplingRequest,
+        extra: list[tuple[str, StructuredOutputsParams]],
+    ) -> SamplingParams:
+        """`params` constrained by the one structured-output field the request used (vLLM's
+        `structured_outputs`, a `guided_*` field, `response_format`, or a tool choice)."""
+        sources = request.structured_output_sources() + extra
+        if not sources:
+            return params
+        if len(sources) > 1:
+            first, second = sources[0][0], sources[1][0]
+            raise InvalidRequestError(
+                f"{second}: cannot be combined with {first}; give one output constraint", second
+            )
+        field_name, spec = sources[0]
+        params = dataclasses.replace(params, structured_outputs=spec)
+        self.engine.input_processor.check_structured_outputs(params, field_name)
+        return params
 
     def check_params(self, params: SamplingParams, priority: int) -> None:
         self.engine.input_processor.check_sampling_params(params)

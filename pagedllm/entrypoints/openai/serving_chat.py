@@ -20,26 +20,40 @@ from pagedllm.entrypoints.openai.serving import (
     stream_with_errors,
     usage,
 )
+from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCallStreamer,
+    ToolPlan,
+    finish_reason,
+    hermes_system_prompt,
+    plan_tools,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
         self.check_request(request, request.refused_fields())
-        prompt = await self.render(request)
+        auto_parser = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
+        plan = plan_tools(
+            request.tools, request.tool_choice, request.parallel_tool_calls, auto_parser
+        )
+        prompt = await self.render(request, plan)
         max_tokens = self.max_tokens(
             request.max_completion_tokens or request.max_tokens, len(prompt.token_ids), None
         )
         params = request.sampling_params(
             max_tokens, request.num_logprobs(), request.prompt_logprobs
         )
+        tool_constraint = plan.constraint()
+        extra = [("tool_choice", tool_constraint)] if tool_constraint is not None else []
+        params = self.with_structured_output(params, request, extra)
         self.check_params(params, request.priority)
         request_id = self.request_id(raw, request, "chatcmpl")
         self.log_request(request_id, [prompt], params)
         results = self.generations(request_id, [prompt], [params], request)
         headers = {"X-Request-Id": request_id}
         if request.stream:
-            chunks = self._stream(request_id, request, prompt, results)
+            chunks = self._stream(request_id, request, prompt, results, plan)
             return StreamingResponse(
                 stream_with_errors(chunks), media_type="text/event-stream", headers=headers
             )
@@ -47,9 +61,12 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in results:
             final = output
         assert final is not None
-        return JSONResponse(self._response(request_id, request, prompt, final), headers=headers)
+        body = self._response(request_id, request, prompt, final, plan)
+        return JSONResponse(body, headers=headers)
 
-    async def render(self, request: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+    async def render(
+        self, request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None
+    ) -> Prompt:
         """The chat template's text for the messages, tokenized and checked for length."""
         messages = request.messages or []
         continue_final = request.continue_final_message
@@ -65,6 +82,9 @@ class OpenAIServingChat(OpenAIServing):
                 "continue_final_message",
             )
         conversation = [message.for_template() for message in messages]
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if plan is not None and plan.active:
+            self._add_tools(conversation, template_kwargs, plan, request.chat_template)
         try:
             text = await asyncio.to_thread(
                 render_chat,
@@ -73,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt,
                 continue_final,
                 request.chat_template,
-                request.chat_template_kwargs,
+                template_kwargs,
             )
         except InvalidRequestError:
             raise
@@ -82,6 +102,18 @@ class OpenAIServingChat(OpenAIServing):
                 f"messages: the chat template failed: {error}", "messages"
             ) from None
         return Prompt(text, await self.tokenize(text, request.add_special_tokens))
+
+    def _add_tools(self, conversation, template_kwargs, plan: ToolPlan, chat_template) -> None:
+        """Tools go to the template when it can render them; else into a system message."""
+        template = chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        if "tools" in template:
+            template_kwargs["tools"] = [{"type": "function", "function": f} for f in plan.functions]
+            return
+        description = hermes_system_prompt(plan.functions)
+        if conversation and conversation[0]["role"] == "system":
+            conversation[0]["content"] = f"{conversation[0]['content']}\n\n{description}"
+        else:
+            conversation.insert(0, {"role": "system", "content": description})
 
     def _logprobs(self, completion: CompletionOutput, top_logprobs: int) -> dict:
         content = []
@@ -94,45 +126,68 @@ class OpenAIServingChat(OpenAIServing):
             content.append({**_token_entry(chosen), "top_logprobs": [_token_entry(t) for t in top]})
         return {"content": content}
 
-    def _choice(self, request, completion: CompletionOutput, streaming: bool) -> dict:
+    def _choice(self, request, completion: CompletionOutput, body: dict, reason) -> dict:
         logprobs = None
         if request.logprobs:
             logprobs = self._logprobs(completion, request.top_logprobs or 0)
-        choice = {"index": completion.index, "logprobs": logprobs}
-        if streaming:
-            choice["delta"] = {"content": completion.text} if completion.text else {}
-        else:
-            choice["message"] = {"role": "assistant", "content": completion.text, "tool_calls": []}
-        choice["finish_reason"] = completion.finish_reason
-        choice["stop_reason"] = completion.stop_reason
-        return choice
+        return {
+            "index": completion.index,
+            "logprobs": logprobs,
+            **body,
+            "finish_reason": reason,
+            "stop_reason": completion.stop_reason,
+        }
 
-    def _response(self, request_id, request, prompt: Prompt, final: RequestOutput) -> dict:
+    def _message_choice(self, request, completion: CompletionOutput, plan: ToolPlan) -> dict:
+        content, calls = (completion.text, []) if not plan.active else plan.parse(completion.text)
+        message = {
+            "role": "assistant",
+            "content": content,
+            "tool_calls": [call.as_dict() for call in calls],
+        }
+        reason = finish_reason(plan, completion.finish_reason, bool(calls))
+        return self._choice(request, completion, {"message": message}, reason)
+
+    def _response(self, request_id, request, prompt: Prompt, final: RequestOutput, plan) -> dict:
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": now_s(),
             "model": self.model_name,
-            "choices": [self._choice(request, c, streaming=False) for c in final.outputs],
+            "choices": [self._message_choice(request, c, plan) for c in final.outputs],
             "usage": usage(len(prompt.token_ids), num_completion),
         }
 
-    async def _stream(self, request_id, request, prompt: Prompt, results) -> AsyncIterator[str]:
+    def _delta_choice(self, request, completion, streamer: ToolCallStreamer | None) -> dict:
+        finished = completion.finish_reason is not None
+        if streamer is None:
+            delta = {"content": completion.text} if completion.text else {}
+            reason = completion.finish_reason
+        else:
+            delta = streamer.delta(completion.text, finished)
+            reason = finish_reason(streamer.plan, completion.finish_reason, streamer.made_calls)
+        return self._choice(request, completion, {"delta": delta}, reason)
+
+    async def _stream(
+        self, request_id, request, prompt: Prompt, results, plan: ToolPlan
+    ) -> AsyncIterator[str]:
         created = now_s()
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created}
         base["model"] = self.model_name
         options = request.stream_options
         num_completion = 0
+        streamers = {i: ToolCallStreamer(plan) for i in range(request.n)} if plan.active else {}
         for index in range(request.n):
             role = {"index": index, "delta": {"role": "assistant", "content": ""}}
             yield sse({**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
         async for _, output in results:
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
-                if not (completion.text or completion.finish_reason or request.logprobs):
-                    continue  # tokens held back (a possible stop string) or not yet text
-                chunk = {**base, "choices": [self._choice(request, completion, streaming=True)]}
+                choice = self._delta_choice(request, completion, streamers.get(completion.index))
+                if not (choice["delta"] or choice["finish_reason"] or request.logprobs):
+                    continue  # tokens held back (a possible stop string or tool call)
+                chunk = {**base, "choices": [choice]}
                 if options is not None and options.continuous_usage_stats:
                     chunk["usage"] = usage(len(prompt.token_ids), num_completion)
                 yield sse(chunk)

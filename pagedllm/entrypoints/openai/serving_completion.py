@@ -70,7 +70,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
-        return request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
+        params = request.sampling_params(max_tokens, request.logprobs, prompt_logprobs)
+        return self.with_structured_output(params, request, [])
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is None:

@@ -1,0 +1,1 @@
+"""Structured output: grammars that constrain sampling (JSON schema, regex, choice, EBNF)."""
