@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +151,17 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(0, 1)
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+def _cpu_backend() -> AttentionBackend:
+    # Imported on demand: the module compiles/loads a C++ extension and imports this one.
+    from pagedllm.ops.cpu_attention import create_backend
+
+    return create_backend()
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "cpu": _cpu_backend,
+}
 
 
 def get_attention_backend(name: str) -> AttentionBackend:

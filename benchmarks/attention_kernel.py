@@ -1,0 +1,114 @@
+"""One layer's attention call, "torch" (gather + SDPA) vs "cpu" (C++ kernel on the paged blocks).
+
+SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block_size 16, fp32): decode
+batches of 64 and 256 sequences x 320-token contexts, and prefill chunks (fresh and after
+cached tokens) including one of 2048 tokens. Prints ms per call, median and minimum of the
+repeats (on a shared machine the minimum is the better guide), and torch/cpu of the
+medians. Blocks are scattered over the cache as after a while of serving.
+
+    .venv/bin/python benchmarks/attention_kernel.py [--repeats 20] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from pagedllm.ops import cpu_attention
+from pagedllm.ops.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def make_step(requests: list[tuple[int, int]], seed: int = 0):
+    """(q, k, v, kv_cache, metadata) for [(tokens cached, tokens scheduled)] per request."""
+    rng = random.Random(seed)
+    seq_lens = [cached + scheduled for cached, scheduled in requests]
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = 1 + sum(needed)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    width = max(needed)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    kv_cache = (torch.randn(shape), torch.randn(shape))
+    slots = [
+        table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for (cached, scheduled), table in zip(requests, tables, strict=True)
+        for p in range(cached, cached + scheduled)
+    ]
+    query_lens = [scheduled for _, scheduled in requests]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        decode_req_indices=torch.tensor(decodes, dtype=torch.int64),
+        decode_token_indices=torch.tensor([starts[i] for i in decodes], dtype=torch.int64),
+        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64),
+        prefill_req_indices=[i for i, n in enumerate(query_lens) if n > 1],
+    )
+    num_tokens = len(slots)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    return q, k, v, kv_cache, metadata
+
+
+def time_call(backend: AttentionBackend, step, repeats: int) -> tuple[float, float]:
+    """(median, min) ms per forward; each call sees fresh metadata, as each layer of a new step
+    would see the step's (the per-step int32 conversion is counted once per call)."""
+    q, k, v, kv_cache, metadata = step
+    scale = HEAD_DIM**-0.5
+    backend.forward(q, k, v, kv_cache, metadata, scale)  # warm-up: page faults, buffers
+    times = []
+    for _ in range(repeats):
+        fresh = AttentionMetadata(**vars(metadata))
+        start = time.perf_counter()
+        backend.forward(q, k, v, kv_cache, fresh, scale)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), min(times)
+
+
+def cases() -> dict[str, list[tuple[int, int]]]:
+    return {
+        "decode 64 x 320": [(319, 1)] * 64,
+        "decode 256 x 320": [(319, 1)] * 256,
+        "decode 64 mixed 1..640": [(random.Random(i).randrange(0, 640), 1) for i in range(64)],
+        "prefill 128 fresh": [(0, 128)],
+        "prefill 256 after 512 cached": [(512, 256)],
+        "prefill 512 fresh": [(0, 512)],
+        "prefill 2048 fresh": [(0, 2048)],
+        "64 decodes + 256-token chunk": [(319, 1)] * 64 + [(256, 256)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cpu_attention.build()
+    backends = {"torch": TorchAttentionBackend(), "cpu": cpu_attention.CpuAttentionBackend()}
+    print(f"threads={torch.get_num_threads()}  repeats={args.repeats}  (one layer, ms/call)")
+    print(f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}")
+    for name, requests in cases().items():
+        step = make_step(requests)
+        ms = {label: time_call(backend, step, args.repeats) for label, backend in backends.items()}
+        ratio = ms["torch"][0] / ms["cpu"][0]
+        torch_ms, cpu_ms = (f"{m[0]:8.2f} /{m[1]:8.2f}" for m in (ms["torch"], ms["cpu"]))
+        print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()

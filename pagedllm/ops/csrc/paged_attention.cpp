@@ -1,0 +1,461 @@
+// Paged attention on the CPU: reads K/V in place from the paged cache through each
+// request's block table (no gather), for decode and (chunked) prefill in one call.
+//
+// Layout (see pagedllm/ops/attention.py): query [T, H, D] fp32, caches
+// [num_blocks, block_size, Hkv, D] in fp32 / bf16 / fp16, block tables [R, M] int32,
+// query_start_loc [R + 1] and seq_lens [R] int32. Request r's queries sit at positions
+// seq_len - query_len .. seq_len - 1 and see keys 0 .. their own position (causal).
+//
+// A work item is (request, kv head, tile of query tokens): a decode is one item per kv
+// head, a prefill chunk one per kv head and tile. Its rows are the tile's tokens times the
+// query heads of the kv head's group (GQA), so every K/V row of a block is fetched from
+// memory once per item and reused from L1 by all rows. Softmax is online over the blocks
+// (running max and sum per row, fp32), so nothing is materialized per context. Items are
+// spread over OpenMP threads costliest first with dynamic scheduling, because their costs
+// (context lengths) differ widely.
+
+// Registered as torch.ops.pagedllm.* through TORCH_LIBRARY rather than a pybind11 module:
+// it compiles in a third of the time (~15 s here: no torch/extension.h, no pybind11) and
+// the dispatcher releases the GIL for the call.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- 8-wide loads of cache elements as fp32 -------------------------------------------
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  // bf16 is the high half of an fp32.
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// ---- vector helpers --------------------------------------------------------------------
+
+// exp(x) for x <= 0 with Cephes' range reduction and polynomial (about 1 ulp in fp32);
+// libm's scalar expf per score would cost more than the dot products.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lanes j .. j + 7 that are below n.
+inline __m256 lanes_below(int j, int n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i index = _mm256_add_epi32(_mm256_set1_epi32(j), lane);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), index));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// ---- the three steps of one row over one block -----------------------------------------
+
+// scores[j] = q . K[j] for j < n, four keys at a time so one reduction serves four dot
+// products, each split over two accumulators so the FMA chains are half as long. Key rows
+// past n are clamped to n - 1 (their lanes are masked later): they may lie outside the block.
+template <int NV, typename T>
+inline void block_scores(const float* q, const T* keys, int64_t stride, int n, float* scores) {
+  for (int j = 0; j < n; j += 4) {
+    const T* k0 = keys + j * stride;
+    const T* k1 = keys + std::min(j + 1, n - 1) * stride;
+    const T* k2 = keys + std::min(j + 2, n - 1) * stride;
+    const T* k3 = keys + std::min(j + 3, n - 1) * stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+#pragma GCC unroll 16
+    for (int v = 0; v + 1 < NV; v += 2) {
+      const __m256 qa = _mm256_loadu_ps(q + 8 * v), qb = _mm256_loadu_ps(q + 8 * v + 8);
+      a0 = _mm256_fmadd_ps(qa, load8(k0 + 8 * v), a0);
+      a1 = _mm256_fmadd_ps(qa, load8(k1 + 8 * v), a1);
+      a2 = _mm256_fmadd_ps(qa, load8(k2 + 8 * v), a2);
+      a3 = _mm256_fmadd_ps(qa, load8(k3 + 8 * v), a3);
+      b0 = _mm256_fmadd_ps(qb, load8(k0 + 8 * v + 8), b0);
+      b1 = _mm256_fmadd_ps(qb, load8(k1 + 8 * v + 8), b1);
+      b2 = _mm256_fmadd_ps(qb, load8(k2 + 8 * v + 8), b2);
+      b3 = _mm256_fmadd_ps(qb, load8(k3 + 8 * v + 8), b3);
+    }
+    if constexpr (NV % 2) {
+      const __m256 qa = _mm256_loadu_ps(q + 8 * (NV - 1));
+      a0 = _mm256_fmadd_ps(qa, load8(k0 + 8 * (NV - 1)), a0);
+      a1 = _mm256_fmadd_ps(qa, load8(k1 + 8 * (NV - 1)), a1);
+      a2 = _mm256_fmadd_ps(qa, load8(k2 + 8 * (NV - 1)), a2);
+      a3 = _mm256_fmadd_ps(qa, load8(k3 + 8 * (NV - 1)), a3);
+    }
+    const __m128 dots = reduce4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1),
+                                _mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
+    _mm_storeu_ps(scores + j, dots);
+  }
+}
+
+inline float masked_max(const float* scores, int n) {
+  __m256 m = _mm256_set1_ps(kNegInf);
+  for (int j = 0; j < n; j += 8) {
+    const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(kNegInf), _mm256_loadu_ps(scores + j),
+                                      lanes_below(j, n));
+    m = _mm256_max_ps(m, s);
+  }
+  return hmax(m);
+}
+
+// scores[j] <- exp(scores[j] - max), exactly 0 past n; returns their sum.
+inline float exp_and_sum(float* scores, int n, float max) {
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 m = _mm256_set1_ps(max);
+  for (int j = 0; j < n; j += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
+    const __m256 p = _mm256_and_ps(e, lanes_below(j, n));
+    _mm256_storeu_ps(scores + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return hsum(sum);
+}
+
+// acc <- acc * rescale + sum_j p[j] V[j], in chunks of at most 8 vectors so the
+// accumulators stay in registers across the block's keys.
+template <int NV, int C0 = 0, typename T>
+inline void accumulate_values(float* acc, const T* values, int64_t stride, const float* p,
+                              int n, float rescale) {
+  constexpr int NC = NV - C0 < 8 ? NV - C0 : 8;
+  __m256 a[NC];
+  const __m256 r = _mm256_set1_ps(rescale);
+  for (int v = 0; v < NC; ++v) a[v] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * (C0 + v)), r);
+  for (int j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = values + j * stride + 8 * C0;
+#pragma GCC unroll 8
+    for (int v = 0; v < NC; ++v) a[v] = _mm256_fmadd_ps(pj, load8(row + 8 * v), a[v]);
+  }
+  for (int v = 0; v < NC; ++v) _mm256_storeu_ps(acc + 8 * (C0 + v), a[v]);
+  if constexpr (C0 + 8 < NV) accumulate_values<NV, C0 + 8>(acc, values, stride, p, n, rescale);
+}
+
+// Blocks are scattered over the cache, which the hardware prefetchers cannot guess, so the
+// next block is prefetched in software: into L2, since L1 has too few miss buffers for a
+// block in flight, and a slice per row rather than all at once, because a burst of
+// prefetches stalls the pipeline once the miss queues are full.
+template <typename T>
+inline void prefetch_rows(const T* first_row, int64_t stride, int n, int64_t row_elements) {
+  const int64_t row_bytes = row_elements * static_cast<int64_t>(sizeof(T));
+  for (int j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(first_row + j * stride);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+      _mm_prefetch(row + offset, _MM_HINT_T1);
+    }
+  }
+}
+
+// ---- problem, work items, per-thread scratch -------------------------------------------
+
+// Query rows per work item: a prefill tile is this many rows over the tokens of one kv
+// head's group, so its queries and accumulators stay in L1/L2 beside the block in use.
+constexpr int kRowsPerItem = 48;
+
+template <typename T>
+struct Problem {
+  const float* query;
+  int64_t query_token_stride, query_head_stride;
+  float* out;  // [T, H, D] contiguous
+  const T* key_cache;
+  const T* value_cache;
+  int64_t block_stride, token_stride;  // in elements
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* query_start_loc;
+  const int32_t* seq_lens;
+  int num_heads, group, head_dim, block_size;
+  float scale;
+};
+
+// Query tokens [q_begin, q_end) of a request (indices within its chunk) against one kv
+// head; its rows are those tokens times the group's query heads, token-major.
+struct WorkItem {
+  int req, kv_head, q_begin, q_end;
+  int64_t cost;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, scores;
+  std::vector<int> limit;
+  Scratch(int max_rows, int head_dim, int block_size)
+      : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
+        scores((block_size + 7) / 8 * 8), limit(max_rows) {}
+};
+
+// Scaled queries into scratch; a row's `limit` is the number of keys it may see (causal).
+template <int NV, typename T>
+void load_rows(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
+  constexpr int D = NV * 8;
+  const int q0 = p.query_start_loc[w.req];
+  for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
+    for (int g = 0; g < p.group; ++g, ++r) {
+      const float* src = p.query + static_cast<int64_t>(q0 + t) * p.query_token_stride +
+                         static_cast<int64_t>(w.kv_head * p.group + g) * p.query_head_stride;
+      for (int d = 0; d < D; ++d) s.q[r * D + d] = src[d] * p.scale;
+      std::fill_n(s.acc.begin() + r * D, D, 0.0f);
+      s.m[r] = kNegInf;
+      s.l[r] = 0.0f;
+      s.limit[r] = context_start + t + 1;
+    }
+  }
+}
+
+template <int NV, typename T>
+void store_rows(const Problem<T>& p, const WorkItem& w, const Scratch& s) {
+  constexpr int D = NV * 8;
+  const int q0 = p.query_start_loc[w.req];
+  for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
+    float* dst =
+        p.out + (static_cast<int64_t>(q0 + t) * p.num_heads + w.kv_head * p.group) * D;
+    for (int g = 0; g < p.group; ++g, ++r) {
+      const float inv = 1.0f / s.l[r];
+      for (int d = 0; d < D; ++d) dst[g * D + d] = s.acc[r * D + d] * inv;
+    }
+  }
+}
+
+// One row against the first n keys of a block: the online-softmax update.
+template <int NV, typename T>
+inline void attend_block(const T* keys, const T* values, int64_t stride, int n, int r,
+                         Scratch& s) {
+  constexpr int D = NV * 8;
+  float* scores = s.scores.data();
+  block_scores<NV>(&s.q[r * D], keys, stride, n, scores);
+  const float m_new = std::max(s.m[r], masked_max(scores, n));
+  // exp(-inf) = 0 on the first block; libm's exp is worth skipping when the max holds.
+  const float rescale = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
+  s.l[r] = s.l[r] * rescale + exp_and_sum(scores, n, m_new);
+  s.m[r] = m_new;
+  accumulate_values<NV>(&s.acc[r * D], values, stride, scores, n, rescale);
+}
+
+// Attention of one work item, written to out. Blocks are visited in order; every row of
+// the item uses a block while it is in L1, and the next block is prefetched meanwhile.
+template <int NV, typename T>
+void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
+  constexpr int D = NV * 8;
+  const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
+  const int context_start = p.seq_lens[w.req] - query_len;
+  load_rows<NV>(p, w, context_start, s);
+  const int rows = (w.q_end - w.q_begin) * p.group;
+  const int kv_end = context_start + w.q_end;
+  const int32_t* table = p.block_tables + w.req * p.table_stride;
+  const int64_t head_offset = static_cast<int64_t>(w.kv_head) * D;
+  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
+    const int n = std::min(p.block_size, kv_end - t0);
+    const int64_t offset = table[b] * p.block_stride + head_offset;
+    const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
+    const int64_t next = next_n ? table[b + 1] * p.block_stride + head_offset : 0;
+    for (int r = 0; r < rows; ++r) {
+      const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
+      const int64_t ahead = next + j0 * p.token_stride;
+      prefetch_rows(p.key_cache + ahead, p.token_stride, j1 - j0, D);
+      prefetch_rows(p.value_cache + ahead, p.token_stride, j1 - j0, D);
+      const int valid = std::min(n, s.limit[r] - t0);
+      if (valid <= 0) continue;  // a causal row that ends before this block
+      attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, valid, r,
+                       s);
+    }
+  }
+  store_rows<NV>(p, w, s);
+}
+
+// Work items, costliest first: with dynamic scheduling that keeps long contexts from
+// being left to the end on one thread.
+std::vector<WorkItem> plan_work(const int32_t* query_start_loc, const int32_t* seq_lens,
+                                int64_t num_requests, int num_kv_heads, int q_tile) {
+  std::vector<WorkItem> items;
+  for (int req = 0; req < num_requests; ++req) {
+    const int query_len = query_start_loc[req + 1] - query_start_loc[req];
+    const int context_start = seq_lens[req] - query_len;
+    for (int q_begin = 0; q_begin < query_len; q_begin += q_tile) {
+      const int q_end = std::min(query_len, q_begin + q_tile);
+      // Keys seen by the tile's rows: the whole context plus half the causal triangle.
+      const int64_t cost = static_cast<int64_t>(q_end - q_begin) *
+                           (context_start + (q_begin + q_end + 1) / 2);
+      for (int h = 0; h < num_kv_heads; ++h) items.push_back({req, h, q_begin, q_end, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <int NV, typename T>
+void run_items(const Problem<T>& p, const std::vector<WorkItem>& items, int max_rows) {
+  const int num_items = static_cast<int>(items.size());
+  const int threads = std::max(1, std::min(at::get_num_threads(), num_items));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch scratch(max_rows, p.head_dim, p.block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < num_items; ++i) attend<NV>(p, items[i], scratch);
+  }
+}
+
+// Head sizes compiled in (head_dim / 8 vectors of 8 lanes, unrolled); others are refused.
+constexpr int kHeadDims[] = {16, 32, 64, 80, 96, 128, 256};
+
+template <typename T>
+void dispatch_head_dim(const Problem<T>& p, const std::vector<WorkItem>& items, int max_rows) {
+  switch (p.head_dim) {
+    case 16: return run_items<2>(p, items, max_rows);
+    case 32: return run_items<4>(p, items, max_rows);
+    case 64: return run_items<8>(p, items, max_rows);
+    case 80: return run_items<10>(p, items, max_rows);
+    case 96: return run_items<12>(p, items, max_rows);
+    case 128: return run_items<16>(p, items, max_rows);
+    case 256: return run_items<32>(p, items, max_rows);
+    default: TORCH_CHECK(false, "paged_attention: head_dim ", p.head_dim, " is not supported");
+  }
+}
+
+// The metadata must describe reads inside the cache: a bad block id or length would
+// read out of bounds instead of raising.
+void check_metadata(const at::Tensor& block_tables, const int32_t* query_start_loc,
+                    const int32_t* seq_lens, int64_t num_requests, int64_t num_tokens,
+                    int block_size, int64_t num_blocks) {
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(query_start_loc[0] == 0 && query_start_loc[num_requests] <= num_tokens,
+              "paged_attention: query_start_loc does not fit the query");
+  for (int64_t req = 0; req < num_requests; ++req) {
+    const int query_len = query_start_loc[req + 1] - query_start_loc[req];
+    TORCH_CHECK(query_len >= 1 && seq_lens[req] >= query_len, "paged_attention: request ",
+                req, " has query_len ", query_len, " and seq_len ", seq_lens[req]);
+    const int64_t blocks = (seq_lens[req] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks <= block_tables.size(1), "paged_attention: request ", req, " needs ",
+                blocks, " blocks but the block table has ", block_tables.size(1));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int32_t id = tables[req * block_tables.stride(0) + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id ", id,
+                  " out of range [0, ", num_blocks, ")");
+    }
+  }
+}
+
+void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache,
+                  std::initializer_list<const at::Tensor*> index_tensors) {
+  for (const auto* t : {&out, &query, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: every tensor must be on the CPU");
+  }
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.stride(2) == 1,
+              "paged_attention: query must be fp32 [T, H, D] with unit stride in D");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kFloat &&
+                  out.is_contiguous(),
+              "paged_attention: out must be a contiguous fp32 tensor shaped like query");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention: caches must be contiguous [blocks, block_size, Hkv, D] pairs");
+  TORCH_CHECK(key_cache.size(3) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
+              "paged_attention: head shapes of query and cache do not match");
+  for (const auto* t : index_tensors) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kInt && t->is_contiguous(),
+                "paged_attention: index tensors must be contiguous int32 on the CPU");
+  }
+}
+
+}  // namespace
+
+// out[t] = causal attention of query[t] over its request's cached keys and values.
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     double scale) {
+  check_layout(out, query, key_cache, value_cache, {&block_tables, &query_start_loc, &seq_lens});
+  const int64_t num_requests = seq_lens.numel();
+  TORCH_CHECK(query_start_loc.numel() == num_requests + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) == num_requests,
+              "paged_attention: metadata sizes disagree");
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int num_heads = query.size(1), head_dim = query.size(2);
+  const int num_kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  check_metadata(block_tables, qsl, lens, num_requests, query.size(0), block_size,
+                 key_cache.size(0));
+
+  const int group = num_heads / num_kv_heads;
+  const int q_tile = std::max(1, kRowsPerItem / group);
+  const auto items = plan_work(qsl, lens, num_requests, num_kv_heads, q_tile);
+  if (items.empty()) return;
+  int max_rows = 0;
+  for (const auto& w : items) max_rows = std::max(max_rows, (w.q_end - w.q_begin) * group);
+
+  const auto run = [&](auto element) {
+    using T = decltype(element);
+    const Problem<T> problem{
+        query.data_ptr<float>(), query.stride(0), query.stride(1), out.data_ptr<float>(),
+        key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
+        key_cache.stride(1), block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
+        lens, num_heads, group, head_dim, block_size, static_cast<float>(scale)};
+    dispatch_head_dim(problem, items, max_rows);
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(at::BFloat16{});
+    case at::kHalf: return run(at::Half{});
+    default: TORCH_CHECK(false, "paged_attention: cache dtype ", key_cache.scalar_type(),
+                         " is not supported");
+  }
+}
+
+std::vector<int64_t> supported_head_dims() {
+  return std::vector<int64_t>(std::begin(kHeadDims), std::end(kHeadDims));
+}
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()",
+      &paged_attention);
+  m.def("supported_head_dims() -> int[]", &supported_head_dims);
+}

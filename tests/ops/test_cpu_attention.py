@@ -1,0 +1,276 @@
+"""The "cpu" attention backend (C++ kernel on the paged blocks) equals the "torch" reference
+on random paged caches: shared and scattered blocks, odd block sizes, GQA, decode, chunked
+and mixed prefill; and greedy engine output is the same with either backend."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.ops import cpu_attention
+from pagedllm.ops.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
+from pagedllm.ops.cpu_attention import CpuAttentionBackend
+
+pytestmark = pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+    reason="the kernel needs AVX2 and FMA",
+)
+
+# fp32 kernel vs SDPA: only the summation order differs.
+FP32_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: tuple[torch.Tensor, torch.Tensor]
+    metadata: AttentionMetadata
+    scale: float
+
+
+def make_batch(
+    requests: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    share_blocks: bool = True,
+    seed: int = 0,
+) -> Batch:
+    """A step over `requests` = [(tokens already cached, tokens scheduled now)], with their
+    blocks scattered over a random cache and, if `share_blocks`, full cached blocks shared
+    between requests (as prefix caching does)."""
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    seq_lens = [cached + scheduled for cached, scheduled in requests]
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_needed) + 8  # block 0 is the null block of padded tables
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables: list[list[int]] = []
+    for (cached, _), needed in zip(requests, blocks_needed, strict=True):
+        table = []
+        if share_blocks and tables and rng.random() < 0.5:
+            donor_index = rng.randrange(len(tables))
+            donor_full = requests[donor_index][0] // block_size
+            table = tables[donor_index][: min(donor_full, cached // block_size)]
+        table += [free.pop() for _ in range(needed - len(table))]
+        tables.append(table)
+    width = max(blocks_needed)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    slots = [
+        table[position // block_size] * block_size + position % block_size
+        for (cached, scheduled), table in zip(requests, tables, strict=True)
+        for position in range(cached, cached + scheduled)
+    ]
+    num_tokens = len(slots)
+    # Peaked scores make the running max move, which exercises the rescaling.
+    q = (3 * torch.randn(num_tokens, num_heads, head_dim, generator=generator)).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
+
+    query_lens = [scheduled for _, scheduled in requests]
+    query_start_loc = [0, *itertools.accumulate(query_lens)]
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=block_tables,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        decode_req_indices=torch.tensor(decodes, dtype=torch.int64),
+        decode_token_indices=torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64),
+        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64),
+        prefill_req_indices=[i for i, n in enumerate(query_lens) if n > 1],
+    )
+    return Batch(q, k, v, (key_cache, value_cache), metadata, head_dim**-0.5)
+
+
+def run_backend(backend, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Output and the cache after the step, on a private copy of the cache."""
+    kv_cache = tuple(c.clone() for c in batch.kv_cache)
+    out = backend.forward(batch.q, batch.k, batch.v, kv_cache, batch.metadata, batch.scale)
+    return out, kv_cache
+
+
+@pytest.fixture(scope="module")
+def cpu_backend() -> CpuAttentionBackend:
+    return CpuAttentionBackend()
+
+
+def assert_matches_torch(cpu_backend, batch: Batch, **tolerance) -> None:
+    expected, expected_cache = run_backend(TorchAttentionBackend(), batch)
+    actual, actual_cache = run_backend(cpu_backend, batch)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **(tolerance or FP32_TOLERANCE))
+    for got, want in zip(actual_cache, expected_cache, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def random_requests(rng: random.Random, count: int) -> list[tuple[int, int]]:
+    """Decodes, fresh prefills and chunks after cached tokens; contexts of 1..300 tokens."""
+    requests = []
+    for _ in range(count):
+        kind = rng.choice(["decode", "decode", "fresh", "chunk"])
+        if kind == "decode":
+            requests.append((rng.randrange(0, 300), 1))
+        elif kind == "fresh":
+            requests.append((0, rng.randrange(2, 80)))
+        else:
+            scheduled = rng.randrange(2, 60)
+            requests.append((rng.randrange(1, 300 - scheduled), scheduled))
+    return requests
+
+
+@pytest.mark.parametrize("block_size", [16, 7])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_batches_match_torch(cpu_backend, block_size, num_heads, num_kv_heads, seed):
+    requests = random_requests(random.Random(seed), 12)
+    batch = make_batch(
+        requests,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        seed=seed,
+    )
+    assert_matches_torch(cpu_backend, batch)
+
+
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_decode_batch_matches_torch(cpu_backend, block_size):
+    rng = random.Random(3)
+    requests = [(rng.randrange(0, 300), 1) for _ in range(64)] + [(0, 1), (299, 1)]
+    batch = make_batch(requests, block_size=block_size, num_heads=9, num_kv_heads=3)
+    assert_matches_torch(cpu_backend, batch)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 128, 256])
+def test_head_dims_match_torch(cpu_backend, head_dim):
+    batch = make_batch(
+        [(37, 1), (0, 23), (50, 17), (200, 1)],
+        block_size=16,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=head_dim,
+    )
+    assert_matches_torch(cpu_backend, batch)
+
+
+def test_long_prefill_chunks_match_torch(cpu_backend):
+    requests = [(0, 300), (20, 1), (100, 301), (5, 9)]
+    batch = make_batch(requests, block_size=16, num_heads=9, num_kv_heads=3)
+    assert_matches_torch(cpu_backend, batch)
+
+
+def test_never_reads_past_a_sequence(cpu_backend):
+    """Slots past each sequence's end (and unused blocks) hold NaN; no output sees them."""
+    batch = make_batch(
+        [(13, 1), (0, 20), (40, 9), (6, 1)],
+        block_size=7,
+        num_heads=9,
+        num_kv_heads=3,
+        share_blocks=False,
+    )
+    expected, _ = run_backend(TorchAttentionBackend(), batch)
+    poisoned = tuple(torch.full_like(c, math.nan) for c in batch.kv_cache)
+    tables, block_size = batch.metadata.block_tables, poisoned[0].shape[1]
+    for req, seq_len in enumerate(batch.metadata.seq_lens):
+        for position in range(seq_len):
+            block = int(tables[req, position // block_size])
+            for source, target in zip(batch.kv_cache, poisoned, strict=True):
+                target[block, position % block_size] = source[block, position % block_size]
+    batch.kv_cache = poisoned
+    actual, _ = run_backend(cpu_backend, batch)
+    torch.testing.assert_close(actual, expected, **FP32_TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(cpu_backend, dtype):
+    """bf16/fp16 caches are read as such and accumulated in fp32: the result is the fp32
+    reference on the same (rounded) values, rounded once to `dtype`."""
+    batch = make_batch(
+        [(100, 1), (0, 30), (57, 12), (250, 1)],
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        dtype=dtype,
+    )
+    actual, _ = run_backend(cpu_backend, batch)
+    widened = Batch(
+        batch.q.float(),
+        batch.k.float(),
+        batch.v.float(),
+        tuple(c.float() for c in batch.kv_cache),
+        batch.metadata,
+        batch.scale,
+    )
+    expected, _ = run_backend(TorchAttentionBackend(), widened)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.to(dtype).float(), rtol=1e-2, atol=1e-3)
+
+
+def test_unsupported_head_dim_falls_back_to_torch(cpu_backend):
+    batch = make_batch([(10, 1), (0, 5)], block_size=16, num_heads=2, num_kv_heads=1, head_dim=24)
+    assert_matches_torch(cpu_backend, batch, rtol=0, atol=0)
+
+
+def test_backend_is_registered_by_name():
+    assert isinstance(get_attention_backend("cpu"), CpuAttentionBackend)
+
+
+def test_build_failure_falls_back_to_torch_with_an_error(monkeypatch, caplog):
+    def broken() -> None:
+        raise RuntimeError("the 'cpu' attention extension is unavailable: no compiler")
+
+    monkeypatch.setattr(cpu_attention, "load", broken)
+    monkeypatch.setattr(cpu_attention, "_fallback_logged", False)
+    with caplog.at_level(logging.ERROR, logger=cpu_attention.__name__):
+        backend = get_attention_backend("cpu")
+    assert isinstance(backend, TorchAttentionBackend)
+    assert "no compiler" in caplog.text and "falling back" in caplog.text
+
+
+def test_cache_dir_follows_pagedllm_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    assert cpu_attention.cache_dir().parent == tmp_path / "extensions"
+    assert torch.__version__ in cpu_attention.cache_dir().name
+
+
+def test_greedy_tokens_equal_torch_backend(tiny_llama):
+    """Chunked prefill (small token budget), an odd block size and a batch of decodes."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 6, 17, 40, 95, 130)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for backend, backend_type in (("torch", TorchAttentionBackend), ("cpu", CpuAttentionBackend)):
+        llm = LLM(
+            str(tiny_llama),
+            max_model_len=256,
+            block_size=7,
+            max_num_batched_tokens=48,
+            attention_backend=backend,
+        )
+        model = llm.llm_engine.engine_core.model_runner.model
+        assert {type(m.backend) for m in model.modules() if hasattr(m, "backend")} == {backend_type}
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outputs[backend] = [r.outputs[0].token_ids for r in results]
+    assert outputs["cpu"] == outputs["torch"]
