@@ -20,7 +20,7 @@ class StructuredOutputsParams:
         choice: the output is exactly one of these strings.
         grammar: the output is a sentence of this EBNF grammar (xgrammar's GBNF dialect,
             start rule `root`).
-        json_object: the output is any JSON object.
+        json_object: the output is a JSON object (any keys and values).
         disable_any_whitespace: JSON without optional whitespace (compact).
         max_whitespace: the longest run of optional whitespace JSON output may hold (keeps a
             sampled model from looping on blanks); None: unlimited.

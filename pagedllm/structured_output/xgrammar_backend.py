@@ -16,6 +16,9 @@ from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputB
 _LOG_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 
 
+ANY_OBJECT = '{"type": "object"}'
+
+
 def choice_ebnf(choices: list[str]) -> str:
     # JSON string literals are valid EBNF literals (same escapes).
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
@@ -67,8 +70,8 @@ class XgrammarBackend(StructuredOutputBackend):
         compiler = self._compiler
         if spec.json is not None:
             return compiler.compile_json_schema(schema_text(spec.json), **_json_options(spec))
-        if spec.json_object:
-            return compiler.compile_builtin_json_grammar()
+        if spec.json_object:  # an object, as OpenAI's json_object means (not any JSON value)
+            return compiler.compile_json_schema(ANY_OBJECT, **_json_options(spec))
         if spec.regex is not None:
             return compiler.compile_regex(spec.regex)
         if spec.choice is not None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx2 as httpx
 
 STARTUP_TIMEOUT_S = 180.0
+API_KEY = "sk-test-key"
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
 
 
 def free_port() -> int:

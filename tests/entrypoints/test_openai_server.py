@@ -11,32 +11,12 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
-from server_utils import RunningServer
+from server_utils import API_KEY, MODEL
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 pytestmark = pytest.mark.slow
-API_KEY = "sk-test-key"
-MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    running = RunningServer(["--max-num-seqs", "64"], log, api_key=API_KEY)
-    yield running
-    assert running.stop() == 0, running.log()
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_seqs=64)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
