@@ -144,7 +144,7 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    attention_backend: str = "torch"
+    attention_backend: str = "cpu"
     device: str = "cpu"
 
 
@@ -166,7 +166,7 @@ class EngineArgs:
     max_logprobs: int = 20
     disable_log_stats: bool = False
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "cpu"
     device: str = "cpu"
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from pagedllm.config import SchedulerConfig
@@ -20,6 +21,7 @@ from pagedllm.structured_output.backend import (
     GrammarMatcher,
     StructuredOutputBackend,
     apply_bitmask,
+    apply_bitmask_torch,
 )
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -164,13 +166,14 @@ def test_grammars_compile_once_per_spec():
     assert backend.num_compiles == 2
 
 
-def test_apply_bitmask_forbids_exactly_the_cleared_bits():
+@pytest.mark.parametrize("apply", [apply_bitmask, apply_bitmask_torch])
+def test_apply_bitmask_forbids_exactly_the_cleared_bits(apply):
     logits = torch.zeros(3, 70)
     bitmask = torch.full((2, 3), -1, dtype=torch.int32)
     bitmask[0, 1] = 0  # tokens 32..63 forbidden in mask row 0
     bitmask[1] = 0
     bitmask[1, 2] = 1 << 5  # only token 69 allowed in mask row 1
-    apply_bitmask(logits, bitmask, torch.tensor([2, 0]))
+    apply(logits, bitmask, torch.tensor([2, 0]))
     assert torch.isinf(logits[2, 32:64]).all() and torch.isfinite(logits[2, :32]).all()
     assert torch.isfinite(logits[2, 64:]).all()
     assert torch.isfinite(logits[1]).all()  # unconstrained row untouched
