@@ -116,10 +116,13 @@ def measure_ceiling(out: Path) -> None:
                                       "measured": time.ctime()})  # fmt: skip
 
 
-def save_run_info(args: argparse.Namespace, paths: PeerPaths, runner: Runner, note: str) -> None:
-    """run.json (machine, versions) and commands.json (merged with earlier runs')."""
+def save_run_info(
+    args: argparse.Namespace, paths: PeerPaths, runner: Runner, note: str, host: dict[str, str]
+) -> None:
+    """run.json (machine as it was at the start, versions) and commands.json (merged with
+    earlier runs')."""
     run = read_json(paths.out / "run.json") or {}
-    run.update(machine=machine(), versions=versions(paths), peers_dir=str(paths.root),
+    run.update(machine=host, versions=versions(paths), peers_dir=str(paths.root),
                command=" ".join(sys.argv), note=note)  # fmt: skip
     if getattr(args, "rates_note", None):
         run["rates_note"] = args.rates_note
@@ -163,11 +166,13 @@ def run_benchmarks(args: argparse.Namespace, engines: list[str], paths: PeerPath
 
 def main() -> None:
     args = parse_args()
-    paths = PeerPaths(args.peers_dir.expanduser(), args.out_dir)
+    paths = PeerPaths(args.peers_dir.expanduser().resolve(), args.out_dir.resolve())
+    args.plots_dir = args.plots_dir.resolve()
     paths.make_dirs()
     if args.report_only:
         write_report(paths)
         return
+    host = machine()  # before this run loads the machine
     engines = args.only.split(",")
     runner = Runner(dry_run=args.dry_run)
     not_ready = install.prepare(engines, paths, runner, args.build_jobs)
@@ -176,7 +181,7 @@ def main() -> None:
     if args.dry_run:
         return
     note = "SMOKE RUN" if args.num_prompts < 64 else ""
-    save_run_info(args, paths, runner, note)
+    save_run_info(args, paths, runner, note, host)
     if not args.install_only:
         write_report(paths)
 

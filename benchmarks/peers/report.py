@@ -15,8 +15,10 @@ from typing import Any
 import ceiling
 
 from peers.common import read_json
+from peers.install import ENGINES
 
 OURS = "pagedllm"
+ENGINE_ORDER = {name: index for index, name in enumerate(ENGINES)}
 
 
 def cell(text: Any) -> str:
@@ -33,7 +35,9 @@ def ratio(ours: float | None, peer: float | None) -> str:
 
 
 def records(out: Path, pattern: str) -> list[dict[str, Any]]:
-    return [r for r in (read_json(p) for p in sorted(out.glob(pattern))) if r]
+    """The JSON records matching `pattern`, ours first, then in the order engines are listed."""
+    found = [r for r in (read_json(p) for p in sorted(out.glob(pattern))) if r]
+    return sorted(found, key=lambda r: ENGINE_ORDER.get(r.get("engine"), len(ENGINE_ORDER)))
 
 
 def ceiling_fraction(record: dict[str, Any], matmul_gflops: float | None) -> str:
@@ -87,8 +91,9 @@ def serve_row(r: dict[str, Any], ours: dict[str, Any] | None) -> str:
         ratio(mine.get("median_ttft_ms"), r.get("median_ttft_ms")),
         ratio(mine.get("median_tpot_ms"), r.get("median_tpot_ms")),
     ])  # fmt: skip
+    started = f" (ready in {r['startup_s']} s)" if r.get("startup_s") is not None else ""
     return (
-        f"| {r['engine']} | {r['rate']} → {fmt(r.get('request_throughput'), 2)} | "
+        f"| {r['engine']}{started} | {r['rate']} → {fmt(r.get('request_throughput'), 2)} | "
         f"{r.get('completed')} / {r.get('failed')} | {fmt(r.get('output_throughput'))} | "
         f"{pair('ttft')} | {pair('tpot')} | {pair('itl')} | {ratios} | "
         f"{cell(r.get('idle_cpu_percent'))} |"

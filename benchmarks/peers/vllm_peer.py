@@ -27,6 +27,7 @@ VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_USE_AOT_COMPILE": "0",
     "HF_HUB_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",  # platform detection without relying on the version string
 }
 STEP = "vllm-venv"
 
