@@ -16,7 +16,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from pagedllm.entrypoints.openai.errors import (
+    OpenAIError,
+    as_openai_error,
+    error_response,
+    install_error_handlers,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,7 +93,11 @@ async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
         with contextlib.suppress(asyncio.CancelledError):
             await handler
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return handler.result()
+    try:
+        return handler.result()
+    except Exception as error:  # answered here: Starlette's catch-all would drop the connection
+        mapped = as_openai_error(error)
+        return error_response(mapped.status, mapped.message, mapped.param)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics) -> FastAPI:

@@ -93,6 +93,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _on_openai(_: Request, error: OpenAIError) -> JSONResponse:
         return error_response(error.status, error.message, error.param)
 
+    # Handlers for specific classes answer and keep the connection; Starlette's catch-all
+    # (Exception) answers too, but then re-raises and the connection is dropped.
+    @app.exception_handler(ValueError)
+    async def _on_value(_: Request, error: ValueError) -> JSONResponse:
+        mapped = as_openai_error(error)
+        return error_response(mapped.status, mapped.message, mapped.param)
+
     @app.exception_handler(Exception)
     async def _on_other(_: Request, error: Exception) -> JSONResponse:
         mapped = as_openai_error(error)
