@@ -81,7 +81,7 @@ def machine() -> dict[str, str]:
         "cpu": f"{model}, {os.cpu_count()} cores, {' '.join(simd)}",
         "memory": f"{memory:.1f} GiB",
         "os": platform.platform(),
-        "load average at start (1, 5, 15 min)": str(os.getloadavg()),
+        "load average at start (1, 5, 15 min)": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
         "started": time.ctime(),
     }
 

@@ -10,6 +10,7 @@ file as `llamacpp-q4_1`). Each run's seconds exclude loading the model. Results 
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,7 @@ def attempt(engine: str, s: OfflineSettings, runner: Runner, round_index: int) -
     out = s.paths.out / "raw" / f"offline_{engine}_r{round_index}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
+    load = round(os.getloadavg()[0], 2)  # others' work on the cores distorts every figure
     try:
         run_one(engine, s, runner, out)
     except (StepError, OSError) as error:
@@ -114,7 +116,7 @@ def attempt(engine: str, s: OfflineSettings, runner: Runner, round_index: int) -
     if not report or not report.get("num_requests"):
         return {"error": f"{engine}: no completed requests in {out}: {report}"}
     print(f"   {report['requests_per_s']} req/s, {report['output_tokens_per_s']} output tok/s")
-    return report
+    return {**report, "load_average_before": load}
 
 
 def run_offline(

@@ -54,19 +54,19 @@ def offline_table(out: Path, matmul_gflops: float | None) -> list[str]:
         "## Offline throughput",
         "",
         "| engine | workload | req/s | output tok/s | total tok/s | seconds | rounds (s) "
-        "| model FLOP/s, % of matmul ceiling | pagedllm ÷ engine (req/s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model FLOP/s, % of matmul ceiling | pagedllm ÷ engine (req/s) | load (1 min) before |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.get("error"):
             lines.append(f"| {r['engine']} | {r.get('workload', '')} | failed: "
-                         f"{cell(r['error'])} ||||||| ")  # fmt: skip
+                         f"{cell(r['error'])} |||||||| ")  # fmt: skip
             continue
         lines.append(
             f"| {r['engine']} | {r['workload']} | {r['requests_per_s']} | "
             f"{r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['elapsed_s']} | "
             f"{r.get('rounds_elapsed_s')} | {ceiling_fraction(r, matmul_gflops)} | "
-            f"{ratio(ours, r['requests_per_s'])} |"
+            f"{ratio(ours, r['requests_per_s'])} | {r.get('load_average_before', 'n/a')} |"
         )
     return lines
 
@@ -74,7 +74,7 @@ def offline_table(out: Path, matmul_gflops: float | None) -> list[str]:
 SERVE_HEADER = (
     "| engine | req/s sent → done | done / failed | output tok/s | TTFT med / p99 ms "
     "| TPOT med / p99 ms | ITL med / p99 ms | ours ÷ peer: tok/s, TTFT med, TPOT med "
-    "| idle CPU % of the servers |"
+    "| load (1 min) before; idle CPU % of each server |"
 )
 
 
@@ -96,7 +96,7 @@ def serve_row(r: dict[str, Any], ours: dict[str, Any] | None) -> str:
         f"| {r['engine']}{started} | {r['rate']} → {fmt(r.get('request_throughput'), 2)} | "
         f"{r.get('completed')} / {r.get('failed')} | {fmt(r.get('output_throughput'))} | "
         f"{pair('ttft')} | {pair('tpot')} | {pair('itl')} | {ratios} | "
-        f"{cell(r.get('idle_cpu_percent'))} |"
+        f"{r.get('load_average_before', 'n/a')}; {cell(r.get('idle_cpu_percent'))} |"
     )
 
 

@@ -10,6 +10,7 @@ server that spins would distort the others, and the report shows it. Results go 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,7 @@ def load_one(
     command = bench_serve_command(base_url, s.workload, rate, out, s.plots / f"{engine}_{rate}.png")
     record: dict[str, Any] = {"engine": engine, "rate": rate, "workload": s.workload.describe()}
     if server:
+        record["load_average_before"] = round(os.getloadavg()[0], 2)
         record["idle_cpu_percent"] = {n: x.idle_cpu_percent() for n, x in running.items()}
         record["startup_s"] = server.startup_s
     print(f"== serve {engine} at {rate} req/s", flush=True)
