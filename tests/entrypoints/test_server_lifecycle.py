@@ -40,7 +40,11 @@ def engine_process(server: RunningServer) -> psutil.Process:
 
 
 def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama, tmp_path):
-    server = RunningServer([str(tiny_llama), "--shutdown-timeout", "120"], tmp_path / "log")
+    args = [str(tiny_llama), "--shutdown-timeout", "120", "--served-model-name", "a", "b"]
+    server = RunningServer(args, tmp_path / "log")
+    assert [m["id"] for m in server.get("/v1/models").json()["data"]] == ["a", "b"]
+    body = {"model": "b", "prompt": "hi", "max_tokens": 2}
+    assert server.post("/v1/completions", body).json()["model"] == "a"
     pending = start_long_request(server, max_tokens=600)
     server.process.send_signal(signal.SIGTERM)
     pending["thread"].join(120)
@@ -79,3 +83,19 @@ def test_capacity_check(queued, limit, dead, status):
         with pytest.raises(OpenAIError) as error:
             serving.check_capacity()
         assert error.value.status == status
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_unknown_fields_refused_or_logged(allow, caplog):
+    from pagedllm.entrypoints.openai.protocol import CompletionRequest
+
+    serving = OpenAIServing.__new__(OpenAIServing)
+    serving.config = SimpleNamespace(allow_unknown_fields=allow)
+    request = CompletionRequest.model_validate({"prompt": "x", "vendor_knob": 3})
+    if not allow:
+        with pytest.raises(OpenAIError) as error:
+            serving.check_unknown(request)
+        assert error.value.status == 400 and error.value.param == "vendor_knob"
+    else:
+        serving.check_unknown(request)
+        assert "vendor_knob" in caplog.text
