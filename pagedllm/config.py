@@ -71,6 +71,7 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -168,6 +169,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "cpu"
     device: str = "cpu"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -188,6 +190,25 @@ class EngineArgs:
             )
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
+        self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        from pagedllm.model.layers.quantization import verify_quantization
+
+        verify_quantization(self.quantization)
+        if self.quantization is None:
+            return
+        # The int8 kernels are fbgemm's CPU kernels, fed fp32 activations.
+        if torch.device(self.device).type != "cpu":
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the CPU only, "
+                f"got device={self.device!r}"
+            )
+        if resolve_dtype(self.dtype) != torch.float32:
+            raise ValueError(
+                f"quantization={self.quantization!r} needs dtype float32 (or auto), "
+                f"got {self.dtype!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

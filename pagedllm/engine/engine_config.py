@@ -76,6 +76,7 @@ def build_engine_config(
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        quantization=args.quantization,
     )
     cache_config = _cache_config(args, model_config, log)
     scheduler_config = SchedulerConfig(

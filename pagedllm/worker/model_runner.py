@@ -16,6 +16,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.request import child_request_id
+from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
@@ -51,6 +52,9 @@ class ModelRunner:
                 model_config.hf_config, backend, model_config.dtype, model_config.max_model_len
             )
         model.load_weights(iter_weights(source, model_config.hf_config))
+        if model_config.quantization is not None:
+            # Quantized from the loaded fp32 weights: one loader serves every format.
+            quantize_model(model, model_config.quantization)
         return model.eval()
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

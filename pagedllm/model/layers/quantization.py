@@ -1,0 +1,180 @@
+"""Weight quantization (`quantization="int8"`): the quantized Linear layers and the swap.
+
+Owns the list of methods, `Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
+int8 weights, prepacked once for fbgemm; activations quantized to 8 bits on every call,
+per token: each row is scaled by its own max |x| before fbgemm's per-tensor dynamic
+quantization) and `quantize_model`, which replaces the decoder's `Linear` layers of a
+loaded fp32 model with them.
+
+Why fbgemm's `quantized::linear_dynamic`: measured at the SmolLM2 shapes on this CPU it is
+2-4x the fp32 matmul rate from 16 rows up and ~1.5-2x at 1 row (benchmarks/int8_speed.py),
+while `torch._weight_int8pack_mm` is 30-40x slower than fp32 and `torch._int_mm` with
+hand-quantized activations is slower than fbgemm at every shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.linear import Linear, MergedLinear
+
+logger = logging.getLogger("pagedllm")
+
+QUANTIZATION_METHODS = ("int8",)
+
+# Layers left in fp32: the head's output *is* the logits (and its weight is often the
+# embedding's); see benchmarks/int8_accuracy.py for what quantizing it would cost.
+DEFAULT_SKIP = ("lm_head",)
+
+_ENGINE = "fbgemm"
+
+
+def verify_quantization(method: str | None) -> None:
+    """Raise a ValueError naming the choices unless `method` is None or a known method."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        choices = ", ".join(repr(m) for m in (None, *QUANTIZATION_METHODS))
+        raise ValueError(f"quantization {method!r} is not supported; choose one of {choices}")
+    if _ENGINE not in torch.backends.quantized.supported_engines:
+        raise ValueError(
+            f"quantization={method!r} needs PyTorch's {_ENGINE} kernels (x86 CPUs); this "
+            f"build has {torch.backends.quantized.supported_engines}"
+        )
+
+
+def reduce_range() -> bool:
+    """Whether activations must use 7 bits instead of 8.
+
+    fbgemm's kernels without VNNI add pairs of u8 x s8 products in saturating int16
+    (vpmaddubsw), which 8-bit activations can overflow; VNNI (vpdpbusd) accumulates in
+    int32, so the full range is safe there. Unknown CPUs get the safe choice.
+    """
+    is_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
+    return not (is_vnni is not None and is_vnni())
+
+
+@contextmanager
+def _quantized_engine(name: str) -> Iterator[None]:
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def quantize_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Per-output-channel symmetric int8 (zero point 0, scale = row max |w| / 127)."""
+    weight = weight.detach().to(torch.float32)
+    # An all-zero row would get scale 0, which quantize_per_channel refuses.
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # PyTorch marks quantized tensors deprecated; they are still the only way into
+        # fbgemm's prepacked int8 GEMM from Python (pinned torch 2.13).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+
+
+class Int8Linear(nn.Module):
+    """y = s * dequant(quant(x / s) @ W_int8^T) + b, s = each row's max |x|; W prepacked once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.reduce_range = reduce_range()
+        # Added after the per-row rescale in forward, so it is kept out of the packed weight.
+        bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.register_buffer("bias", bias)
+        with _quantized_engine(_ENGINE):
+            self._packed = torch.ops.quantized.linear_prepack(quantize_weight(weight), None)
+
+    @classmethod
+    def from_float(cls, linear: Linear) -> Int8Linear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fbgemm quantizes its whole input with one min/max. One token with large
+        # activations (the first token's are often 10-100x the others') would coarsen every
+        # other token's step, and a request's numbers would depend on its batch. Scaling
+        # each row to max |x| = 1 first gives every token its own 8-bit range (measured on
+        # SmolLM2: mean |logprob error| 0.96 -> 0.13; see benchmarks/int8_accuracy.py).
+        if x.shape[0] == 1:
+            # A lone row already has its own range; skipping the rescale saves three ops
+            # per layer on batch-1 decode, where they cost as much as the matmul.
+            out = torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
+        else:
+            # abs().amax(): linalg.vector_norm(ord=inf) is 10x slower here.
+            scales = x.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
+            out = torch.ops.quantized.linear_dynamic(x / scales, self._packed, self.reduce_range)
+            out.mul_(scales)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-channel qint8 weight, fp32 bias or None)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.ops.quantized.linear_unpack(self._packed)[0], self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"reduce_range={self.reduce_range}"
+        )
+
+
+class Int8MergedLinear(Int8Linear):
+    """A fused projection (q/k/v, gate/up) quantized as one matrix; splits like the fp32 one."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, output_sizes: list[int]
+    ) -> None:
+        super().__init__(weight, bias)
+        self.output_sizes = list(output_sizes)
+
+    @classmethod
+    def from_float(cls, linear: Linear) -> Int8MergedLinear:
+        assert isinstance(linear, MergedLinear)
+        return cls(linear.weight, linear.bias, linear.output_sizes)
+
+    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fused.split(self.output_sizes, dim=-1)
+
+
+def quantize_model(
+    model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP
+) -> list[str]:
+    """Replace every `Linear` of a loaded model (except those named in `skip`) in place.
+
+    Per-output-channel scales make each row of a fused weight keep its own range, so
+    quantizing q/k/v or gate/up fused equals quantizing them apart. Returns the names of the
+    replaced modules.
+    """
+    verify_quantization(method)
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name.rpartition(".")[2] not in skip
+    ]
+    float_bytes = int8_bytes = 0
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        layer_class = Int8MergedLinear if isinstance(module, MergedLinear) else Int8Linear
+        setattr(model.get_submodule(parent_name), child, layer_class.from_float(module))
+        float_bytes += module.weight.numel() * module.weight.element_size()
+        int8_bytes += module.weight.numel()
+    logger.info(
+        "quantization=%s: %d Linear layers to int8 (%.0f MB of weights -> %.0f MB)",
+        method,
+        len(targets),
+        float_bytes / 1e6,
+        int8_bytes / 1e6,
+    )
+    return [name for name, _ in targets]
