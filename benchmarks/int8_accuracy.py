@@ -13,10 +13,10 @@ Each quantized variant then
   difference between its logprob of each fp32 token and fp32's own.
 
 Variants (all but the first patched in here only, to show what the engine's choices buy):
-`int8` the engine's (decoder Linears int8 with per-token activation scales, head fp32);
-`int8+head` the tied head quantized the same way too; `int8/tensor` fbgemm's per-tensor
-activation quantization without the per-token scaling; `w8-only` the int8 weights
-dequantized with fp32 activations, i.e. what the weights alone cost.
+`int8` the engine's (every Linear and the tied head int8, per-token activation scales);
+`int8/fp32head` the head left fp32; `int8/tensor` fbgemm's per-tensor activation
+quantization without the per-token scaling; `w8-only` the int8 weights dequantized with
+fp32 activations, i.e. what the weights alone cost.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.layers.quantization import Int8Linear
+from pagedllm.model.layers.quantization import Int8Linear, quantize_model
 
 CHAT = [
     "What is the capital of France?",
@@ -110,11 +110,9 @@ def _model(llm: LLM):
     return llm.llm_engine.engine_core.model_runner.model
 
 
-def quantize_head(llm: LLM) -> None:
-    """Score with an int8 head too: an instance attribute shadows `compute_logits`."""
-    model = _model(llm)
-    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
-    object.__setattr__(model, "compute_logits", Int8Linear(head.weight, None))
+def fp32_head(llm: LLM) -> None:
+    """int8 everywhere but the head: `llm` is an fp32 engine, quantized here."""
+    quantize_model(_model(llm), "int8", quantize_head=False)
 
 
 def per_tensor_activations(llm: LLM) -> None:
@@ -140,12 +138,12 @@ def _int8_layers(llm: LLM) -> list[Int8Linear]:
     return [m for m in _model(llm).modules() if isinstance(m, Int8Linear)]
 
 
-# Variant name -> what is patched into an int8 engine (None: the engine as shipped).
+# Variant name -> (the engine's quantization argument, what is patched into it, or None).
 VARIANTS = {
-    "int8": None,
-    "int8+head": quantize_head,
-    "int8/tensor": per_tensor_activations,
-    "w8-only": weights_only,
+    "int8": ("int8", None),
+    "int8/fp32head": (None, fp32_head),
+    "int8/tensor": ("int8", per_tensor_activations),
+    "w8-only": ("int8", weights_only),
 }
 
 
@@ -184,12 +182,12 @@ def print_table(results: dict, num_prompts: int, max_tokens: int) -> None:
     print(f"\n{num_prompts} prompts x {max_tokens} greedy tokens, fp32 is the reference")
     columns = ["overall", "prefix_share", "prefix_median", "identical_sequences"]
     columns += ["teacher_forced_top1", "mean_abs_logprob_diff", "max_abs_logprob_diff"]
-    print("variant    " + "  ".join(f"{c:>21s}" for c in columns))
+    print(f"{'variant':14s} " + "  ".join(f"{c:>21s}" for c in columns))
     for name, row in results.items():
         cells = [
             f"{row[c]:21.4f}" if isinstance(row[c], float) else f"{row[c]:21d}" for c in columns
         ]
-        print(f"{name:10s} " + "  ".join(cells))
+        print(f"{name:14s} " + "  ".join(cells))
 
 
 def main() -> None:
@@ -205,8 +203,8 @@ def main() -> None:
     reference_scores = teacher_forced(fp32, token_prompts, reference)
     del fp32
     results = {}
-    for name, patch in VARIANTS.items():
-        llm = LLM(**common, quantization="int8")
+    for name, (quantization, patch) in VARIANTS.items():
+        llm = LLM(**common, quantization=quantization)
         if patch is not None:
             patch(llm)
         row = agreement(reference, greedy(llm, token_prompts, args.max_tokens))

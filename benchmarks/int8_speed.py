@@ -14,8 +14,8 @@ same with `reduce_range` (`tensor_rr`: 7-bit activations, what non-VNNI CPUs nee
 (`onednn`); and `torch._int_mm` with per-row symmetric activations quantized by hand.
 
 `w1` runs `pagedllm bench throughput --num-prompts 64 --input-len 256 --output-len 128`
-alternately without and with `--quantization int8` (`--variants fp32,int8,int8+head` adds
-one with the head quantized too, patched in here) and prints each run and the medians.
+alternately without and with `--quantization int8` (`--variants fp32,int8,int8/fp32head`
+adds int8 with the head left fp32, patched in here) and prints each run and the medians.
 """
 
 from __future__ import annotations
@@ -143,12 +143,17 @@ def run_matmul(rows: list[int], rounds: int) -> dict:
 
 
 def _print_per_step(results: dict, rows: list[int]) -> None:
-    """Decoder matmuls of one step (30 layers): fp32 ms, int8 ms."""
-    print("\nAll 30 layers' matmuls per step (ms): rows, fp32, int8, speed-up")
+    """One step's matmuls: 30 layers' four, plus the head where timed (rows <= 256)."""
+    print("\nOne step's matmuls (ms): rows, fp32, int8, speed-up (head included up to 256 rows)")
     for m in rows:
-        fp32 = NUM_LAYERS * sum(results[f"{s}/{m}"]["fp32"] for s in list(SHAPES)[:4])
-        int8 = NUM_LAYERS * sum(results[f"{s}/{m}"]["int8"] for s in list(SHAPES)[:4])
+        shapes = [s for s in SHAPES if f"{s}/{m}" in results]
+        fp32 = sum(_layers(s) * results[f"{s}/{m}"]["fp32"] for s in shapes)
+        int8 = sum(_layers(s) * results[f"{s}/{m}"]["int8"] for s in shapes)
         print(f"{m:5d} {fp32 * 1e3:9.2f} {int8 * 1e3:9.2f} {fp32 / int8:6.2f}x")
+
+
+def _layers(shape: str) -> int:
+    return 1 if shape == "lm_head" else NUM_LAYERS
 
 
 W1_ARGS = ["bench", "throughput", "--num-prompts", "64", "--input-len", "256"]
@@ -157,8 +162,8 @@ W1_ARGS += ["--output-len", "128", "--disable-log-stats"]
 W1_VARIANTS = {
     "fp32": ([str(BIN / "pagedllm")], []),
     "int8": ([str(BIN / "pagedllm")], ["--quantization", "int8"]),
-    # The head quantized too, patched in by this script (the engine keeps it fp32).
-    "int8+head": ([sys.executable, __file__, "head-child"], ["--quantization", "int8"]),
+    # The head left fp32: an fp32 engine quantized by this script with quantize_head=False.
+    "int8/fp32head": ([sys.executable, __file__, "fp32-head-child"], []),
 }
 
 
@@ -209,27 +214,25 @@ def run_w1(rounds: int, variants: list[str], extra: list[str]) -> dict:
     return runs
 
 
-def head_child(argv: list[str]) -> int:
-    """`pagedllm <argv>` with the int8 engine's head quantized as well."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from int8_accuracy import quantize_head
-
+def fp32_head_child(argv: list[str]) -> int:
+    """`pagedllm <argv>` on an fp32 engine quantized here with its head left fp32."""
     from pagedllm.entrypoints import bench_cli, cli
+    from pagedllm.model.layers.quantization import quantize_model
 
     build = bench_cli.llm_from_args
 
-    def build_with_int8_head(namespace, model=None):
+    def build_int8_fp32_head(namespace, model=None):
         llm = build(namespace, model)
-        quantize_head(llm)
+        quantize_model(llm.llm_engine.engine_core.model_runner.model, "int8", quantize_head=False)
         return llm
 
-    bench_cli.llm_from_args = build_with_int8_head
+    bench_cli.llm_from_args = build_int8_fp32_head
     return cli.main(argv)
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["head-child"]:
-        sys.exit(head_child(sys.argv[2:]))
+    if sys.argv[1:2] == ["fp32-head-child"]:
+        sys.exit(fp32_head_child(sys.argv[2:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["matmul", "w1"])
     parser.add_argument(

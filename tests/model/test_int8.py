@@ -12,14 +12,19 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.model.layers.linear import Linear, MergedLinear
-from pagedllm.model.layers.quantization import Int8Linear, Int8MergedLinear
+from pagedllm.model.layers.quantization import (
+    Int8Linear,
+    Int8MergedLinear,
+    quantize_model,
+    quantize_weight,
+)
 
 # Measured on the tiny random Llama below (16 prompts x 40 greedy tokens): int8 picks fp32's
-# token at 98.9% of positions when fed fp32's sequence, and 84.5% of positions match when it
+# token at 98.4% of positions when fed fp32's sequence, and 80.3% of positions match when it
 # runs free (one early divergence changes the rest of a sequence). Deterministic: fixed seeds,
 # greedy, and fbgemm accumulates in int32.
 MIN_TEACHER_FORCED_AGREEMENT = 0.97
-MIN_FREE_RUNNING_AGREEMENT = 0.80
+MIN_FREE_RUNNING_AGREEMENT = 0.75
 NUM_PROMPTS, MAX_TOKENS = 16, 40
 
 
@@ -111,20 +116,42 @@ def engines(tiny_llama):
     return _engine(tiny_llama), _engine(tiny_llama, "int8")
 
 
-def test_int8_replaces_exactly_the_decoder_linears(engines):
+def test_int8_replaces_every_linear_and_keeps_the_embedding(engines):
     fp32_model, int8_model = (_model(llm) for llm in engines)
     fp32_linears = {n for n, m in fp32_model.named_modules() if isinstance(m, Linear)}
     int8_layers = {n: m for n, m in int8_model.named_modules() if isinstance(m, Int8Linear)}
-    assert set(int8_layers) == fp32_linears - {"lm_head"}
-    assert len(int8_layers) == 4 * fp32_model.config.num_hidden_layers
+    assert set(int8_layers) == fp32_linears  # q/k/v, o, gate/up, down per layer; the head
+    assert len(int8_layers) == 4 * fp32_model.config.num_hidden_layers + 1
     for name, layer in int8_layers.items():
         fused = name.endswith(("qkv_proj", "gate_up_proj"))
         assert isinstance(layer, Int8MergedLinear) == fused, name
-    # The head and the embedding stay fp32, and nothing else is left as a float Linear.
-    assert type(int8_model.lm_head) is Linear
+    assert not any(isinstance(m, Linear) for m in int8_model.modules())
     assert int8_model.model.embed_tokens.weight.dtype == torch.float32
-    left = [n for n, m in int8_model.named_modules() if isinstance(m, Linear)]
-    assert left == ["lm_head"]
+
+
+def test_tied_head_gets_an_int8_copy_of_the_embedding(tiny_model_factory):
+    # tied-bias: tied embeddings, and biases on q/k/v, o and the MLP.
+    fp32 = _model(_engine(tiny_model_factory("LlamaForCausalLM:tied-bias")))
+    embedding = fp32.model.embed_tokens.weight.clone()
+    assert fp32.lm_head is None
+    names = quantize_model(fp32, "int8")
+    assert "lm_head" in names and isinstance(fp32.lm_head, Int8Linear)
+    assert torch.equal(fp32.model.embed_tokens.weight, embedding)  # the lookup stays fp32
+    qweight, bias = fp32.lm_head.unpack()
+    assert bias is None and torch.equal(
+        qweight.dequantize(), quantize_weight(embedding).dequantize()
+    )
+    assert fp32.model.layers[0].self_attn.o_proj.bias is not None
+    hidden = torch.randn(3, embedding.shape[1])
+    exact = F.linear(hidden, embedding)
+    assert _relative_error(fp32.compute_logits(hidden), exact) < 0.015
+
+
+def test_head_can_stay_fp32(tiny_llama):
+    model = _model(_engine(tiny_llama))
+    names = quantize_model(model, "int8", quantize_head=False)
+    assert "lm_head" not in names and type(model.lm_head) is Linear
+    assert len(names) == 4 * model.config.num_hidden_layers
 
 
 def test_fp32_default_has_no_quantized_layer(engines):

@@ -3,13 +3,16 @@
 Owns the list of methods, `Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
 int8 weights, prepacked once for fbgemm; activations quantized to 8 bits on every call,
 per token: each row is scaled by its own max |x| before fbgemm's per-tensor dynamic
-quantization) and `quantize_model`, which replaces the decoder's `Linear` layers of a
-loaded fp32 model with them.
+quantization) and `quantize_model`, which replaces the `Linear` layers of a loaded fp32
+model (decoder projections and the head; the embedding stays fp32) with them.
 
-Why fbgemm's `quantized::linear_dynamic`: measured at the SmolLM2 shapes on this CPU it is
-2-4x the fp32 matmul rate from 16 rows up and ~1.5-2x at 1 row (benchmarks/int8_speed.py),
-while `torch._weight_int8pack_mm` is 30-40x slower than fp32 and `torch._int_mm` with
-hand-quantized activations is slower than fbgemm at every shape.
+Why fbgemm's `quantized::linear_dynamic` (benchmarks/int8_speed.py, SmolLM2 shapes, this
+CPU, 2 threads): alone it runs at 3.2-6.6x the fp32 matmul from 16 rows up; with the
+per-token rescale, one step's matmuls take 3.0x less time at 16-64 rows, 2.4x at 256,
+3.1x at 2048 and 5x at 1 row (the head included). `torch.ao.nn.quantized.dynamic.Linear`
+is the same kernel behind more Python; onednn's packed weights are slower except for the
+head at 256 rows; `torch._int_mm` is slower everywhere, and `torch._weight_int8pack_mm`
+is 30-40x slower than fp32.
 """
 
 from __future__ import annotations
@@ -27,10 +30,6 @@ from pagedllm.model.layers.linear import Linear, MergedLinear
 logger = logging.getLogger("pagedllm")
 
 QUANTIZATION_METHODS = ("int8",)
-
-# Layers left in fp32: the head's output *is* the logits (and its weight is often the
-# embedding's); see benchmarks/int8_accuracy.py for what quantizing it would cost.
-DEFAULT_SKIP = ("lm_head",)
 
 _ENGINE = "fbgemm"
 
@@ -105,7 +104,7 @@ class Int8Linear(nn.Module):
         # activations (the first token's are often 10-100x the others') would coarsen every
         # other token's step, and a request's numbers would depend on its batch. Scaling
         # each row to max |x| = 1 first gives every token its own 8-bit range (measured on
-        # SmolLM2: mean |logprob error| 0.96 -> 0.13; see benchmarks/int8_accuracy.py).
+        # SmolLM2: mean |logprob error| 0.82 -> 0.12; see benchmarks/int8_accuracy.py).
         if x.shape[0] == 1:
             # A lone row already has its own range; skipping the rescale saves three ops
             # per layer on batch-1 decode, where they cost as much as the matmul.
@@ -148,20 +147,22 @@ class Int8MergedLinear(Int8Linear):
         return fused.split(self.output_sizes, dim=-1)
 
 
-def quantize_model(
-    model: nn.Module, method: str, skip: tuple[str, ...] = DEFAULT_SKIP
-) -> list[str]:
-    """Replace every `Linear` of a loaded model (except those named in `skip`) in place.
+def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) -> list[str]:
+    """Replace every `Linear` of a loaded model with its int8 layer, in place.
 
-    Per-output-channel scales make each row of a fused weight keep its own range, so
-    quantizing q/k/v or gate/up fused equals quantizing them apart. Returns the names of the
-    replaced modules.
+    The head is quantized too unless `quantize_head` is false: on W1 that is ~15% more
+    throughput (median of 11 paired runs, 2-43%) for +0.008 mean |logprob error|, 0.109 ->
+    0.117 (benchmarks/int8_accuracy.py, int8_speed.py).
+    A tied head gets an int8 copy of the embedding's weight, which itself stays fp32 for
+    the lookup. Per-output-channel scales make each row of a fused weight keep its own
+    range, so quantizing q/k/v or gate/up fused equals quantizing them apart. Returns the
+    names of the replaced modules.
     """
     verify_quantization(method)
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, Linear) and name.rpartition(".")[2] not in skip
+        if isinstance(module, Linear) and (quantize_head or name != "lm_head")
     ]
     float_bytes = int8_bytes = 0
     for name, module in targets:
@@ -170,11 +171,18 @@ def quantize_model(
         setattr(model.get_submodule(parent_name), child, layer_class.from_float(module))
         float_bytes += module.weight.numel() * module.weight.element_size()
         int8_bytes += module.weight.numel()
+    names = [name for name, _ in targets]
+    if quantize_head and getattr(model, "lm_head", False) is None:
+        # Tied (Llama family): compute_logits calls lm_head once it is set.
+        embedding = model.model.embed_tokens.weight
+        model.lm_head = Int8Linear(embedding, None)
+        int8_bytes += embedding.numel()
+        names.append("lm_head")
     logger.info(
-        "quantization=%s: %d Linear layers to int8 (%.0f MB of weights -> %.0f MB)",
+        "quantization=%s: %d Linear layers to int8 (%.0f MB of float weights -> %.0f MB)",
         method,
-        len(targets),
+        len(names),
         float_bytes / 1e6,
         int8_bytes / 1e6,
     )
-    return [name for name, _ in targets]
+    return names

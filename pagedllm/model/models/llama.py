@@ -134,8 +134,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden_states, head.weight)
+        if self.lm_head is None:  # tied: the embedding's weight turns states into logits
+            return F.linear(hidden_states, self.model.embed_tokens.weight)
+        # A Linear, or its int8 replacement under quantization (also set for tied models).
+        return self.lm_head(hidden_states)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
