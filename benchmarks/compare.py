@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from peers import install, offline, report, serving
@@ -51,6 +52,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument(
+        "--serve-num-prompts", type=int, default=100,
+        help="prompts per serving run (the first of the workload's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--q4-num-prompts", type=int, default=64,
+        help="prompts for llama.cpp's Q4_1 offline run (the first of the workload's)",
+    )  # fmt: skip
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="offline rounds, engines rotated")
@@ -147,7 +156,9 @@ def run_benchmarks(args: argparse.Namespace, engines: list[str], paths: PeerPath
     if not args.skip_ceiling and not args.dry_run:
         measure_ceiling(paths.out)
     if not args.skip_offline:
-        settings = offline.OfflineSettings(paths, workload, args.hf_batch_size, args.llama_slots)
+        settings = offline.OfflineSettings(
+            paths, workload, args.hf_batch_size, args.llama_slots, args.q4_num_prompts
+        )
         offline.run_offline(engines, settings, runner, args.rounds, not_ready)
     serve_engines = [e for e in engines if e in install.SERVE_ENGINES]
     if args.skip_serve or not serve_engines:
@@ -160,7 +171,8 @@ def run_benchmarks(args: argparse.Namespace, engines: list[str], paths: PeerPath
     print(f"== serving rates: {args.rates_note}", flush=True)
     if not args.dry_run:
         args.plots_dir.mkdir(parents=True, exist_ok=True)
-    settings = serving.ServeSettings(paths, workload, args.plots_dir, args.llama_slots)
+    serve_workload = replace(workload, num_prompts=min(args.serve_num_prompts, args.num_prompts))
+    settings = serving.ServeSettings(paths, serve_workload, args.plots_dir, args.llama_slots)
     serving.run_serving(serve_engines, rates, settings, runner, not_ready)
 
 
