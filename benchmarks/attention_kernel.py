@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pagedllm.ops import cpu_attention
+from pagedllm.ops import cpu_attention, extension
 from pagedllm.ops.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_attention.build()
+    extension.build()
     backends = {"torch": TorchAttentionBackend(), "cpu": cpu_attention.CpuAttentionBackend()}
     print(f"threads={torch.get_num_threads()}  repeats={args.repeats}  (one layer, ms/call)")
     print(f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}")

@@ -1,21 +1,13 @@
 """The "cpu" attention backend: a C++/OpenMP kernel that reads K/V in place from the paged cache.
 
-This module owns building and loading the extension (pagedllm/ops/csrc/paged_attention.cpp,
-compiled once with `torch.utils.cpp_extension.load` into a cache directory and reused by
-later processes), and `CpuAttentionBackend`, which calls it for every step.
-`build()` (or `python -m pagedllm.ops.cpu_attention`) compiles ahead of time, e.g. at
-install, so that a first start does not wait for the compiler.
+`CpuAttentionBackend` calls the kernel (pagedllm/ops/csrc/paged_attention.cpp) for every
+step; building and loading the extension belong to `pagedllm.ops.extension`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -25,77 +17,13 @@ from pagedllm.ops.attention import (
     TorchAttentionBackend,
     write_kv_cache,
 )
+from pagedllm.ops.extension import load
 
 logger = logging.getLogger(__name__)
 
-_EXTENSION_NAME = "pagedllm_paged_attention"
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
-# Explicit ISA flags rather than -march=native: the cache directory may be shared by
-# machines of different generations, and AVX2 + FMA + F16C is all the kernel uses.
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_extension: Any = None  # torch.ops.pagedllm once loaded
-_load_error: Exception | None = None
 _fallback_logged = False
-
-
-def cache_dir() -> Path:
-    """Where the compiled extension lives, one directory per Python and torch version."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
-    return Path(root) / "extensions" / tag
-
-
-def load() -> Any:
-    """`torch.ops.pagedllm`, built on first use (about a minute) or loaded from the cache.
-
-    Raises RuntimeError, naming the reason, when the CPU lacks AVX2 or the build fails;
-    the failure is remembered so later calls in the process fail fast.
-    """
-    global _extension, _load_error
-    if _extension is not None:
-        return _extension
-    if _load_error is not None:
-        raise RuntimeError(f"the 'cpu' attention extension is unavailable: {_load_error}")
-    start = time.perf_counter()
-    try:
-        _extension = _compile_and_import()
-    except Exception as error:
-        _load_error = error
-        raise RuntimeError(f"the 'cpu' attention extension is unavailable: {error}") from error
-    elapsed = time.perf_counter() - start
-    if elapsed > 2:  # it compiled: say where the time went
-        logger.info("'cpu' attention kernel built in %.1f s, cached in %s", elapsed, cache_dir())
-    return _extension
-
-
-def _compile_and_import() -> Any:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError("the CPU lacks AVX2 and FMA, which the kernel needs")
-    from torch.utils.cpp_extension import load as load_extension
-
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
-    load_extension(
-        name=_EXTENSION_NAME,
-        sources=[str(source) for source in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-    )
-    return torch.ops.pagedllm
-
-
-def build() -> float:
-    """Compile (or find) the extension now and print how long that took; returns seconds."""
-    start = time.perf_counter()
-    load()
-    elapsed = time.perf_counter() - start
-    print(f"pagedllm: 'cpu' attention kernel ready in {cache_dir()} ({elapsed:.1f} s)")
-    return elapsed
 
 
 def create_backend() -> AttentionBackend:
@@ -180,7 +108,3 @@ class CpuAttentionBackend(AttentionBackend):
             self._plan_metadata = metadata
         assert self._plan is not None
         return self._plan
-
-
-if __name__ == "__main__":
-    build()

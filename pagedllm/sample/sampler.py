@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.ops.fused import inverse_cdf, sample_plain
+
 
 @dataclass
 class SamplingMetadata:
@@ -40,6 +42,10 @@ TOP_P_CANDIDATES = 1024
 
 
 class Sampler:
+    def __init__(self, use_kernels: bool = False) -> None:
+        # The plain draw (no top-k/top-p/min-p) runs in the C++ kernel on fp32 CPU logits.
+        self.use_kernels = use_kernels
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -62,11 +68,17 @@ class Sampler:
         temperature = torch.where(
             greedy, torch.ones_like(metadata.temperature), metadata.temperature
         )
-        scaled = logits / temperature[:, None]
-        if metadata.min_p is not None:
-            scaled = apply_min_p(scaled, metadata.min_p)
-        uniforms = uniform_per_row(scaled.shape[0], metadata.generators, scaled.device)
-        random_ids = sample_filtered(scaled, metadata.top_k, metadata.top_p, uniforms)
+        uniforms = uniform_per_row(logits.shape[0], metadata.generators, logits.device)
+        if metadata.min_p is None and metadata.top_k is None and metadata.top_p is None:
+            # Temperature folded into the draw: no scaled copy of the logits.
+            random_ids = sample_plain(logits, 1.0 / temperature, uniforms, self.use_kernels)
+        else:
+            scaled = logits / temperature[:, None]
+            if metadata.min_p is not None:
+                scaled = apply_min_p(scaled, metadata.min_p)
+            random_ids = sample_filtered(
+                scaled, metadata.top_k, metadata.top_p, uniforms, self.use_kernels
+            )
         if metadata.all_random:
             return random_ids
         return torch.where(greedy, logits.argmax(dim=-1), random_ids)
@@ -84,6 +96,7 @@ def sample_filtered(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     uniforms: torch.Tensor,
+    use_kernels: bool = False,
 ) -> torch.Tensor:
     """One token per row from softmax(logits) restricted by top-k then top-p."""
     num_rows, vocab_size = logits.shape
@@ -93,7 +106,8 @@ def sample_filtered(
     token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     plain = (~filtered).nonzero().squeeze(1)
     if len(plain):
-        token_ids[plain] = inverse_cdf(logits[plain].softmax(dim=-1), uniforms[plain])
+        ones = torch.ones(len(plain), device=logits.device)
+        token_ids[plain] = sample_plain(logits[plain], ones, uniforms[plain], use_kernels)
     rows = filtered.nonzero().squeeze(1)
     if len(rows):
         token_ids[rows] = sample_candidates(logits[rows], k[rows], p[rows], uniforms[rows])
@@ -135,18 +149,6 @@ def sample_candidates(
             logits[wider], k[wider], p[wider], uniforms[wider], num_candidates=vocab_size
         )
     return token_ids
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index drawn from each row of (unnormalized) `probs` with one uniform number per row.
-
-    One random number per row instead of one per token: drawing a Gumbel or exponential
-    variate for every vocabulary entry costs more than the rest of sampling together.
-    """
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms * cdf[:, -1]
-    index = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 def uniform_per_row(

@@ -24,6 +24,7 @@ from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.backend import apply_bitmask
+from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ModelRunner:
         self.config = config
         model_config, cache_config = config.model_config, config.cache_config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc()
         self.block_size = cache_config.block_size
         self.vocab_size = model_config.vocab_size
         self.model = self._load_model(source)
@@ -41,12 +44,14 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         max_blocks = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_kernels=self.use_kernels)
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         model_config = self.config.model_config
         model_class = resolve_model_class(model_config.hf_config.architectures)
         backend = get_attention_backend(self.config.attention_backend)
+        # The fused kernels come from the extension the "cpu" backend loaded.
+        self.use_kernels = backend.name == "cpu" and self.device.type == "cpu"
         with torch.device(self.device):
             model = model_class(
                 model_config.hf_config, backend, model_config.dtype, model_config.max_model_len

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.ops import cpu_attention
+from pagedllm.ops import cpu_attention, extension
 from pagedllm.ops.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
@@ -251,8 +251,8 @@ def test_build_failure_falls_back_to_torch_with_an_error(monkeypatch, caplog):
 
 def test_cache_dir_follows_pagedllm_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    assert cpu_attention.cache_dir().parent == tmp_path / "extensions"
-    assert torch.__version__ in cpu_attention.cache_dir().name
+    assert extension.cache_dir().parent == tmp_path / "extensions"
+    assert torch.__version__ in extension.cache_dir().name
 
 
 def test_greedy_tokens_equal_torch_backend(tiny_llama):

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 whatever the model dtype (as the reference implementation does)."""
+"""RMSNorm, computed in float32 whatever the model dtype (as the reference implementation does),
+optionally fused with the residual add that precedes it."""
 
 from __future__ import annotations
 
@@ -6,20 +7,21 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.linear import default_weight_loader, set_weight_loader
+from pagedllm.ops import fused
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
+        self.use_kernels = False  # set by the model when the CPU extension serves it
         self.weight = set_weight_loader(
             nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False),
             default_weight_loader,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x), None), or with a residual (norm(x + residual), x + residual)."""
+        return fused.rms_norm(x, self.weight, self.eps, residual, self.use_kernels)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.ops import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,15 +63,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.use_kernels = False  # set by the model when the CPU extension serves it
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return fused.rotary_embedding(
+            positions, q, k, self.cos_cache, self.sin_cache, self.use_kernels
+        )

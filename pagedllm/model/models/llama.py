@@ -12,6 +12,7 @@ from torch import nn
 from pagedllm.model.layers.linear import Linear, MergedLinear, default_weight_loader
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionBackend, AttentionMetadata
 
 # Checkpoint projection name -> (fused parameter name, shard id).
@@ -80,10 +81,10 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [size, size], ["gate", "up"], bias, dtype
         )
         self.down_proj = Linear(size, config.hidden_size, bias, dtype)
+        self.use_kernels = False  # set by LlamaForCausalLM when the CPU extension serves it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.use_kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,9 +95,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
-    def forward(self, x, positions, rotary, metadata):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, metadata):
+        """(this layer's output, the residual stream before it): the stream's add is left to
+        the next norm, which fuses it with the normalization."""
+        if residual is None:
+            x, residual = self.input_layernorm(x)[0], x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -112,10 +120,10 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config))
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, metadata)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,6 +137,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        # The fused CPU kernels serve the model where the CPU attention backend does: both
+        # come from the same extension, which loaded if that backend is in use.
+        use_kernels = backend.name == "cpu"
+        for module in self.modules():
+            if hasattr(module, "use_kernels"):
+                module.use_kernels = use_kernels
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)

@@ -1,0 +1,275 @@
+// Fused element-wise kernels of the decoder step and the sampler's plain draw, for fp32 on
+// the CPU: each reads and writes its tensors once, where the eager torch sequence makes
+// four to twelve passes and as many temporary tensors (RMSNorm, SiLU * up, RoPE), or a
+// softmax, a cumulative sum and a search over the vocabulary (sampling).
+//
+// Rows are spread over torch's intra-op threads with at::parallel_for.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "vec_avx2.h"
+
+namespace {
+
+using namespace pagedllm_vec;
+
+// Rows handed to one thread at a time: small row counts stay on the calling thread.
+constexpr int64_t kRowGrain = 16;
+
+void check_rows(const at::Tensor& t, int64_t cols, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what,
+              ": expected an fp32 CPU tensor");
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.stride(1) == 1, what,
+              ": expected [rows, ", cols, "] with unit stride in the last dimension");
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * weight, one row of n elements.
+inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n,
+                         float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  float sum = hsum(acc);
+  for (; j < n; ++j) sum += x[j] * x[j];
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  const __m256 scale = _mm256_set1_ps(inv);
+  j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + j), scale);
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(v, _mm256_loadu_ps(weight + j)));
+  }
+  for (; j < n; ++j) out[j] = x[j] * inv * weight[j];
+}
+
+// out[i] = rms_norm(x[i]) * weight.
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t n = weight.numel();
+  check_rows(x, n, "rms_norm x");
+  check_rows(out, n, "rms_norm out");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  out.size(0) == x.size(0),
+              "rms_norm: weight must be contiguous fp32 and out shaped like x");
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      rms_norm_row(x.data_ptr<float>() + i * x.stride(0), w,
+                   out.data_ptr<float>() + i * out.stride(0), n, static_cast<float>(eps));
+    }
+  });
+}
+
+// residual += x; x = rms_norm(residual) * weight (both in place): the residual stream's
+// add and the next norm in one pass.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  const int64_t n = weight.numel();
+  check_rows(x, n, "fused_add_rms_norm x");
+  check_rows(residual, n, "fused_add_rms_norm residual");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  residual.size(0) == x.size(0),
+              "fused_add_rms_norm: weight must be contiguous fp32, x and residual alike");
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* xi = x.data_ptr<float>() + i * x.stride(0);
+      float* ri = residual.data_ptr<float>() + i * residual.stride(0);
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
+        _mm256_storeu_ps(ri + j, _mm256_add_ps(_mm256_loadu_ps(ri + j), _mm256_loadu_ps(xi + j)));
+      }
+      for (; j < n; ++j) ri[j] += xi[j];
+      rms_norm_row(ri, w, xi, n, static_cast<float>(eps));
+    }
+  });
+}
+
+// out = silu(gate) * up, where x = [gate | up] along the last dimension.
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * d]");
+  const int64_t d = x.size(1) / 2;
+  check_rows(x, 2 * d, "silu_and_mul x");
+  check_rows(out, d, "silu_and_mul out");
+  TORCH_CHECK(out.size(0) == x.size(0), "silu_and_mul: out must have x's rows");
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 zero = _mm256_setzero_ps();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* gate = x.data_ptr<float>() + i * x.stride(0);
+      const float* up = gate + d;
+      float* o = out.data_ptr<float>() + i * out.stride(0);
+      int64_t j = 0;
+      for (; j + 8 <= d; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + j);
+        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
+      }
+      for (; j < d; ++j) o[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+    }
+  });
+}
+
+// Rotate-half RoPE of one head in place: x' = x * cos + rotate_half(x) * sin.
+inline void rotate_head(float* x, const float* cos, const float* sin, int64_t half) {
+  int64_t j = 0;
+  for (; j + 8 <= half; j += 8) {
+    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + half + j);
+    const __m256 c = _mm256_loadu_ps(cos + j), s = _mm256_loadu_ps(sin + j);
+    _mm256_storeu_ps(x + j, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+    _mm256_storeu_ps(x + half + j, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+  }
+  for (; j < half; ++j) {
+    const float a = x[j], b = x[half + j];
+    x[j] = a * cos[j] - b * sin[j];
+    x[half + j] = b * cos[j] + a * sin[j];
+  }
+}
+
+void check_heads(const at::Tensor& t, int64_t tokens, int64_t head_dim, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 &&
+                  t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1,
+              what, ": expected fp32 [tokens, heads, ", head_dim, "] with unit stride in D");
+}
+
+// q [T, H, D] and k [T, Hkv, D] rotated in place (any token/head strides: they may be
+// views into the fused q/k/v output) at positions [T]; cos/sin caches [max_pos, D] hold the
+// half-frequencies twice, so their first D / 2 columns are all that is read.
+void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions,
+                      const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
+  const int64_t tokens = positions.numel(), head_dim = cos_cache.size(1), half = head_dim / 2;
+  check_heads(q, tokens, head_dim, "rotary_embedding q");
+  check_heads(k, tokens, head_dim, "rotary_embedding k");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "rotary_embedding: positions must be contiguous int64");
+  TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous() &&
+                  cos_cache.scalar_type() == at::kFloat && sin_cache.sizes() == cos_cache.sizes(),
+              "rotary_embedding: cos/sin caches must be contiguous fp32 [max_pos, D]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_cache.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_embedding: position ", pos[t],
+                " outside [0, ", max_pos, ")");
+  }
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos_cache.data_ptr<float>() + pos[t] * head_dim;
+      const float* s = sin_cache.data_ptr<float>() + pos[t] * head_dim;
+      for (int64_t h = 0; h < q.size(1); ++h) {
+        rotate_head(q.data_ptr<float>() + t * q.stride(0) + h * q.stride(1), c, s, half);
+      }
+      for (int64_t h = 0; h < k.size(1); ++h) {
+        rotate_head(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), c, s, half);
+      }
+    }
+  });
+}
+
+// ---- the plain draw ---------------------------------------------------------------------
+
+// Index drawn from softmax(logits * inv_temperature) with the uniform u: the first index
+// whose cumulative probability exceeds u (the inverse CDF), found from per-block sums so the
+// scan is a pass over block totals and one block. -inf logits have probability 0 and are
+// never drawn.
+int64_t draw_row(const float* logits, int64_t n, float inv_temperature, float u,
+                 std::vector<float>& probs, std::vector<float>& block_sums) {
+  constexpr int64_t kBlock = 64;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 vmax = neg_inf;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(logits + j));
+  float max = hmax(vmax);
+  for (; j < n; ++j) max = std::max(max, logits[j]);
+  const __m256 scale = _mm256_set1_ps(inv_temperature);
+  const __m256 shift = _mm256_set1_ps(max * inv_temperature);
+  const int64_t num_blocks = (n + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+      const __m256 x = _mm256_loadu_ps(logits + i);
+      // exp256 clamps its argument at -87.3, so -inf logits are zeroed by mask.
+      const __m256 finite = _mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ);
+      const __m256 p = _mm256_and_ps(exp256(_mm256_fmsub_ps(x, scale, shift)), finite);
+      _mm256_storeu_ps(probs.data() + i, p);
+      acc = _mm256_add_ps(acc, p);
+    }
+    float sum = hsum(acc);
+    for (; i < end; ++i) {
+      const bool finite = logits[i] != -std::numeric_limits<float>::infinity();
+      probs[i] = finite ? std::exp(logits[i] * inv_temperature - max * inv_temperature) : 0.0f;
+      sum += probs[i];
+    }
+    block_sums[b] = sum;
+    total += sum;
+  }
+  const double target = static_cast<double>(u) * total;
+  double seen = 0.0;
+  int64_t b = 0;
+  for (; b < num_blocks - 1 && seen + block_sums[b] <= target; ++b) seen += block_sums[b];
+  // Block sums and the running sum round differently: the scan may run past block b.
+  for (int64_t i = b * kBlock; i < n; ++i) {
+    seen += probs[i];
+    if (probs[i] > 0.0f && seen > target) return i;
+  }
+  // Rounding left the target at the row's end: the last token that can be drawn.
+  for (int64_t i = n - 1; i >= 0; --i) {
+    if (probs[i] > 0.0f) return i;
+  }
+  return 0;  // every logit is -inf: nothing can be drawn, and torch's draw is as arbitrary
+}
+
+// out[r] = one token of row r of logits [R, V] from softmax(logits * inv_temperature),
+// drawn with uniforms[r].
+void sample_plain(at::Tensor out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                  const at::Tensor& uniforms) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  check_rows(logits, n, "sample_plain logits");
+  for (const auto* t : {&inv_temperature, &uniforms}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == rows,
+                "sample_plain: inv_temperature and uniforms must be contiguous fp32 [rows]");
+  }
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous() &&
+                  out.numel() == rows,
+              "sample_plain: out must be contiguous int64 [rows]");
+  int64_t* ids = out.data_ptr<int64_t>();
+  const float* temp = inv_temperature.data_ptr<float>();
+  const float* u = uniforms.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(n), block_sums(n / 64 + 1);
+    for (int64_t r = begin; r < end; ++r) {
+      ids[r] = draw_row(logits.data_ptr<float>() + r * logits.stride(0), n, temp[r], u[r],
+                        probs, block_sums);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+        &fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &silu_and_mul);
+  m.def(
+      "rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, "
+      "Tensor sin_cache) -> ()",
+      &rotary_embedding);
+  m.def(
+      "sample_plain(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) "
+      "-> ()",
+      &sample_plain);
+}

@@ -1,0 +1,102 @@
+"""Build and load the C++ CPU extension (torch.ops.pagedllm): paged attention and fused ops.
+
+Sources are pagedllm/ops/csrc/*.cpp, compiled once with `torch.utils.cpp_extension.load`
+into a cache directory (one per Python and torch version) and reused by later processes.
+`build()` (or `python -m pagedllm.ops.extension`) compiles ahead of time, e.g. at install,
+so that a first start does not wait for the compiler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_EXTENSION_NAME = "pagedllm_cpu_ops"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "cpu_ops.cpp"]
+# Explicit ISA flags rather than -march=native: the cache directory may be shared by
+# machines of different generations, and AVX2 + FMA + F16C is all the kernels use.
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+_extension: Any = None  # torch.ops.pagedllm once loaded
+_load_error: Exception | None = None
+
+
+def cache_dir() -> Path:
+    """Where the compiled extension lives, one directory per Python and torch version."""
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
+    tag = f"{_EXTENSION_NAME}-py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / "extensions" / f"{tag}-torch{torch.__version__}"
+
+
+def load() -> Any:
+    """`torch.ops.pagedllm`, built on first use (about 30 s) or loaded from the cache.
+
+    Raises RuntimeError, naming the reason, when the CPU lacks AVX2 or the build fails;
+    the failure is remembered so later calls in the process fail fast.
+    """
+    global _extension, _load_error
+    if _extension is not None:
+        return _extension
+    if _load_error is not None:
+        raise RuntimeError(f"the CPU extension is unavailable: {_load_error}")
+    start = time.perf_counter()
+    try:
+        _extension = _compile_and_import()
+    except Exception as error:
+        _load_error = error
+        raise RuntimeError(f"the CPU extension is unavailable: {error}") from error
+    elapsed = time.perf_counter() - start
+    if elapsed > 2:  # it compiled: say where the time went
+        logger.info("CPU extension built in %.1f s, cached in %s", elapsed, cache_dir())
+    return _extension
+
+
+def available() -> bool:
+    """Whether the extension loads here (building it if needed); never raises."""
+    try:
+        load()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _compile_and_import() -> Any:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise RuntimeError("the CPU lacks AVX2 and FMA, which the kernels need")
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
+    load_extension(
+        name=_EXTENSION_NAME,
+        sources=[str(source) for source in _SOURCES],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_CSRC)],
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+    return torch.ops.pagedllm
+
+
+def build() -> float:
+    """Compile (or find) the extension now and print how long that took; returns seconds."""
+    start = time.perf_counter()
+    load()
+    elapsed = time.perf_counter() - start
+    print(f"pagedllm: CPU extension ready in {cache_dir()} ({elapsed:.1f} s)")
+    return elapsed
+
+
+if __name__ == "__main__":
+    build()

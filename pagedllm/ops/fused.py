@@ -1,0 +1,115 @@
+"""Fused element-wise ops of the decoder step and the sampler's plain draw.
+
+Each op has a torch reference (any device and dtype) and, for fp32 tensors on the CPU when
+the caller passes `use_kernels`, a C++ kernel (ops/csrc/cpu_ops.cpp) that makes one pass
+over memory where the torch sequence makes several and allocates temporaries. Kernels
+work in place where the reference returns new tensors: callers use the return values only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.ops.extension import load
+
+
+def _kernel_applies(use_kernels: bool, *tensors: torch.Tensor) -> bool:
+    return use_kernels and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    use_kernels: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """norm(x) with no residual; with one, (norm(x + residual), x + residual), which the
+    kernel computes in place in x and residual (the residual stream of the decoder)."""
+    if _kernel_applies(use_kernels, x, weight) and x.dim() == 2 and x.stride(-1) == 1:
+        if residual is None:
+            out = torch.empty_like(x)
+            load().rms_norm(out, x, weight, eps)
+            return out, None
+        if residual.shape == x.shape and residual.stride(-1) == 1:
+            load().fused_add_rms_norm(x, residual, weight, eps)
+            return x, residual
+    if residual is not None:
+        residual = x + residual
+        x = residual
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(input_dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dimension."""
+    d = x.shape[-1] // 2
+    if _kernel_applies(use_kernels, x) and x.dim() == 2 and x.stride(-1) == 1:
+        out = torch.empty((x.shape[0], d), dtype=x.dtype)
+        load().silu_and_mul(out, x)
+        return out
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    use_kernels: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D]; the kernel rotates in place
+    (q and k may be strided views into the fused q/k/v output)."""
+    if (
+        _kernel_applies(use_kernels, q, k, cos_cache)
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and positions.dtype == torch.int64
+    ):
+        load().rotary_embedding(q, k, positions.contiguous(), cos_cache, sin_cache)
+        return q, k
+    cos = cos_cache[positions].unsqueeze(1).to(q.dtype)
+    sin = sin_cache[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def sample_plain(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    uniforms: torch.Tensor,
+    use_kernels: bool = False,
+) -> torch.Tensor:
+    """One token per row from softmax(logits * inv_temperature), by inverse CDF with the
+    row's uniform number; -inf logits are never drawn."""
+    if _kernel_applies(use_kernels, logits, inv_temperature, uniforms) and logits.dim() == 2:
+        token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
+        load().sample_plain(
+            token_ids,
+            logits if logits.stride(-1) == 1 else logits.contiguous(),
+            inv_temperature.contiguous(),
+            uniforms.contiguous(),
+        )
+        return token_ids
+    probs = (logits * inv_temperature[:, None]).softmax(dim=-1)
+    return inverse_cdf(probs, uniforms)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from each row of (unnormalized) `probs` with one uniform number per row.
+
+    One random number per row instead of one per token: drawing a Gumbel or exponential
+    variate for every vocabulary entry costs more than the rest of sampling together.
+    """
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    index = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
+    return index.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,106 @@
+"""The fused CPU kernels against their torch references, and the sampler's plain draw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.ops import extension, fused
+from pagedllm.sample.sampler import Sampler, SamplingMetadata
+
+pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
+
+
+def test_rms_norm_matches_reference():
+    torch.manual_seed(0)
+    x, weight = torch.randn(37, 100), torch.randn(100)
+    out, residual = fused.rms_norm(x, weight, 1e-5, use_kernels=True)
+    expected, _ = fused.rms_norm(x, weight, 1e-5, use_kernels=False)
+    assert residual is None
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_add_rms_norm_updates_both_in_place():
+    torch.manual_seed(1)
+    x, residual, weight = torch.randn(20, 64), torch.randn(20, 64), torch.randn(64)
+    expected_out, expected_residual = fused.rms_norm(x.clone(), weight, 1e-6, residual.clone())
+    x_in, residual_in = x.clone(), residual.clone()
+    out, new_residual = fused.rms_norm(x_in, weight, 1e-6, residual_in, use_kernels=True)
+    assert out.data_ptr() == x_in.data_ptr() and new_residual.data_ptr() == residual_in.data_ptr()
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("width", [8, 13, 1536])
+def test_silu_and_mul_matches_reference(width):
+    torch.manual_seed(2)
+    x = torch.randn(9, 2 * width) * 6  # large |x|: exp's clamping must not show
+    out = fused.silu_and_mul(x, use_kernels=True)
+    torch.testing.assert_close(out, fused.silu_and_mul(x), rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_rotates_strided_views_in_place():
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, head_dim, max_pos = 11, 6, 2, 64, 100
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.randn(max_pos, head_dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.randint(0, max_pos, (tokens,))
+    expected_q, expected_k = fused.rotary_embedding(positions, q.clone(), k.clone(), cos, sin)
+    out_q, out_k = fused.rotary_embedding(positions, q, k, cos, sin, use_kernels=True)
+    assert out_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    torch.testing.assert_close(out_q, expected_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_k, expected_k, rtol=1e-5, atol=1e-6)
+
+
+def test_rotary_refuses_positions_outside_the_cache():
+    q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    cos = sin = torch.ones(4, 16)
+    with pytest.raises(RuntimeError, match="outside"):
+        fused.rotary_embedding(torch.tensor([4]), q, k, cos, sin, use_kernels=True)
+
+
+def test_sample_plain_equals_the_reference_draw():
+    """Same uniforms, same token, except where a uniform falls within rounding of a CDF
+    step (none of 2,000 draws here)."""
+    torch.manual_seed(4)
+    logits = torch.randn(2000, 1000) * 3
+    inv_temperature = torch.rand(2000) + 0.5
+    uniforms = torch.rand(2000)
+    kernel = fused.sample_plain(logits, inv_temperature, uniforms, use_kernels=True)
+    reference = fused.sample_plain(logits, inv_temperature, uniforms)
+    assert (kernel != reference).sum() == 0
+
+
+def test_sample_plain_never_draws_masked_tokens():
+    logits = torch.full((64, 300), float("-inf"))
+    logits[:, 7], logits[:, 299] = 0.0, -50.0
+    uniforms = torch.linspace(0, 0.999999, 64)
+    uniforms[-1] = 1.0 - 2**-24  # the largest uniform torch.rand can return
+    tokens = fused.sample_plain(logits, torch.ones(64), uniforms, use_kernels=True)
+    assert set(tokens.tolist()) <= {7, 299}
+
+
+def _metadata(rows: int, temperature: float) -> SamplingMetadata:
+    return SamplingMetadata(
+        temperature=torch.full((rows,), temperature),
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+        all_greedy=False,
+        all_random=True,
+    )
+
+
+def test_sampler_with_kernels_draws_the_softmax_distribution():
+    torch.manual_seed(5)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    rows = 40_000
+    logits = (probs.log() * 0.5).expand(rows, 4).contiguous()  # temperature 0.5 undoes * 0.5
+    tokens = Sampler(use_kernels=True)(logits, _metadata(rows, 0.5), compute_logprobs=False)
+    frequencies = torch.bincount(tokens.token_ids, minlength=4).float() / rows
+    torch.testing.assert_close(frequencies, probs, atol=0.01, rtol=0)
