@@ -11,7 +11,9 @@ overhead (everything but forward and logits) as a share of the step.
     .venv/bin/python benchmarks/step_breakdown.py [--batch 256] [--decode-steps 16]
         [--profile decode_profile.txt] [--output-json out.json]
 
-`--profile FILE` records one decode step with torch.profiler and writes its op table.
+`--profile FILE` records one decode step with torch.profiler and writes its op table;
+`--profile-prefill FILE` does the same for the second step (a 2,048-token chunk of prompt
+tokens beside the few decodes of the first chunk's prompts).
 """
 
 from __future__ import annotations
@@ -94,12 +96,18 @@ def run(args: argparse.Namespace) -> dict:
     steps: dict[str, list[dict]] = {"prefill": [], "decode": []}
     scheduler = engine.engine_core.scheduler
     profile_done = args.profile is None
+    step_index = 0
     while len(steps["decode"]) < args.decode_steps:
+        step_index += 1
         before = {r.request_id: r.num_computed_tokens for r in scheduler.running}
         started = time.perf_counter()
         if not profile_done and len(steps["decode"]) == args.decode_steps // 2:
             profile_step(engine, args.profile)
             profile_done = True
+            timer.take()
+            continue
+        if args.profile_prefill and step_index == 2:
+            profile_step(engine, args.profile_prefill)
             timer.take()
             continue
         engine.step()
@@ -112,8 +120,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def classify(scheduler, before: dict[str, int], args) -> tuple[str | None, dict]:
-    """A step is "prefill" if it ran a full budget of prompt tokens only, "decode" if every
-    one of `--batch` sequences ran one token; other (mixed, partial) steps are left out."""
+    """A step is "prefill" if it ran a full budget of which at least 90% were prompt tokens
+    (after the first chunk, every step carries the decodes of the prompts already done),
+    "decode" if every one of `--batch` sequences ran one token; other steps are left out."""
     tokens, prompt_tokens, context_sum, sampled = 0, 0, 0, 0
     for request in scheduler.running:
         start = before.get(request.request_id, 0)
@@ -129,7 +138,7 @@ def classify(scheduler, before: dict[str, int], args) -> tuple[str | None, dict]
     )
     if all_decoding and tokens == args.batch:
         return "decode", shape
-    if tokens == prompt_tokens == args.max_num_batched_tokens:
+    if tokens == args.max_num_batched_tokens and prompt_tokens >= 0.9 * tokens:
         return "prefill", shape
     return None, shape
 
@@ -203,6 +212,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--profile-prefill", default=None)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     report = run(args)

@@ -71,7 +71,7 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata, scale):
         if not self._covers(q, kv_cache[0]):
             return self._torch.forward(q, k, v, kv_cache, metadata, scale)
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        self._write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         plan = self._plan_for(metadata)
         out = torch.empty(q.shape, dtype=torch.float32)
         query = q.float()  # no copy when q is fp32 already
@@ -88,6 +88,16 @@ class CpuAttentionBackend(AttentionBackend):
             scale,
         )
         return out.to(q.dtype)
+
+    def _write_kv_cache(self, k, v, kv_cache, slots: torch.Tensor) -> None:
+        key_cache = kv_cache[0]
+        if all(
+            t.dtype == key_cache.dtype and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+            for t in (k, v)
+        ):
+            self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots.to(torch.int64))
+        else:
+            write_kv_cache(k, v, kv_cache, slots)
 
     def _covers(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return (

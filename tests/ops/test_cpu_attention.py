@@ -163,6 +163,22 @@ def test_decode_batch_matches_torch(cpu_backend, block_size):
     assert_matches_torch(cpu_backend, batch)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_decodes_beside_prefills_match_torch(cpu_backend, threads):
+    """Past 8 requests per thread a decode's kv heads go to one work item; prefill chunks in
+    the same step keep one item per kv head and tile."""
+    rng = random.Random(4)
+    requests = [(rng.randrange(0, 200), 1) for _ in range(20)] + [(0, 37), (50, 20)]
+    rng.shuffle(requests)
+    batch = make_batch(requests, block_size=16, num_heads=9, num_kv_heads=3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_torch(cpu_backend, batch)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 128, 256])
 def test_head_dims_match_torch(cpu_backend, head_dim):
     batch = make_batch(
@@ -226,6 +242,26 @@ def test_half_precision_caches(cpu_backend, dtype):
     expected, _ = run_backend(TorchAttentionBackend(), widened)
     assert actual.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.to(dtype).float(), rtol=1e-2, atol=1e-3)
+
+
+def test_kv_write_reads_strided_slices_of_fused_qkv(cpu_backend):
+    """The model hands k and v over as column slices of the fused q/k/v output."""
+    batch = make_batch([(30, 1), (0, 40), (17, 5)], block_size=16, num_heads=9, num_kv_heads=3)
+    num_tokens, head_dim = batch.q.shape[0], batch.q.shape[2]
+    fused = torch.cat([batch.q, batch.k, batch.v], dim=1).reshape(num_tokens, -1)
+    q, k, v = fused.split([9 * head_dim, 3 * head_dim, 3 * head_dim], dim=1)
+    batch.q, batch.k, batch.v = (t.view(num_tokens, -1, head_dim) for t in (q, k, v))
+    assert not batch.k.is_contiguous()
+    assert_matches_torch(cpu_backend, batch)
+
+
+def test_kv_write_rejects_a_slot_outside_the_cache(cpu_backend):
+    batch = make_batch([(0, 3)], block_size=16, num_heads=4, num_kv_heads=4)
+    key_cache, value_cache = batch.kv_cache
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    slots = torch.tensor([0, 1, num_slots])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pagedllm.write_kv_cache(key_cache, value_cache, batch.k, batch.v, slots)
 
 
 def test_unsupported_head_dim_falls_back_to_torch(cpu_backend):

@@ -64,9 +64,10 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         assert self.kv_cache is not None, "bind_kv_cache() before running the model"
-        out = self.backend.forward(q, k.contiguous(), v, self.kv_cache, metadata, self.scale)
+        # k and v stay strided views of the fused output: the cache write reads them so.
+        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -7,7 +7,8 @@
 // seq_len - query_len .. seq_len - 1 and see keys 0 .. their own position (causal).
 //
 // A work item is (request, kv head, tile of query tokens): a decode is one item per kv
-// head, a prefill chunk one per kv head and tile. Its rows are the tile's tokens times the
+// head (or one for all its kv heads when decodes are many), a prefill chunk one per kv
+// head and tile. Its rows are the tile's tokens times the
 // query heads of the kv head's group (GQA), so every K/V row of a block is fetched from
 // memory once per item and reused from L1 by all rows. Softmax is online over the blocks
 // (running max and sum per row, fp32), so nothing is materialized per context. Items are
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <vector>
@@ -155,19 +157,21 @@ struct Problem {
   float scale;
 };
 
-// Query tokens [q_begin, q_end) of a request (indices within its chunk) against one kv
-// head; its rows are those tokens times the group's query heads, token-major.
+// Query tokens [q_begin, q_end) of a request (indices within its chunk) against kv heads
+// [kv_head, kv_head_end); its rows are those tokens times the heads' query heads,
+// token-major.
 struct WorkItem {
-  int req, kv_head, q_begin, q_end;
+  int req, kv_head, kv_head_end, q_begin, q_end;
   int64_t cost;
 };
 
 struct Scratch {
   std::vector<float> q, acc, m, l, scores;
   std::vector<int> limit;
+  std::vector<int64_t> head_offset;  // of the row's kv head within a cache token, elements
   Scratch(int max_rows, int head_dim, int block_size)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
-        scores((block_size + 7) / 8 * 8), limit(max_rows) {}
+        scores((block_size + 7) / 8 * 8), limit(max_rows), head_offset(max_rows) {}
 };
 
 // Scaled queries into scratch; a row's `limit` is the number of keys it may see (causal).
@@ -175,15 +179,18 @@ template <int NV, typename T>
 void load_rows(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
   constexpr int D = NV * 8;
   const int q0 = p.query_start_loc[w.req];
+  const int heads = (w.kv_head_end - w.kv_head) * p.group;
   for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
-    for (int g = 0; g < p.group; ++g, ++r) {
+    for (int h = 0; h < heads; ++h, ++r) {
+      const int head = w.kv_head * p.group + h;
       const float* src = p.query + static_cast<int64_t>(q0 + t) * p.query_token_stride +
-                         static_cast<int64_t>(w.kv_head * p.group + g) * p.query_head_stride;
+                         static_cast<int64_t>(head) * p.query_head_stride;
       for (int d = 0; d < D; ++d) s.q[r * D + d] = src[d] * p.scale;
       std::fill_n(s.acc.begin() + r * D, D, 0.0f);
       s.m[r] = kNegInf;
       s.l[r] = 0.0f;
       s.limit[r] = context_start + t + 1;
+      s.head_offset[r] = static_cast<int64_t>(head / p.group) * D;
     }
   }
 }
@@ -192,12 +199,13 @@ template <int NV, typename T>
 void store_rows(const Problem<T>& p, const WorkItem& w, const Scratch& s) {
   constexpr int D = NV * 8;
   const int q0 = p.query_start_loc[w.req];
+  const int heads = (w.kv_head_end - w.kv_head) * p.group;
   for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
     float* dst =
         p.out + (static_cast<int64_t>(q0 + t) * p.num_heads + w.kv_head * p.group) * D;
-    for (int g = 0; g < p.group; ++g, ++r) {
+    for (int h = 0; h < heads; ++h, ++r) {
       const float inv = 1.0f / s.l[r];
-      for (int d = 0; d < D; ++d) dst[g * D + d] = s.acc[r * D + d] * inv;
+      for (int d = 0; d < D; ++d) dst[h * D + d] = s.acc[r * D + d] * inv;
     }
   }
 }
@@ -225,22 +233,25 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
   const int context_start = p.seq_lens[w.req] - query_len;
   load_rows<NV>(p, w, context_start, s);
-  const int rows = (w.q_end - w.q_begin) * p.group;
+  const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
   const int kv_end = context_start + w.q_end;
   const int32_t* table = p.block_tables + w.req * p.table_stride;
-  const int64_t head_offset = static_cast<int64_t>(w.kv_head) * D;
+  // The item's heads are adjacent in a cache token: one contiguous run to prefetch.
+  const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
+  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * D;
   for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
     const int n = std::min(p.block_size, kv_end - t0);
-    const int64_t offset = table[b] * p.block_stride + head_offset;
+    const int64_t block = table[b] * p.block_stride;
     const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
-    const int64_t next = next_n ? table[b + 1] * p.block_stride + head_offset : 0;
+    const int64_t next = next_n ? table[b + 1] * p.block_stride + run_offset : 0;
     for (int r = 0; r < rows; ++r) {
       const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
       const int64_t ahead = next + j0 * p.token_stride;
-      prefetch_rows(p.key_cache + ahead, p.token_stride, j1 - j0, D);
-      prefetch_rows(p.value_cache + ahead, p.token_stride, j1 - j0, D);
+      prefetch_rows(p.key_cache + ahead, p.token_stride, j1 - j0, run_elements);
+      prefetch_rows(p.value_cache + ahead, p.token_stride, j1 - j0, run_elements);
       const int valid = std::min(n, s.limit[r] - t0);
       if (valid <= 0) continue;  // a causal row that ends before this block
+      const int64_t offset = block + s.head_offset[r];
       attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, valid, r,
                        s);
     }
@@ -248,20 +259,34 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   store_rows<NV>(p, w, s);
 }
 
+// A decode takes all its kv heads in one item once there are this many requests per
+// thread to balance: the item then reads each block's tokens whole and in order (one run
+// of Hkv * D per token), where per-head items read a D-wide stripe of every token, and
+// the three stripes of a block at different times, from different threads.
+constexpr int kDecodesPerThread = 8;
+
 // Work items, costliest first: with dynamic scheduling that keeps long contexts from
 // being left to the end on one thread.
 std::vector<WorkItem> plan_work(const int32_t* query_start_loc, const int32_t* seq_lens,
                                 int64_t num_requests, int num_kv_heads, int q_tile) {
   std::vector<WorkItem> items;
+  const bool whole_decodes = num_requests >= kDecodesPerThread * at::get_num_threads();
   for (int req = 0; req < num_requests; ++req) {
     const int query_len = query_start_loc[req + 1] - query_start_loc[req];
     const int context_start = seq_lens[req] - query_len;
+    if (query_len == 1 && whole_decodes) {
+      items.push_back({req, 0, num_kv_heads, 0, 1,
+                       static_cast<int64_t>(num_kv_heads) * seq_lens[req]});
+      continue;
+    }
     for (int q_begin = 0; q_begin < query_len; q_begin += q_tile) {
       const int q_end = std::min(query_len, q_begin + q_tile);
       // Keys seen by the tile's rows: the whole context plus half the causal triangle.
       const int64_t cost = static_cast<int64_t>(q_end - q_begin) *
                            (context_start + (q_begin + q_end + 1) / 2);
-      for (int h = 0; h < num_kv_heads; ++h) items.push_back({req, h, q_begin, q_end, cost});
+      for (int h = 0; h < num_kv_heads; ++h) {
+        items.push_back({req, h, h + 1, q_begin, q_end, cost});
+      }
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -368,7 +393,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const auto items = plan_work(qsl, lens, num_requests, num_kv_heads, q_tile);
   if (items.empty()) return;
   int max_rows = 0;
-  for (const auto& w : items) max_rows = std::max(max_rows, (w.q_end - w.q_begin) * group);
+  for (const auto& w : items) {
+    max_rows = std::max(max_rows, (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * group);
+  }
 
   const auto run = [&](auto element) {
     using T = decltype(element);
@@ -388,6 +415,49 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// key_cache/value_cache slot slots[t] = key[t] / value[t]: the step's K/V into their
+// blocks, a row copy per token spread over threads. Strided sources are read in place
+// (k and v are column slices of the fused q/k/v output), where index_copy_ makes them
+// contiguous first and copies element by element on one thread.
+void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& key,
+                    const at::Tensor& value, const at::Tensor& slots) {
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
+              "write_kv_cache: caches must be contiguous [blocks, block_size, Hkv, D] pairs");
+  const int64_t num_tokens = slots.numel();
+  const int64_t row = key_cache.size(2) * key_cache.size(3);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (const auto* t : {&key, &value}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == key_cache.scalar_type() &&
+                    t->dim() == 3 && t->size(0) == num_tokens &&
+                    t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "write_kv_cache: key and value must be [T, Hkv, D] in the cache dtype with "
+                "contiguous heads");
+  }
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.is_contiguous(),
+              "write_kv_cache: slots must be a contiguous int64 vector");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_cache: slot ", slot[t],
+                " out of range [0, ", num_slots, ")");
+  }
+  const int64_t bytes = row * key_cache.element_size();
+  const auto copy_rows = [&](at::Tensor& cache, const at::Tensor& src) {
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const char* base = static_cast<const char*>(src.data_ptr());
+    const int64_t src_stride = src.stride(0) * src.element_size();
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        std::memcpy(dst + slot[t] * bytes, base + t * src_stride, bytes);
+      }
+    });
+  };
+  copy_rows(key_cache, key);
+  copy_rows(value_cache, value);
+}
+
 std::vector<int64_t> supported_head_dims() {
   return std::vector<int64_t>(std::begin(kHeadDims), std::end(kHeadDims));
 }
@@ -397,5 +467,9 @@ TORCH_LIBRARY(pagedllm, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()",
       &paged_attention);
+  m.def(
+      "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
+      "Tensor slots) -> ()",
+      &write_kv_cache);
   m.def("supported_head_dims() -> int[]", &supported_head_dims);
 }
