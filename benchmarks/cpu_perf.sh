@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every figure of RESULTS.md's "CPU performance" section in one run, side by side: the
+# working tree ("after") against BASE ("before", default c5b3781, the last commit before
+# the fused CPU kernels), vLLM CPU and llama.cpp from benchmarks/compare.py's peers
+# (install them first: `.venv/bin/python benchmarks/compare.py --install-only`).
+#
+#     benchmarks/cpu_perf.sh OUT_DIR [BASE_COMMIT]      # about 30 minutes on 2 cores
+#
+# "before" runs from a git worktree of BASE with its own extension cache, so the working
+# tree's compiled kernels are left alone. Each step writes its JSON/text under OUT_DIR.
+set -euo pipefail
+
+out=$(mkdir -p "${1:?usage: cpu_perf.sh OUT_DIR [BASE_COMMIT]}" && cd "$1" && pwd)
+base=${2:-c5b3781}
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=$root/.venv/bin/python
+peers=${PAGEDLLM_PEERS_DIR:-$HOME/.cache/pagedllm-peers}
+before=$out/before-src
+[ -d "$before" ] || git -C "$root" worktree add --force --detach "$before" "$base"
+
+# Run from OUT_DIR so neither tree is importable from the working directory.
+after() { (cd "$out" && "$@"); }
+before() { (cd "$out" && PAGEDLLM_CACHE_DIR=$out/before-cache PYTHONPATH=$before "$@"); }
+step() { echo "== $(date +%T) $*"; }
+
+step "step breakdown at batch 256 (decode) and in 2,048-token chunks (prefill)"
+for side in before after; do
+  $side "$py" "$root/benchmarks/step_breakdown.py" --profile "$out/decode_profile_$side.txt" \
+    --profile-prefill "$out/prefill_profile_$side.txt" --output-json "$out/steps_$side.json" \
+    > "$out/steps_$side.log" 2>&1
+  tail -4 "$out/steps_$side.log"
+done
+
+step "W1 offline: pagedllm and vLLM CPU (compare.py), then pagedllm before"
+after "$py" "$root/benchmarks/compare.py" --only pagedllm,vllm --num-prompts 64 \
+  --skip-serve --skip-ceiling --out-dir "$out/w1" > "$out/w1.log" 2>&1
+w1=(bench throughput --dataset-name file --dataset-path "$out/w1/workload_64.jsonl"
+  --num-prompts 64 --dtype float32)
+before "$py" -m pagedllm "${w1[@]}" --output-json "$out/w1_before.json" > "$out/w1_before.log" 2>&1
+
+step "W1 with --quantization int8, and its accuracy"
+after "$py" "$root/benchmarks/int8_speed.py" w1 --rounds 1 --variants fp32,int8 \
+  --output-json "$out/int8_speed.json" > "$out/int8_speed.log" 2>&1
+after "$py" "$root/benchmarks/int8_accuracy.py" --output-json "$out/int8_accuracy.json" \
+  > "$out/int8_accuracy.log" 2>&1
+
+step "scheduler budget on W1: 1,024 and 4,096 tokens per step (2,048 is the W1 run above)"
+for budget in 1024 4096; do
+  after "$py" -m pagedllm "${w1[@]}" --max-num-batched-tokens "$budget" \
+    --output-json "$out/w1_budget_$budget.json" > "$out/w1_budget_$budget.log" 2>&1
+done
+
+step "KV waste on W1"
+after "$py" "$root/benchmarks/kv_waste.py" --output-json "$out/kv_waste.json" > "$out/kv_waste.log" 2>&1
+
+step "single-stream decode: pagedllm (before, after) and llama.cpp F32 tg128"
+latency=(bench latency --batch-size 1 --input-len 1 --output-len 128 --num-iters 5
+  --num-iters-warmup 1 --dtype float32)
+for side in before after; do
+  $side "$py" -m pagedllm "${latency[@]}" --output-json "$out/latency_$side.json" \
+    > "$out/latency_$side.log" 2>&1
+done
+"$peers/llama.cpp/build/bin/llama-bench" -m "$peers/models/SmolLM2-135M-Instruct-f32.gguf" \
+  -p 0 -n 128 -t 2 -r 5 -o json > "$out/llama_bench_tg128.json" 2> "$out/llama_bench.log"
+
+step "server start-up, warm cache"
+after "$py" "$root/benchmarks/startup.py" --runs 3 > "$out/startup.log" 2>&1
+tail -3 "$out/startup.log"
+step "done: $out"
