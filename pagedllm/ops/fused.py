@@ -1,4 +1,5 @@
-"""Fused element-wise ops of the decoder step and the sampler's plain draw.
+"""Fused element-wise ops of the decoder step, the sampler's plain draw and the linear
+layers' few-row (decode) path.
 
 Each op has a torch reference (any device and dtype) and, for fp32 tensors on the CPU when
 the caller passes `use_kernels`, a C++ kernel (ops/csrc/cpu_ops.cpp) that makes one pass
@@ -42,6 +43,31 @@ def rms_norm(
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(input_dtype), residual
+
+
+# Up to this many rows the skinny kernel (one pass over the weight on every thread) beats
+# torch's sgemm, which runs such shapes on one thread: benchmarks/RESULTS.md, "Skinny linear".
+SKINNY_MAX_ROWS = 12
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    use_kernels: bool = False,
+) -> torch.Tensor:
+    """x W^T (+ b), W shaped [out, in]; decode-sized fp32 batches go to the skinny kernel."""
+    if (
+        x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and _kernel_applies(use_kernels, x, weight)
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    ):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+        load().skinny_linear(out, x, weight)
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 def silu_and_mul(x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:

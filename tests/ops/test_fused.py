@@ -40,6 +40,34 @@ def test_silu_and_mul_matches_reference(width):
     torch.testing.assert_close(out, fused.silu_and_mul(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, fused.SKINNY_MAX_ROWS])
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (13, 7), (1536, 129)])
+def test_skinny_linear_matches_torch(rows, in_features, out_features):
+    """Odd sizes exercise the kernel's tails: reductions not a multiple of 8, output rows
+    not a multiple of 4 and a weight split unevenly over the threads."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    out = fused.linear(x, weight, bias, use_kernels=True)
+    # Only the summation order differs: sums of ~1,500 unit-sized products (|y| ~ 40)
+    # differ by a few 1e-5 between orders.
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_skinny_linear_reads_strided_rows_and_leaves_larger_batches_to_torch(monkeypatch):
+    torch.manual_seed(5)
+    weight = torch.randn(64, 40)
+    x = torch.randn(4, 80)[:, :40]  # rows 80 apart
+    torch.testing.assert_close(
+        fused.linear(x, weight, use_kernels=True), torch.nn.functional.linear(x, weight)
+    )
+    calls = []
+    monkeypatch.setattr(fused, "load", lambda: calls.append(1))
+    fused.linear(torch.randn(fused.SKINNY_MAX_ROWS + 1, 40), weight, use_kernels=True)
+    assert calls == []
+
+
 def test_rotary_rotates_strided_views_in_place():
     torch.manual_seed(3)
     tokens, heads, kv_heads, head_dim, max_pos = 11, 6, 2, 64, 100

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.ops import fused
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -37,6 +38,7 @@ class Linear(nn.Module):
                 nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
                 self.weight_loader,
             )
+        self.use_kernels = False  # set by the model when the CPU extension serves it
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -44,7 +46,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return fused.linear(x, self.weight, self.bias, self.use_kernels)
 
 
 class MergedLinear(Linear):

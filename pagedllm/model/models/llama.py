@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.layers.linear import Linear, MergedLinear, default_weight_loader
@@ -141,6 +140,7 @@ class LlamaForCausalLM(nn.Module):
         # The fused CPU kernels serve the model where the CPU attention backend does: both
         # come from the same extension, which loaded if that backend is in use.
         use_kernels = backend.name == "cpu"
+        self.use_kernels = use_kernels
         for module in self.modules():
             if hasattr(module, "use_kernels"):
                 module.use_kernels = use_kernels
@@ -150,7 +150,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding's weight turns states into logits
-            return F.linear(hidden_states, self.model.embed_tokens.weight)
+            return fused.linear(
+                hidden_states, self.model.embed_tokens.weight, use_kernels=self.use_kernels
+            )
         # A Linear, or its int8 replacement under quantization (also set for tied models).
         return self.lm_head(hidden_states)
 
