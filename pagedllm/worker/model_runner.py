@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 
 import numpy as np
 import torch
@@ -80,21 +79,17 @@ class ModelRunner:
         """Zeroed, not empty: padded decode batches read slots past each sequence's end, and
         masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
 
-        On the CPU the zeros are an anonymous mapping whose pages the OS maps lazily, so a
+        On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
         4 GiB cache costs no start-up time and only as much RAM as blocks actually used. The
-        mapping asks for transparent huge pages: the first write to a block faults its page
-        in the middle of a step, and with 4 KiB pages those faults took 7% of a prefill step.
+        price is paid in steps: the first write to a block faults its pages in (5-8% of a
+        2,048-token prefill step while the pool is fresh). Transparent huge pages removed
+        that in one run and not in the next (the kernel falls back to small pages when it
+        has no huge ones free), so they are not asked for.
         """
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         num_bytes = math.prod(shape) * dtype.itemsize
-        if not hasattr(mmap, "MAP_ANONYMOUS"):
-            return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-        buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        # The tensor holds a reference to the mapping, which is unmapped when both are gone.
-        return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,0 +1,66 @@
+"""The skinny-linear kernel against `F.linear` at decode shapes.
+
+Times one forward pass's worth of projections of the default model (4 per layer × 30
+layers + the tied head, fp32) at 1..16 rows, each way, best of `--repeats`, after checking
+that both give the same result.
+
+    .venv/bin/python benchmarks/skinny_linear.py [--rows 1,2,3,4,6,8,12,16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB
+
+from pagedllm.ops.extension import load
+
+
+def best_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return 1000 * best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,3,4,6,8,12,16")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    ops = load()
+    shapes = [(o, i) for i, o in LINEAR_SHAPES.values()] * LAYERS + [(VOCAB, HIDDEN)]
+    weights = [torch.randn(shape) for shape in shapes]
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    print(f"{len(weights)} weights, {weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads")
+    print("| rows | F.linear (ms) | skinny (ms) | skinny GB/s |")
+    print("|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        outs = [torch.empty(rows, w.shape[0]) for w in weights]
+        for w, out in zip(weights[:4], outs, strict=False):
+            ops.skinny_linear(out, inputs[w.shape[1]], w)
+            expected = torch.nn.functional.linear(inputs[w.shape[1]], w)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+        def torch_pass(inputs=inputs):
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+        def skinny_pass(inputs=inputs, outs=outs):
+            for w, out in zip(weights, outs, strict=True):
+                ops.skinny_linear(out, inputs[w.shape[1]], w)
+
+        torch_ms = best_ms(torch_pass, args.repeats)
+        skinny_ms = best_ms(skinny_pass, args.repeats)
+        gbs = weight_bytes / skinny_ms / 1e6
+        print(f"| {rows} | {torch_ms:.1f} | {skinny_ms:.1f} | {gbs:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
