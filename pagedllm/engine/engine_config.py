@@ -17,7 +17,7 @@ from pagedllm.config import (
 )
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.ops.attention import get_attention_backend
+from pagedllm.ops.attention import check_attention_backend
 
 logger = logging.getLogger("pagedllm")
 
@@ -85,7 +85,7 @@ def build_engine_config(
         max_model_len=model_config.max_model_len,
         policy=args.scheduling_policy,
     )
-    get_attention_backend(args.attention_backend)
+    check_attention_backend(args.attention_backend)
     return EngineConfig(
         model_config, cache_config, scheduler_config, args.attention_backend, args.device
     )

@@ -164,9 +164,15 @@ _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
 }
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def check_attention_backend(name: str) -> None:
+    """Refuse an unknown backend name without building the backend (the server's API
+    process checks the configuration but never runs the model)."""
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend {name!r} is unknown; choose one of {sorted(_BACKENDS)}"
         )
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    check_attention_backend(name)
     return _BACKENDS[name]()

@@ -1,13 +1,17 @@
 """Build and load the C++ CPU extension (torch.ops.pagedllm): paged attention and fused ops.
 
 Sources are pagedllm/ops/csrc/*.cpp, compiled once with `torch.utils.cpp_extension.load`
-into a cache directory (one per Python and torch version) and reused by later processes.
+into a cache directory (one per Python version, torch version and digest of the sources)
+and reused by later processes. The sources are built from copies inside that directory,
+so checkouts with the same sources share one build and checkouts with different ones
+(a branch, an older clone) no longer rebuild over each other's.
 `build()` (or `python -m pagedllm.ops.extension`) compiles ahead of time, e.g. at install,
 so that a first start does not wait for the compiler.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -30,11 +34,35 @@ _extension: Any = None  # torch.ops.pagedllm once loaded
 _load_error: Exception | None = None
 
 
+def _source_files() -> list[Path]:
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for path in _source_files():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def cache_dir() -> Path:
-    """Where the compiled extension lives, one directory per Python and torch version."""
+    """Where the compiled extension lives: per Python version, torch version and sources."""
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
     tag = f"{_EXTENSION_NAME}-py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / "extensions" / f"{tag}-torch{torch.__version__}"
+    return Path(root) / "extensions" / f"{tag}-torch{torch.__version__}-{_source_digest()}"
+
+
+def _copy_sources(directory: Path) -> Path:
+    """The sources copied into the build directory (atomically: processes may race)."""
+    source_dir = directory / "src"
+    source_dir.mkdir(exist_ok=True)
+    for path in _source_files():
+        target = source_dir / path.name
+        if not target.exists():
+            partial = source_dir / f".{path.name}.{os.getpid()}"
+            partial.write_bytes(path.read_bytes())
+            os.replace(partial, target)
+    return source_dir
 
 
 def load() -> Any:
@@ -76,13 +104,14 @@ def _compile_and_import() -> Any:
 
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    source_dir = _copy_sources(directory)
     # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
     load_extension(
         name=_EXTENSION_NAME,
-        sources=[str(source) for source in _SOURCES],
+        sources=[str(source_dir / source.name) for source in _SOURCES],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(_CSRC)],
+        extra_include_paths=[str(source_dir)],
         build_directory=str(directory),
         is_python_module=False,
     )

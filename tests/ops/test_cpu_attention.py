@@ -291,6 +291,21 @@ def test_cache_dir_follows_pagedllm_cache_dir(monkeypatch, tmp_path):
     assert torch.__version__ in extension.cache_dir().name
 
 
+def test_cache_dir_differs_when_the_sources_do(monkeypatch, tmp_path):
+    """Checkouts with different kernel sources build into different directories instead of
+    rebuilding over each other's; identical sources share one."""
+    first = extension.cache_dir()
+    assert first == extension.cache_dir()
+    changed = tmp_path / "csrc"
+    changed.mkdir()
+    for path in extension._source_files():
+        (changed / path.name).write_bytes(path.read_bytes())
+    (changed / "cpu_ops.cpp").write_text("// another version\n")
+    monkeypatch.setattr(extension, "_CSRC", changed)
+    assert extension.cache_dir() != first
+    assert extension.cache_dir().parent == first.parent
+
+
 def test_greedy_tokens_equal_torch_backend(tiny_llama):
     """Chunked prefill (small token budget), an odd block size and a batch of decodes."""
     rng = random.Random(0)
