@@ -1,10 +1,10 @@
 """Build and load the C++ CPU extension (torch.ops.pagedllm): paged attention and fused ops.
 
 Sources are pagedllm/ops/csrc/*.cpp, compiled once with `torch.utils.cpp_extension.load`
-into a cache directory (one per Python version, torch version and digest of the sources)
-and reused by later processes. The sources are built from copies inside that directory,
-so checkouts with the same sources share one build and checkouts with different ones
-(a branch, an older clone) no longer rebuild over each other's.
+into a cache directory (one per Python version, torch version, and digest of the sources
+and of torch's location) and reused by later processes. The sources are built from copies
+inside that directory, so a checkout's virtualenv keeps its build while other checkouts
+(a branch, an older clone, a CI clone) build theirs beside it instead of over it.
 `build()` (or `python -m pagedllm.ops.extension`) compiles ahead of time, e.g. at install,
 so that a first start does not wait for the compiler.
 """
@@ -39,7 +39,9 @@ def _source_files() -> list[Path]:
 
 
 def _source_digest() -> str:
-    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    # torch's location too: the build's include paths point into it, and a build from
+    # another virtualenv's torch would otherwise look changed to ninja and be redone.
+    digest = hashlib.sha256(" ".join([*_CFLAGS, os.path.dirname(torch.__file__)]).encode())
     for path in _source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]

@@ -293,7 +293,7 @@ def test_cache_dir_follows_pagedllm_cache_dir(monkeypatch, tmp_path):
 
 def test_cache_dir_differs_when_the_sources_do(monkeypatch, tmp_path):
     """Checkouts with different kernel sources build into different directories instead of
-    rebuilding over each other's; identical sources share one."""
+    rebuilding over each other's; the same sources and torch find the same one."""
     first = extension.cache_dir()
     assert first == extension.cache_dir()
     changed = tmp_path / "csrc"
