@@ -8,6 +8,7 @@
 #
 # "before" runs from a git worktree of BASE with its own extension cache, so the working
 # tree's compiled kernels are left alone. Each step writes its JSON/text under OUT_DIR.
+# Afterwards: `git worktree remove --force OUT_DIR/before-src` drops that worktree.
 set -euo pipefail
 
 out=$(mkdir -p "${1:?usage: cpu_perf.sh OUT_DIR [BASE_COMMIT]}" && cd "$1" && pwd)
