@@ -10,22 +10,11 @@ that both give the same result.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB
+from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 
 from pagedllm.ops.extension import load
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return 1000 * best
 
 
 def main() -> None:
@@ -56,8 +45,8 @@ def main() -> None:
             for w, out in zip(weights, outs, strict=True):
                 ops.skinny_linear(out, inputs[w.shape[1]], w)
 
-        torch_ms = best_ms(torch_pass, args.repeats)
-        skinny_ms = best_ms(skinny_pass, args.repeats)
+        torch_ms = 1000 * best_seconds(torch_pass, args.repeats)
+        skinny_ms = 1000 * best_seconds(skinny_pass, args.repeats)
         gbs = weight_bytes / skinny_ms / 1e6
         print(f"| {rows} | {torch_ms:.1f} | {skinny_ms:.1f} | {gbs:.1f} |")
 

@@ -8,9 +8,9 @@
 //
 // A work item is (request, kv head, tile of query tokens): a decode is one item per kv
 // head (or one for all its kv heads when decodes are many), a prefill chunk one per kv
-// head and tile. Its rows are the tile's tokens times the
-// query heads of the kv head's group (GQA), so every K/V row of a block is fetched from
-// memory once per item and reused from L1 by all rows. Softmax is online over the blocks
+// head and tile. Its rows are the tile's tokens times the query heads of the kv head's
+// group (GQA), so every K/V row of a block is fetched from memory once per item and
+// reused from L1 by all rows. Softmax is online over the blocks
 // (running max and sum per row, fp32), so nothing is materialized per context. Items are
 // spread over OpenMP threads costliest first with dynamic scheduling, because their costs
 // (context lengths) differ widely.
