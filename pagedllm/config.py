@@ -209,6 +209,11 @@ class EngineArgs:
                 f"quantization={self.quantization!r} needs dtype float32 (or auto), "
                 f"got {self.dtype!r}"
             )
+        if self.quantization == "gguf" and self.model and not str(self.model).endswith(".gguf"):
+            raise ValueError(
+                f"quantization='gguf' computes on a GGUF file's blocks; model {self.model!r} "
+                "is not a .gguf file (use quantization='int8' for other checkpoints)"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -513,3 +513,24 @@ def _stream(
         if projection in heads:
             weight = _unpermute(weight, heads[projection], f"{path}: {tensor.name}")
         yield hf_name, weight
+
+
+def iter_gguf_raw_weights(
+    path: str, config: PreTrainedConfig
+) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
+    """Yield ``(hf_name, type, raw rows)`` for every 2-D weight of GGUF file ``path``, its
+    blocks left as stored: a uint8 array [rows, bytes per row] (q/k rows un-permuted like
+    `iter_gguf_weights`), for layers that compute on the blocks themselves."""
+    reader = _open_gguf(path)
+    heads: dict[str, int] = {}
+    if _get(reader, "general.architecture") in _PERMUTED_ARCHITECTURES:
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for tensor, hf_name in _plan(reader, path):
+        if not hf_name.endswith(".weight") or len(tensor.shape) != 2:
+            continue
+        raw = np.asarray(tensor.data)
+        projection = hf_name.split(".")[-2]
+        if projection in heads:
+            rows = torch.from_numpy(raw.reshape(raw.shape[0], -1).copy())
+            raw = _unpermute(rows, heads[projection], f"{path}: {tensor.name}").numpy()
+        yield hf_name, tensor.tensor_type, raw.reshape(raw.shape[0], -1)

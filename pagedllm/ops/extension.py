@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "pagedllm_cpu_ops"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention.cpp", _CSRC / "cpu_ops.cpp", _CSRC / "skinny_linear.cpp"]
+_SOURCES = [
+    _CSRC / name
+    for name in ("paged_attention.cpp", "cpu_ops.cpp", "skinny_linear.cpp", "gguf_linear.cpp")
+]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by
 # machines of different generations, and AVX2 + FMA + F16C is all the kernels use.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]

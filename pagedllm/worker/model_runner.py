@@ -59,7 +59,8 @@ class ModelRunner:
         model.load_weights(iter_weights(source, model_config.hf_config))
         if model_config.quantization is not None:
             # Quantized from the loaded fp32 weights: one loader serves every format.
-            quantize_model(model, model_config.quantization)
+            gguf_path = source.path if source.is_gguf else None
+            quantize_model(model, model_config.quantization, gguf_path=gguf_path)
         return model.eval()
 
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

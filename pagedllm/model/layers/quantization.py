@@ -1,6 +1,7 @@
 """Weight quantization (`quantization="int8"`): the quantized Linear layers and the swap.
 
-Owns the list of methods, `Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
+Owns the list of methods, the swap for `quantization="gguf"` (GGUF blocks kept, see
+`gguf_linear.py`), `Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
 int8 weights, prepacked once for fbgemm; activations quantized to 8 bits on every call,
 per token: each row is scaled by its own max |x| before fbgemm's per-tensor dynamic
 quantization) and `quantize_model`, which replaces the `Linear` layers of a loaded fp32
@@ -22,6 +23,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ from pagedllm.model.layers.linear import Linear, MergedLinear
 
 logger = logging.getLogger("pagedllm")
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "gguf")
 
 _ENGINE = "fbgemm"
 
@@ -41,7 +43,7 @@ def verify_quantization(method: str | None) -> None:
     if method not in QUANTIZATION_METHODS:
         choices = ", ".join(repr(m) for m in (None, *QUANTIZATION_METHODS))
         raise ValueError(f"quantization {method!r} is not supported; choose one of {choices}")
-    if _ENGINE not in torch.backends.quantized.supported_engines:
+    if method == "int8" and _ENGINE not in torch.backends.quantized.supported_engines:
         raise ValueError(
             f"quantization={method!r} needs PyTorch's {_ENGINE} kernels (x86 CPUs); this "
             f"build has {torch.backends.quantized.supported_engines}"
@@ -147,7 +149,9 @@ class Int8MergedLinear(Int8Linear):
         return fused.split(self.output_sizes, dim=-1)
 
 
-def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) -> list[str]:
+def quantize_model(
+    model: nn.Module, method: str, quantize_head: bool = True, gguf_path: str | None = None
+) -> list[str]:
     """Replace every `Linear` of a loaded model with its int8 layer, in place.
 
     The head is quantized too unless `quantize_head` is false: on W1 that is ~15% more
@@ -159,6 +163,10 @@ def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) ->
     names of the replaced modules.
     """
     verify_quantization(method)
+    if method == "gguf":
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' needs a .gguf model file")
+        return keep_gguf_blocks(model, gguf_path)
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -186,3 +194,56 @@ def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) ->
         int8_bytes / 1e6,
     )
     return names
+
+
+def keep_gguf_blocks(model: nn.Module, path: str) -> list[str]:
+    """Replace every `Linear` whose GGUF tensors have a block kernel (Q4_0, Q4_1, Q8_0) with a
+    `GGUFLinear` on the file's own blocks, in place; the tied head gets the embedding's
+    blocks (the embedding itself stays fp32 for the lookup). Layers of other types (K-quants,
+    F16, mixed shards) keep their fp32 weights. Returns the names of the replaced modules."""
+    from pagedllm.model.gguf_loader import iter_gguf_raw_weights
+    from pagedllm.model.layers.gguf_linear import KERNEL_TYPES, GGUFLinear, GGUFMergedLinear
+    from pagedllm.model.models.llama import _fused_name
+    from pagedllm.ops.extension import load
+
+    try:
+        load()
+    except RuntimeError as error:
+        raise ValueError(f"quantization='gguf' needs the CPU kernels: {error}") from error
+    shards: dict[str, dict[str | None, tuple]] = {}
+    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
+        if hf_name == "model.embed_tokens.weight" and getattr(model, "lm_head", False) is None:
+            hf_name = "lm_head.weight"  # tied: the head computes on the embedding's blocks
+        param_name, shard_id = _fused_name(hf_name)
+        shards.setdefault(param_name.removesuffix(".weight"), {})[shard_id] = (ggml_type, raw)
+    replaced, kept = [], []
+    for name, module in list(model.named_modules()) + [("lm_head", None)]:
+        if name == "lm_head" and module is None and getattr(model, "lm_head", False) is not None:
+            continue
+        if module is not None and not isinstance(module, Linear):
+            continue
+        parts = shards.get(name)
+        order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
+        if parts is None or set(parts) != set(order):
+            continue
+        types = {parts[s][0] for s in order}
+        if len(types) != 1 or next(iter(types)) not in KERNEL_TYPES:
+            kept.append(name)
+            continue
+        raw = np.concatenate([parts[s][1] for s in order])
+        bias = None if module is None else module.bias
+        layer = (
+            GGUFMergedLinear(raw, types.pop(), module.output_sizes, bias)
+            if isinstance(module, MergedLinear)
+            else GGUFLinear(raw, types.pop(), bias)
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        replaced.append(name)
+    logger.info(
+        "quantization=gguf: %d layers compute on their GGUF blocks; %d kept fp32 (%s)",
+        len(replaced),
+        len(kept),
+        ", ".join(kept[:4]) or "none",
+    )
+    return replaced
