@@ -17,29 +17,18 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf_writer import (
+    finish,
+    tiny_model,
+    write_metadata,
+    write_model_gguf,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
 from pagedllm.model.loader import default_model_path
 
 # --------------------------------------------------------------------------- writing GGUF
-
-_HF_TO_GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_HF_TO_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 # Per-layer tensor types for the Llama file: every supported quantizable type
 # appears, and q/k get both exact and lossy types so the un-permutation is
@@ -58,78 +47,6 @@ _TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 1 / 127,
               Q.Q4_0: 1 / 7, Q.Q4_1: 1 / 14}  # fmt: skip
 
 
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in _HF_TO_GGUF_GLOBAL:
-        return _HF_TO_GGUF_GLOBAL[hf_name]
-    _, _, layer, *module, suffix = hf_name.split(".")
-    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK['.'.join(module)]}.{suffix}"
-
-
-def _converter_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp convert_hf_to_gguf.py LlamaModel.permute (the thing being undone)."""
-    rows = weight.shape[0]
-    split = weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
-    return split.swapaxes(1, 2).reshape(weight.shape)
-
-
-def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
-    data = gguf.quants.quantize(array.astype(np.float32), qtype)
-    if qtype in (Q.F32, Q.F16):
-        writer.add_tensor(name, data)
-    else:
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-
-
-def _write_metadata(
-    writer: gguf.GGUFWriter, arch: str, config: PreTrainedConfig, name: str
-) -> None:
-    writer.add_name(name)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    if arch == "llama":
-        writer.add_rope_dimension_count(config.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
-
-
-def _write_model_gguf(
-    path: Path, model: torch.nn.Module, arch: str, qtype_of, name: str = "tiny"
-) -> dict[str, Q]:
-    """Write ``model`` like llama.cpp would; returns the type of each HF tensor."""
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(writer, arch, config, name)
-    types = {}
-    for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # the converter drops tied heads
-        array = tensor.detach().numpy()
-        gguf_name = _gguf_name(hf_name)
-        if arch == "llama" and ".attn_q." in gguf_name:
-            array = _converter_permute(array, config.num_attention_heads)
-        if arch == "llama" and ".attn_k." in gguf_name:
-            array = _converter_permute(array, config.num_key_value_heads)
-        types[hf_name] = qtype_of(gguf_name) if array.ndim == 2 else Q.F32
-        _add_tensor(writer, gguf_name, array, types[hf_name])
-    _finish(writer)
-    return types
-
-
-def _finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def _llama_qtype(gguf_name: str) -> Q:
     parts = gguf_name.split(".")
     if parts[0] == "blk":
@@ -137,27 +54,15 @@ def _llama_qtype(gguf_name: str) -> Q:
     return _LLAMA_TYPES[parts[0]]
 
 
-def _tiny_model(model_type: str, **overrides) -> torch.nn.Module:
-    settings = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    settings.update(overrides)
-    config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> tuple[Path, torch.nn.Module, dict[str, Q]]:
-    model = _tiny_model(
+    model = tiny_model(
         "llama",
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     )
     path = tmp_path_factory.mktemp("llama") / "tiny-llama.gguf"
-    types = _write_model_gguf(path, model, "llama", _llama_qtype)
+    types = write_model_gguf(path, model, "llama", _llama_qtype)
     return path, model, types
 
 
@@ -250,9 +155,9 @@ def test_llama_config(tiny_llama) -> None:
 
 
 def test_llama_all_f32_logits_match_original(tmp_path: Path) -> None:
-    model = _tiny_model("llama", tie_word_embeddings=True)
+    model = tiny_model("llama", tie_word_embeddings=True)
     path = tmp_path / "f32.gguf"
-    _write_model_gguf(path, model, "llama", lambda _name: Q.F32)
+    write_model_gguf(path, model, "llama", lambda _name: Q.F32)
     config = load_gguf_config(str(path))
     assert config.tie_word_embeddings is True
     names = {name for name, _ in iter_gguf_weights(str(path), config)}
@@ -262,9 +167,9 @@ def test_llama_all_f32_logits_match_original(tmp_path: Path) -> None:
 
 
 def test_mistral_is_recognised_by_name(tmp_path: Path) -> None:
-    model = _tiny_model("mistral", sliding_window=None, head_dim=16)
+    model = tiny_model("mistral", sliding_window=None, head_dim=16)
     path = tmp_path / "mistral.gguf"
-    _write_model_gguf(path, model, "llama", lambda _name: Q.F32, name="Mistral-7B-v0.3")
+    write_model_gguf(path, model, "llama", lambda _name: Q.F32, name="Mistral-7B-v0.3")
     config = load_gguf_config(str(path))
     assert config.architectures == ["MistralForCausalLM"]
     assert config.sliding_window is None
@@ -276,13 +181,13 @@ def test_mistral_is_recognised_by_name(tmp_path: Path) -> None:
 
 
 def test_qwen2_biases_unpermuted_and_tied(tmp_path: Path) -> None:
-    model = _tiny_model(
+    model = tiny_model(
         "qwen2",
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     path = tmp_path / "qwen2.gguf"
-    _write_model_gguf(path, model, "qwen2", lambda _name: Q.F32)
+    write_model_gguf(path, model, "qwen2", lambda _name: Q.F32)
     config = load_gguf_config(str(path))
     assert config.architectures == ["Qwen2ForCausalLM"]
     assert config.tie_word_embeddings is True
@@ -336,10 +241,10 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     )
     path = tmp_path / "llama3.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    _write_metadata(writer, "llama", config, "Llama-3.2-tiny")
+    write_metadata(writer, "llama", config, "Llama-3.2-tiny")
     writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(500000.0, 64, rope))
     writer.add_tensor("token_embd.weight", np.zeros((64, 256), dtype=np.float32))
-    _finish(writer)
+    finish(writer)
     loaded = load_gguf_config(str(path))
     assert loaded.rope_parameters == rope
     assert loaded.head_dim == 64
@@ -398,7 +303,7 @@ def test_k_quants_dequantize_known_blocks(tmp_path: Path) -> None:
     writer.add_tensor(
         "blk.1.ffn_down.weight", q6_random, raw_shape=q6_random.shape, raw_dtype=Q.Q6_K
     )
-    _finish(writer)
+    finish(writer)
     config = PreTrainedConfig()  # only head counts are read, and not for qwen2
     weights = dict(iter_gguf_weights(str(path), config))
 
@@ -449,7 +354,7 @@ def test_empty_and_truncated_files_are_not_gguf(tiny_llama, tmp_path: Path) -> N
 def _single_tensor_file(path: Path, name: str, array: np.ndarray) -> str:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor(name, array)
-    _finish(writer)
+    finish(writer)
     return str(path)
 
 

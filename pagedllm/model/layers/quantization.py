@@ -200,45 +200,25 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> list[str]:
     """Replace every `Linear` whose GGUF tensors have a block kernel (Q4_0, Q4_1, Q8_0) with a
     `GGUFLinear` on the file's own blocks, in place; the tied head gets the embedding's
     blocks (the embedding itself stays fp32 for the lookup). Layers of other types (K-quants,
-    F16, mixed shards) keep their fp32 weights. Returns the names of the replaced modules."""
-    from pagedllm.model.gguf_loader import iter_gguf_raw_weights
-    from pagedllm.model.layers.gguf_linear import KERNEL_TYPES, GGUFLinear, GGUFMergedLinear
-    from pagedllm.model.models.llama import _fused_name
+    F16, shards of mixed types) keep their fp32 weights. Returns the replaced modules' names."""
     from pagedllm.ops.extension import load
 
     try:
         load()
     except RuntimeError as error:
         raise ValueError(f"quantization='gguf' needs the CPU kernels: {error}") from error
-    shards: dict[str, dict[str | None, tuple]] = {}
-    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
-        if hf_name == "model.embed_tokens.weight" and getattr(model, "lm_head", False) is None:
-            hf_name = "lm_head.weight"  # tied: the head computes on the embedding's blocks
-        param_name, shard_id = _fused_name(hf_name)
-        shards.setdefault(param_name.removesuffix(".weight"), {})[shard_id] = (ggml_type, raw)
+    shards = _gguf_shards(model, path)
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    if getattr(model, "lm_head", False) is None:
+        targets.append(("lm_head", None))  # tied: compute_logits calls lm_head once set
     replaced, kept = [], []
-    for name, module in list(model.named_modules()) + [("lm_head", None)]:
-        if name == "lm_head" and module is None and getattr(model, "lm_head", False) is not None:
-            continue
-        if module is not None and not isinstance(module, Linear):
-            continue
-        parts = shards.get(name)
-        order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
-        if parts is None or set(parts) != set(order):
-            continue
-        types = {parts[s][0] for s in order}
-        if len(types) != 1 or next(iter(types)) not in KERNEL_TYPES:
+    for name, module in targets:
+        layer = _gguf_layer(module, shards.get(name, {}))
+        if layer is None:
             kept.append(name)
             continue
-        raw = np.concatenate([parts[s][1] for s in order])
-        bias = None if module is None else module.bias
-        layer = (
-            GGUFMergedLinear(raw, types.pop(), module.output_sizes, bias)
-            if isinstance(module, MergedLinear)
-            else GGUFLinear(raw, types.pop(), bias)
-        )
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        setattr(model.get_submodule(parent_name), child, layer)
         replaced.append(name)
     logger.info(
         "quantization=gguf: %d layers compute on their GGUF blocks; %d kept fp32 (%s)",
@@ -247,3 +227,33 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> list[str]:
         ", ".join(kept[:4]) or "none",
     )
     return replaced
+
+
+def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, tuple]]:
+    """Module name -> {shard id (None unless fused): (GGUF type, raw rows)}."""
+    from pagedllm.model.gguf_loader import iter_gguf_raw_weights
+    from pagedllm.model.models.llama import _fused_name
+
+    tied = getattr(model, "lm_head", False) is None
+    shards: dict[str, dict[str | None, tuple]] = {}
+    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
+        if tied and hf_name == "model.embed_tokens.weight":
+            hf_name = "lm_head.weight"
+        param_name, shard_id = _fused_name(hf_name)
+        shards.setdefault(param_name.removesuffix(".weight"), {})[shard_id] = (ggml_type, raw)
+    return shards
+
+
+def _gguf_layer(module: Linear | None, parts: dict[str | None, tuple]) -> nn.Module | None:
+    """The GGUF layer for `module` (None: the tied head) from its shards, if a kernel fits."""
+    from pagedllm.model.layers.gguf_linear import KERNEL_TYPES, GGUFLinear, GGUFMergedLinear
+
+    order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
+    types = {parts[shard][0] for shard in order if shard in parts}
+    if set(parts) != set(order) or len(types) != 1 or next(iter(types)) not in KERNEL_TYPES:
+        return None
+    raw = np.concatenate([parts[shard][1] for shard in order])
+    bias = None if module is None else module.bias
+    if isinstance(module, MergedLinear):
+        return GGUFMergedLinear(raw, types.pop(), module.output_sizes, bias)
+    return GGUFLinear(raw, types.pop(), bias)

@@ -1,0 +1,200 @@
+"""`quantization="gguf"`: GGUF blocks read as the file stores them, the block kernel against a
+float reference (VNNI and portable paths bit for bit), which layers it replaces, greedy
+output against the fp32 engine on a tiny GGUF Llama, and refused settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_writer import tiny_model, write_model_gguf
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.model.layers.gguf_linear import GGUFLinear, GGUFMergedLinear, unpack_blocks
+from pagedllm.model.layers.linear import Linear
+
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+NUM_PROMPTS, MAX_TOKENS = 12, 24
+# Largest top-2 logprob gap at which the quantized engine may pick the other token. Two int8
+# digits per activation (~15 bits) moved the tiny model's logprobs by 1.2e-5 at most (measured);
+# a gap below 1e-3 is a tie at that precision.
+TIE_TOLERANCE = 1e-3
+
+
+def _raw(rows: int, cols: int, qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """A random weight quantized to `qtype`: (raw blocks [rows, bytes], dequantized fp32)."""
+    weight = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    weight[3] *= 30  # one loud row: its blocks' scales must not leak into the others
+    raw = gguf.quants.quantize(weight, qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols))
+
+
+def _activations(rows: int, cols: int) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
+    x[:, 7] *= 50  # an outlier channel, as in real hidden states
+    return x
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+def test_unpacked_blocks_are_the_dequantized_weights(qtype):
+    raw, dequantized = _raw(12, 96, qtype)
+    q, d, m = unpack_blocks(raw, qtype)
+    assert q.max() <= (15 if qtype != Q.Q8_0 else 255)
+    weights = q.reshape(12, 3, 32) * d[..., None] + m[..., None]
+    np.testing.assert_allclose(weights.reshape(12, 96), dequantized.numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("rows", [1, 4, 5, 9])
+def test_kernel_matches_the_float_reference(qtype, rows):
+    # 20 output columns: the last tile of 8 is part padding, which must never be written out.
+    raw, weight = _raw(20, 96, qtype)
+    bias = torch.randn(20)
+    layer = GGUFLinear(raw, qtype, bias)
+    x = _activations(rows, 96)
+    exact = x.double() @ weight.double().T + bias.double()
+    out = layer(x)
+    # Two digits: each input moves by at most 1/256 of its block's step (max |x| / 127).
+    steps = x.double().reshape(rows, 3, 32).abs().amax(-1, keepdim=True) / 127
+    bound = (steps / 256).expand(rows, 3, 32).reshape(rows, 96) @ weight.double().abs().T
+    assert ((out.double() - exact).abs() <= bound + 1e-5 * exact.abs() + 1e-6).all()
+    assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-3
+    layer.allow_vnni = False
+    assert torch.equal(layer(x), out)  # the portable path gives the same bits
+
+
+def test_one_digit_is_coarser_than_two():
+    raw, weight = _raw(16, 64, Q.Q4_1)
+    x = _activations(6, 64)
+    exact = x.double() @ weight.double().T
+    errors = {}
+    for digits in (1, 2):
+        out = GGUFLinear(raw, Q.Q4_1, digits=digits)(x).double()
+        errors[digits] = ((out - exact).norm() / exact.norm()).item()
+    print(errors)
+    assert errors[2] < 2e-4 and errors[1] > 100 * errors[2]
+
+
+def test_leading_dimensions_and_fused_split():
+    raw, _ = _raw(48, 64, Q.Q8_0)
+    fused = GGUFMergedLinear(raw, Q.Q8_0, [32, 8, 8])
+    x = _activations(6, 64).reshape(2, 3, 64)
+    parts = fused.split(fused(x))
+    assert [tuple(p.shape) for p in parts] == [(2, 3, 32), (2, 3, 8), (2, 3, 8)]
+    # Each column is computed on its own, so fused equals apart bit for bit.
+    for part, rows in zip(parts, (slice(0, 32), slice(32, 40), slice(40, 48)), strict=True):
+        assert torch.equal(part, GGUFLinear(raw[rows], Q.Q8_0)(x))
+
+
+def test_in_features_must_be_whole_blocks():
+    raw, _ = _raw(8, 64, Q.Q4_0)
+    layer = GGUFLinear(raw, Q.Q4_0)
+    with pytest.raises(RuntimeError, match="packed weight has"):
+        torch.ops.pagedllm.gguf_linear(
+            torch.empty(1, 8), torch.randn(1, 96), layer.packed, layer.scales, layer.mins,
+            4, 2, True,
+        )  # fmt: skip
+
+
+def test_unsupported_type_is_refused():
+    raw = gguf.quants.quantize(np.zeros((4, 32), np.float32), Q.F16)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        unpack_blocks(raw.view(np.uint8), Q.F16)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _qtype(gguf_name: str) -> Q:
+    """Layer 0 all Q4_1; layer 1 mixes types inside q/k/v (kept fp32) and has Q4_0, Q8_0
+    and F16 elsewhere; the tied embedding is Q8_0, as in the default model."""
+    if gguf_name.startswith("token_embd"):
+        return Q.Q8_0
+    layer, part = gguf_name.split(".")[1:3]
+    if layer == "0":
+        return Q.Q4_1
+    return {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "ffn_down": Q.F16}.get(
+        part, Q.Q4_0 if part == "attn_output" else Q.Q8_0
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    model = tiny_model(
+        "llama",
+        vocab_size=320,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = tmp_path_factory.mktemp("gguf-quant") / "tiny.gguf"
+    write_model_gguf(path, model, "llama", _qtype)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_gguf):
+    common = dict(max_model_len=256, skip_tokenizer_init=True, disable_log_stats=True)
+    return LLM(str(tiny_gguf), **common), LLM(str(tiny_gguf), quantization="gguf", **common)
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.model_runner.model
+
+
+def test_kernel_layers_replace_the_linear_layers_they_can(engines):
+    model = _model(engines[1])
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    kept = {n for n, m in model.named_modules() if isinstance(m, Linear)}
+    assert set(layers) == {
+        "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
+        "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj", "lm_head",
+    }  # fmt: skip
+    # q/k/v of mixed types and the F16 down projection stay fp32.
+    assert kept == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"}
+    assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], GGUFMergedLinear)
+    assert layers["lm_head"].ggml_type == Q.Q8_0
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays fp32
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def test_greedy_output_is_fp32s_up_to_ties(engines):
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(3, 320, (int(n),), generator=generator).tolist()
+        for n in torch.randint(4, 40, (NUM_PROMPTS,), generator=generator)
+    ]
+    ties = 0
+    largest_logprob_error = 0.0
+    for fp32, quantized in zip(*(_greedy(llm, prompts) for llm in engines), strict=True):
+        for position, (want, got) in enumerate(
+            zip(fp32.token_ids, quantized.token_ids, strict=True)
+        ):
+            top = sorted(fp32.logprobs[position].values(), key=lambda lp: -lp.logprob)
+            if got != want:
+                gap = top[0].logprob - top[1].logprob
+                assert gap <= TIE_TOLERANCE, f"position {position}: gap {gap:.2e} is no tie"
+                ties += 1
+                break
+            error = abs(quantized.logprobs[position][got].logprob - top[0].logprob)
+            largest_logprob_error = max(largest_logprob_error, error)
+    print(f"ties: {ties}; largest logprob difference: {largest_logprob_error:.2e}")
+    assert largest_logprob_error < 1e-4
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
+    directory = tiny_model_factory("LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"not a \.gguf file"):
+        EngineArgs(model=str(directory), quantization="gguf")
+    with pytest.raises(ValueError, match="needs dtype float32"):
+        EngineArgs(quantization="gguf", dtype="bfloat16")
