@@ -1,6 +1,7 @@
 """Accuracy cost of `quantization="int8"` on the default model (SmolLM2-135M-Instruct).
 
-    .venv/bin/python benchmarks/int8_accuracy.py [--max-tokens 64] [--output-json out.json]
+    .venv/bin/python benchmarks/int8_accuracy.py [--max-tokens 64] [--variants int8,gguf]
+                                                 [--output-json out.json]
 
 On 32 fixed prompts (16 chat, through the model's chat template, and 16 plain text) the
 fp32 engine decodes greedily (ignore_eos, so every sequence has `--max-tokens` positions).
@@ -16,7 +17,9 @@ Variants (all but the first patched in here only, to show what the engine's choi
 `int8` the engine's (every Linear and the tied head int8, per-token activation scales);
 `int8/fp32head` the head left fp32; `int8/tensor` fbgemm's per-tensor activation
 quantization without the per-token scaling; `w8-only` the int8 weights dequantized with
-fp32 activations, i.e. what the weights alone cost.
+fp32 activations, i.e. what the weights alone cost; `gguf` the file's own Q4_1/Q8_0 blocks
+with two int8 digits per activation (`quantization="gguf"`), and `gguf/1digit` the same with
+one digit.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.gguf_linear import GGUFLinear
 from pagedllm.model.layers.quantization import Int8Linear, quantize_model
 
 CHAT = [
@@ -134,6 +138,13 @@ def weights_only(llm: LLM) -> None:
         object.__setattr__(layer, "forward", lambda x, w=weight, b=bias: F.linear(x, w, b))
 
 
+def one_digit(llm: LLM) -> None:
+    """`gguf` with one int8 digit per activation instead of two."""
+    for layer in _model(llm).modules():
+        if isinstance(layer, GGUFLinear):
+            layer.digits = 1
+
+
 def _int8_layers(llm: LLM) -> list[Int8Linear]:
     return [m for m in _model(llm).modules() if isinstance(m, Int8Linear)]
 
@@ -144,6 +155,8 @@ VARIANTS = {
     "int8/fp32head": (None, fp32_head),
     "int8/tensor": ("int8", per_tensor_activations),
     "w8-only": ("int8", weights_only),
+    "gguf": ("gguf", None),
+    "gguf/1digit": ("gguf", one_digit),
 }
 
 
@@ -195,6 +208,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     args = parser.parse_args()
     common = dict(model=args.model, max_model_len=1024, disable_log_stats=True)
     fp32 = LLM(**common)
@@ -203,7 +217,8 @@ def main() -> None:
     reference_scores = teacher_forced(fp32, token_prompts, reference)
     del fp32
     results = {}
-    for name, (quantization, patch) in VARIANTS.items():
+    for name in args.variants.split(","):
+        quantization, patch = VARIANTS[name]
         llm = LLM(**common, quantization=quantization)
         if patch is not None:
             patch(llm)

@@ -14,8 +14,9 @@ same with `reduce_range` (`tensor_rr`: 7-bit activations, what non-VNNI CPUs nee
 (`onednn`); and `torch._int_mm` with per-row symmetric activations quantized by hand.
 
 `w1` runs `pagedllm bench throughput --num-prompts 64 --input-len 256 --output-len 128`
-alternately without and with `--quantization int8` (`--variants fp32,int8,int8/fp32head`
-adds int8 with the head left fp32, patched in here) and prints each run and the medians.
+alternately without and with `--quantization int8` (`--variants fp32,int8,gguf,int8/fp32head`
+adds `--quantization gguf` and int8 with the head left fp32, patched in here) and prints each
+run and the medians.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ W1_ARGS += ["--output-len", "128", "--disable-log-stats"]
 W1_VARIANTS = {
     "fp32": ([str(BIN / "pagedllm")], []),
     "int8": ([str(BIN / "pagedllm")], ["--quantization", "int8"]),
+    "gguf": ([str(BIN / "pagedllm")], ["--quantization", "gguf"]),
     # The head left fp32: an fp32 engine quantized by this script with quantize_head=False.
     "int8/fp32head": ([sys.executable, __file__, "fp32-head-child"], []),
 }

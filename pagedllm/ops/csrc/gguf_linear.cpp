@@ -61,33 +61,64 @@ struct Output {
 
 int64_t group_bytes_per_block(int bits) { return bits == 4 ? 128 : 256; }
 
-// One row's blocks to integer digits: hi = round(x / step), lo = round(residual * 256 / step).
+inline __m256i pack_int8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  // packs work within 128-bit lanes; the permute puts the four 8-value runs back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// One row's blocks to integer digits: hi = round(x / step), lo = round(residual * 256 / step),
+// step = max |x| / 127 of the block. Vectorized: done per call for every input row, a scalar
+// loop cost 17% of a 2,048-row matmul.
 void quantize_row(const float* x, const Activations& a, int64_t row, int digits) {
   int8_t* hi = const_cast<int8_t*>(a.hi) + row * a.k;
   int8_t* lo = const_cast<int8_t*>(a.lo) + row * a.k;
   float* step_out = const_cast<float*>(a.step) + row * a.blocks;
   float* sum_out = const_cast<float*>(a.sum) + row * a.blocks;
+  const __m256 sign = _mm256_set1_ps(-0.f), limit = _mm256_set1_ps(127.f);
+  const __m256 neg_limit = _mm256_set1_ps(-127.f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float step = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t total = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const float h = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * inv)));
-      hi[b * kBlock + i] = static_cast<int8_t>(h);
-      int32_t value = static_cast<int32_t>(h);
-      if (digits == 2) {
-        const float residual = xb[i] - h * step;
-        const float l = std::min(127.f, std::max(-127.f, std::nearbyint(residual * inv * 256.f)));
-        lo[b * kBlock + i] = static_cast<int8_t>(l);
-        value = value * 256 + static_cast<int32_t>(l);
-      }
-      total += value;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + b * kBlock + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float block_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float step = block_max / 127.f;
+    const float inv = block_max > 0.f ? 127.f / block_max : 0.f;
+    const __m256 inv_v = _mm256_set1_ps(inv), step_v = _mm256_set1_ps(step);
+    const __m256 inv_lo = _mm256_set1_ps(inv * 256.f);
+    __m256i h[4], l[4], total = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256 hf = _mm256_min_ps(
+          limit, _mm256_max_ps(neg_limit, _mm256_round_ps(_mm256_mul_ps(v[j], inv_v), kRound)));
+      h[j] = _mm256_cvtps_epi32(hf);
+      if (digits == 2) {
+        const __m256 residual = _mm256_fnmadd_ps(hf, step_v, v[j]);
+        const __m256 lf = _mm256_min_ps(
+            limit,
+            _mm256_max_ps(neg_limit, _mm256_round_ps(_mm256_mul_ps(residual, inv_lo), kRound)));
+        l[j] = _mm256_cvtps_epi32(lf);
+        total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_slli_epi32(h[j], 8), l[j]));
+      } else {
+        total = _mm256_add_epi32(total, h[j]);
+      }
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + b * kBlock), pack_int8(h[0], h[1], h[2], h[3]));
+    if (digits == 2)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + b * kBlock), pack_int8(l[0], l[1], l[2], l[3]));
     step_out[b] = digits == 2 ? step / 256.f : step;
-    sum_out[b] = step_out[b] * static_cast<float>(total);
+    sum_out[b] = step_out[b] * static_cast<float>(hsum_epi32(total));
   }
 }
 
@@ -131,10 +162,13 @@ void portable_tile(const Activations& a, const Weights& w, int64_t row, int64_t 
 
 #define PAGEDLLM_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
 
-PAGEDLLM_VNNI inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return _mm256_set1_epi32(v);
+// acc += w (u8) . the 4 signed bytes at p, repeated in every lane. The broadcast rides in
+// the instruction's memory operand ({1to8}): with it as a separate vpbroadcastd (which is
+// what the compiler emits for _mm256_set1_epi32), broadcasts were 16 of ~40 vector ops a
+// row, tile and block.
+PAGEDLLM_VNNI inline __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
 }
 
 template <int R, int BITS, int DIGITS>
@@ -165,11 +199,11 @@ PAGEDLLM_VNNI void vnni_tile(const Activations& a, const Weights& w, int64_t row
     for (int r = 0; r < R; ++r) {
       const int64_t offset = (row + r) * a.k + b * kBlock;
       __m256i dot = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) dot = _mm256_dpbusd_epi32(dot, wv[g], broadcast4(a.hi + offset + 4 * g));
+      for (int g = 0; g < 8; ++g) dot = dot4(dot, wv[g], a.hi + offset + 4 * g);
       if (DIGITS == 2) {
         __m256i dot_lo = _mm256_setzero_si256();
         for (int g = 0; g < 8; ++g)
-          dot_lo = _mm256_dpbusd_epi32(dot_lo, wv[g], broadcast4(a.lo + offset + 4 * g));
+          dot_lo = dot4(dot_lo, wv[g], a.lo + offset + 4 * g);
         dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot_lo);
       }
       const int64_t at = (row + r) * a.blocks + b;
