@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
         max_num_seqs=args.batch,
         max_num_batched_tokens=args.max_num_batched_tokens,
         disable_log_stats=True,
+        quantization=args.quantization,
     )
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
@@ -224,6 +225,11 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--profile-prefill", default=None)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="int8 or gguf (model FLOP/s are then fp32-equivalent, against the fp32 ceiling)",
+    )
     args = parser.parse_args()
     report = run(args)
     print_report(report)
