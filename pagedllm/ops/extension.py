@@ -30,7 +30,8 @@ _SOURCES = [
     for name in ("paged_attention.cpp", "cpu_ops.cpp", "skinny_linear.cpp", "gguf_linear.cpp")
 ]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by
-# machines of different generations, and AVX2 + FMA + F16C is all the kernels use.
+# machines of different generations. AVX2 + FMA + F16C is the baseline; gguf_linear.cpp's
+# AVX-512 VNNI functions carry their own target attribute and run only where the CPU has it.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 _extension: Any = None  # torch.ops.pagedllm once loaded
