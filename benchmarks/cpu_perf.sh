@@ -39,8 +39,12 @@ w1=(bench throughput --dataset-name file --dataset-path "$out/w1/workload_64.jso
   --num-prompts 64 --dtype float32)
 before "$py" -m pagedllm "${w1[@]}" --output-json "$out/w1_before.json" > "$out/w1_before.log" 2>&1
 
-step "W1 with --quantization int8, and its accuracy"
-after "$py" "$root/benchmarks/int8_speed.py" w1 --rounds 1 --variants fp32,int8 \
+step "W1 with --quantization int8 and gguf, and their accuracy"
+for q in int8 gguf; do
+  after "$py" -m pagedllm "${w1[@]}" --quantization "$q" --output-json "$out/w1_$q.json" \
+    > "$out/w1_$q.log" 2>&1
+done
+after "$py" "$root/benchmarks/int8_speed.py" w1 --rounds 1 --variants fp32,int8,gguf \
   --output-json "$out/int8_speed.json" > "$out/int8_speed.log" 2>&1
 after "$py" "$root/benchmarks/int8_accuracy.py" --output-json "$out/int8_accuracy.json" \
   > "$out/int8_accuracy.log" 2>&1
@@ -61,6 +65,11 @@ for side in before after; do
   $side "$py" -m pagedllm "${latency[@]}" --output-json "$out/latency_$side.json" \
     > "$out/latency_$side.log" 2>&1
 done
+after "$py" -m pagedllm "${latency[@]}" --quantization gguf --output-json "$out/latency_gguf.json" \
+  > "$out/latency_gguf.log" 2>&1
+after "$py" "$root/benchmarks/step_breakdown.py" --quantization gguf \
+  --profile "$out/decode_profile_gguf.txt" --output-json "$out/steps_gguf.json" \
+  > "$out/steps_gguf.log" 2>&1
 "$peers/llama.cpp/build/bin/llama-bench" -m "$peers/models/SmolLM2-135M-Instruct-f32.gguf" \
   -p 0 -n 128 -t 2 -r 5 -o json > "$out/llama_bench_tg128.json" 2> "$out/llama_bench.log"
 
