@@ -58,7 +58,8 @@ class ModelRunner:
             )
         model.load_weights(iter_weights(source, model_config.hf_config))
         if model_config.quantization is not None:
-            # Quantized from the loaded fp32 weights: one loader serves every format.
+            # int8 quantizes the loaded fp32 weights (one loader serves every format); gguf
+            # replaces them with the file's own blocks.
             gguf_path = source.path if source.is_gguf else None
             quantize_model(model, model_config.quantization, gguf_path=gguf_path)
         return model.eval()
