@@ -16,6 +16,8 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedllm.model.layers.linear import SplitOutputs
+
 BLOCK = 32
 TILE_COLS = 8
 # GGUF type -> (bytes per 32-weight block, bits the kernel stores per weight).
@@ -134,7 +136,7 @@ class GGUFLinear(nn.Module):
         )
 
 
-class GGUFMergedLinear(GGUFLinear):
+class GGUFMergedLinear(SplitOutputs, GGUFLinear):
     """Fused q/k/v or gate/up in GGUF blocks; splits its output like the fp32 layer."""
 
     def __init__(
@@ -147,6 +149,3 @@ class GGUFMergedLinear(GGUFLinear):
     ) -> None:
         super().__init__(raw, ggml_type, bias, digits)
         self.output_sizes = list(output_sizes)
-
-    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fused.split(self.output_sizes, dim=-1)

@@ -49,7 +49,16 @@ class Linear(nn.Module):
         return fused.linear(x, self.weight, self.bias, self.use_kernels)
 
 
-class MergedLinear(Linear):
+class SplitOutputs:
+    """For fused projections (fp32 or quantized): `output_sizes` and the split back into them."""
+
+    output_sizes: list[int]
+
+    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return fused.split(self.output_sizes, dim=-1)
+
+
+class MergedLinear(SplitOutputs, Linear):
     """Several projections of the same input fused into one matmul (q/k/v, gate/up).
 
     Checkpoints store them apart; each shard's loader copies into its rows of the fused
@@ -80,6 +89,3 @@ class MergedLinear(Linear):
                 f"unknown shard {shard_id!r}; expected one of {list(self.shard_slices)}"
             )
         default_weight_loader(param.data[self.shard_slices[shard_id]], loaded_weight)
-
-    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fused.split(self.output_sizes, dim=-1)

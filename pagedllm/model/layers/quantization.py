@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.linear import Linear, MergedLinear, SplitOutputs
 
 logger = logging.getLogger("pagedllm")
 
@@ -131,7 +131,7 @@ class Int8Linear(nn.Module):
         )
 
 
-class Int8MergedLinear(Int8Linear):
+class Int8MergedLinear(SplitOutputs, Int8Linear):
     """A fused projection (q/k/v, gate/up) quantized as one matrix; splits like the fp32 one."""
 
     def __init__(
@@ -144,9 +144,6 @@ class Int8MergedLinear(Int8Linear):
     def from_float(cls, linear: Linear) -> Int8MergedLinear:
         assert isinstance(linear, MergedLinear)
         return cls(linear.weight, linear.bias, linear.output_sizes)
-
-    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return fused.split(self.output_sizes, dim=-1)
 
 
 def quantize_model(
