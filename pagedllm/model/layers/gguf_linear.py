@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.ops.extension import load
 
 BLOCK = 32
 TILE_COLS = 8
@@ -104,6 +105,7 @@ class GGUFLinear(nn.Module):
         self.bits = KERNEL_TYPES[ggml_type][1]
         self.digits = digits
         self.allow_vnni = True  # tests turn it off to check the portable path
+        self._ops = load()
         packed, scales, mins = pack_weights(
             torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), self.bits
         )
@@ -114,12 +116,10 @@ class GGUFLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from pagedllm.ops.extension import load
-
         leading = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        load().gguf_linear(
+        self._ops.gguf_linear(
             out, x2, self.packed, self.scales, self.mins, self.bits, self.digits, self.allow_vnni
         )
         if self.bias is not None:
