@@ -19,7 +19,7 @@ Variants (all but the first patched in here only, to show what the engine's choi
 quantization without the per-token scaling; `w8-only` the int8 weights dequantized with
 fp32 activations, i.e. what the weights alone cost; `gguf` the file's own Q4_1/Q8_0 blocks
 with two int8 digits per activation (`quantization="gguf"`), and `gguf/1digit` the same with
-one digit.
+one digit; `gguf/kv-fp16` gguf with an fp16 KV cache.
 """
 
 from __future__ import annotations
@@ -157,7 +157,10 @@ VARIANTS = {
     "w8-only": ("int8", weights_only),
     "gguf": ("gguf", None),
     "gguf/1digit": ("gguf", one_digit),
+    "gguf/kv-fp16": ("gguf", None),
 }
+# Variants that also store the KV cache in 16 bits (kv_cache_dtype).
+KV_CACHE_DTYPES = {"gguf/kv-fp16": "float16"}
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
@@ -219,7 +222,8 @@ def main() -> None:
     results = {}
     for name in args.variants.split(","):
         quantization, patch = VARIANTS[name]
-        llm = LLM(**common, quantization=quantization)
+        kv_cache_dtype = KV_CACHE_DTYPES.get(name, "auto")
+        llm = LLM(**common, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         if patch is not None:
             patch(llm)
         row = agreement(reference, greedy(llm, token_prompts, args.max_tokens))

@@ -101,6 +101,11 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+# "auto" stores K/V in the model's dtype; a 16-bit cache halves the memory (twice the
+# tokens in the same kv_cache_memory) and the bytes attention reads per step.
+KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. `num_blocks` includes the reserved null block (id 0)."""
@@ -109,6 +114,7 @@ class CacheConfig:
     num_blocks: int
     kv_cache_memory: int
     enable_prefix_caching: bool = True
+    cache_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -170,6 +176,7 @@ class EngineArgs:
     attention_backend: str = "cpu"
     device: str = "cpu"
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -191,6 +198,11 @@ class EngineArgs:
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)
         self._check_quantization()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
 
     def _check_quantization(self) -> None:
         from pagedllm.model.layers.quantization import verify_quantization

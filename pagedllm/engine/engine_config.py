@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from pagedllm.config import (
     DEFAULT_KV_CACHE_MEMORY,
+    KV_CACHE_DTYPES,
     CacheConfig,
     EngineArgs,
     EngineConfig,
@@ -50,8 +53,8 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
-    element_size = model_config.dtype.itemsize
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
+    element_size = cache_dtype.itemsize
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
     return per_token * element_size * block_size
 
@@ -95,7 +98,8 @@ def _cache_config(args: EngineArgs, model_config: ModelConfig, log: bool) -> Cac
     block_size = args.block_size
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    bytes_per_block = kv_bytes_per_block(model_config, block_size)
+    cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or model_config.dtype
+    bytes_per_block = kv_bytes_per_block(model_config, block_size, cache_dtype)
     max_len = model_config.max_model_len
     if args.kv_cache_memory is None:
         # Enough for every sequence at full length, capped: most traffic is far shorter.
@@ -104,7 +108,9 @@ def _cache_config(args: EngineArgs, model_config: ModelConfig, log: bool) -> Cac
     else:
         memory = parse_memory_size(args.kv_cache_memory)
     num_blocks = memory // bytes_per_block
-    cache_config = CacheConfig(block_size, num_blocks, memory, args.enable_prefix_caching)
+    cache_config = CacheConfig(
+        block_size, num_blocks, memory, args.enable_prefix_caching, cache_dtype
+    )
     num_tokens = (num_blocks - 1) * block_size
     if num_tokens < max_len:
         raise ValueError(

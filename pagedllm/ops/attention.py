@@ -64,8 +64,8 @@ def write_kv_cache(
 ) -> None:
     """Store the step's keys and values at their slots (caches: [blocks, block_size, Hkv, D])."""
     key_cache, value_cache = kv_cache
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, k)
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, v)
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, k.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, v.to(value_cache.dtype))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -93,16 +93,19 @@ class TorchAttentionBackend(AttentionBackend):
         # costs more in page faults than the copy itself.
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-        """cache[block_ids] as [num_ids, block_size, Hkv, D], copied into a reused buffer."""
+    def _gather(
+        self, cache: torch.Tensor, block_ids: torch.Tensor, name: str, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """cache[block_ids] as [num_ids, block_size, Hkv, D] in `dtype`, via a reused buffer."""
         shape = (block_ids.numel(), *cache.shape[1:])
         buffer = self._workspace.get(name)
         numel = math.prod(shape)
         if buffer is None or buffer.numel() < numel or buffer.dtype != cache.dtype:
             buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
             self._workspace[name] = buffer
-        out = buffer[:numel].view(shape)
-        return torch.index_select(cache, 0, block_ids, out=out)
+        out = torch.index_select(cache, 0, block_ids, out=buffer[:numel].view(shape))
+        # A 16-bit cache (kv_cache_dtype) under a float32 model computes in float32.
+        return out if out.dtype == dtype else out.to(dtype)
 
     def _decode(self, q, kv_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         key_cache, value_cache = kv_cache
@@ -112,8 +115,10 @@ class TorchAttentionBackend(AttentionBackend):
         tables = metadata.block_tables[metadata.decode_req_indices, :num_blocks].reshape(-1)
         batch = len(metadata.decode_req_indices)
         # [B, Hkv, L, D] views of the gathered blocks
-        keys = self._gather(key_cache, tables, "k").view(batch, -1, *key_cache.shape[2:])
-        values = self._gather(value_cache, tables, "v").view(batch, -1, *value_cache.shape[2:])
+        keys = self._gather(key_cache, tables, "k", q.dtype).view(batch, -1, *key_cache.shape[2:])
+        values = self._gather(value_cache, tables, "v", q.dtype).view(
+            batch, -1, *value_cache.shape[2:]
+        )
         positions = torch.arange(keys.shape[1], device=q.device)
         mask = (positions[None, :] < metadata.decode_seq_lens[:, None])[:, None, None, :]
         query = q[metadata.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
@@ -132,8 +137,10 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = key_cache.shape[1]
         seq_len = metadata.seq_lens[req_index]
         table = metadata.block_tables[req_index, : -(-seq_len // block_size)]
-        keys = self._gather(key_cache, table, "k").flatten(0, 1)[:seq_len].transpose(0, 1)
-        values = self._gather(value_cache, table, "v").flatten(0, 1)[:seq_len].transpose(0, 1)
+        keys = self._gather(key_cache, table, "k", q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
+        values = (
+            self._gather(value_cache, table, "v", q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
+        )
         query = q.transpose(0, 1)  # [H, n, D]
         num_queries = q.shape[0]
         context_start = seq_len - num_queries

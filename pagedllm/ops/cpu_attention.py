@@ -92,7 +92,9 @@ class CpuAttentionBackend(AttentionBackend):
     def _write_kv_cache(self, k, v, kv_cache, slots: torch.Tensor) -> None:
         key_cache = kv_cache[0]
         if all(
-            t.dtype == key_cache.dtype and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+            t.dtype in (key_cache.dtype, torch.float32)
+            and t.stride(-1) == 1
+            and t.stride(-2) == t.shape[-1]
             for t in (k, v)
         ):
             self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots.to(torch.int64))

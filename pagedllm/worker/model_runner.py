@@ -73,7 +73,10 @@ class ModelRunner:
             model_config.head_dim,
         )
         return [
-            (self._zeros(shape, model_config.dtype), self._zeros(shape, model_config.dtype))
+            (
+                self._zeros(shape, cache_config.cache_dtype),
+                self._zeros(shape, cache_config.cache_dtype),
+            )
             for _ in range(model_config.num_layers)
         ]
 

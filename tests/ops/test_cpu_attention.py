@@ -19,6 +19,7 @@ from pagedllm.ops.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     get_attention_backend,
+    write_kv_cache,
 )
 from pagedllm.ops.cpu_attention import CpuAttentionBackend
 
@@ -325,3 +326,19 @@ def test_greedy_tokens_equal_torch_backend(tiny_llama):
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs[backend] = [r.outputs[0].token_ids for r in results]
     assert outputs["cpu"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_keys_and_values_go_into_a_16_bit_cache(cpu_backend, dtype):
+    """kv_cache_dtype under an fp32 model: the write rounds each value once, as .to(dtype)
+    does, and both backends then read the same rounded cache in fp32."""
+    batch = make_batch([(20, 1), (0, 25), (9, 6)], block_size=16, num_heads=9, num_kv_heads=3)
+    batch.kv_cache = tuple(c.to(dtype) for c in batch.kv_cache)
+    slots = batch.metadata.slot_mapping
+    reference = tuple(c.clone() for c in batch.kv_cache)
+    write_kv_cache(batch.k, batch.v, reference, slots)
+    kernel = tuple(c.clone() for c in batch.kv_cache)
+    torch.ops.pagedllm.write_kv_cache(kernel[0], kernel[1], batch.k, batch.v, slots.to(torch.int64))
+    for got, want in zip(kernel, reference, strict=True):
+        assert torch.equal(got, want)
+    assert_matches_torch(cpu_backend, batch)

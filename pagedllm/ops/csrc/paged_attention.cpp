@@ -415,6 +415,26 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+template <typename T>
+void convert_rows(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key,
+                  const at::Tensor& value, const int64_t* slot, int64_t row) {
+  const int64_t num_tokens = key.size(0);
+  const auto convert = [&](at::Tensor& cache, const at::Tensor& src) {
+    T* dst = cache.data_ptr<T>();
+    const float* base = src.data_ptr<float>();
+    const int64_t stride = src.stride(0);
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* in = base + t * stride;
+        T* out = dst + slot[t] * row;
+        for (int64_t i = 0; i < row; ++i) out[i] = static_cast<T>(in[i]);
+      }
+    });
+  };
+  convert(key_cache, key);
+  convert(value_cache, value);
+}
+
 // key_cache/value_cache slot slots[t] = key[t] / value[t]: the step's K/V into their
 // blocks, a row copy per token spread over threads. Strided sources are read in place
 // (k and v are column slices of the fused q/k/v output), where index_copy_ makes them
@@ -428,12 +448,14 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
   const int64_t row = key_cache.size(2) * key_cache.size(3);
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   for (const auto* t : {&key, &value}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == key_cache.scalar_type() &&
-                    t->dim() == 3 && t->size(0) == num_tokens &&
-                    t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
-                    t->stride(1) == t->size(2),
-                "write_kv_cache: key and value must be [T, Hkv, D] in the cache dtype with "
-                "contiguous heads");
+    TORCH_CHECK(t->device().is_cpu() &&
+                    (t->scalar_type() == key_cache.scalar_type() ||
+                     t->scalar_type() == at::kFloat) &&
+                    t->scalar_type() == key.scalar_type() && t->dim() == 3 &&
+                    t->size(0) == num_tokens && t->size(1) * t->size(2) == row &&
+                    t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "write_kv_cache: key and value must be [T, Hkv, D] in the cache dtype (or "
+                "fp32, converted) with contiguous heads");
   }
   TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
                   slots.is_contiguous(),
@@ -442,6 +464,17 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_cache: slot ", slot[t],
                 " out of range [0, ", num_slots, ")");
+  }
+  if (key.scalar_type() != key_cache.scalar_type()) {
+    // fp32 K/V into a 16-bit cache (kv_cache_dtype): converted row by row, rounding to
+    // nearest as at::Half / at::BFloat16 do.
+    switch (key_cache.scalar_type()) {
+      case at::kHalf: return convert_rows<at::Half>(key_cache, value_cache, key, value, slot, row);
+      case at::kBFloat16:
+        return convert_rows<at::BFloat16>(key_cache, value_cache, key, value, slot, row);
+      default: TORCH_CHECK(false, "write_kv_cache: cannot convert fp32 into a ",
+                           key_cache.scalar_type(), " cache");
+    }
   }
   const int64_t bytes = row * key_cache.element_size();
   const auto copy_rows = [&](at::Tensor& cache, const at::Tensor& src) {

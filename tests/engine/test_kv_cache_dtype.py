@@ -1,0 +1,58 @@
+"""`kv_cache_dtype`: a 16-bit KV cache under a float32 model holds twice the tokens in the
+same memory and keeps greedy output on fp32's tokens up to ties (both attention backends)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+
+NUM_PROMPTS, MAX_TOKENS = 8, 24
+# Rounding K/V moved the tiny model's logprobs by at most 5.9e-4 in fp16 and 6.4e-3 in bf16
+# (measured, see the test's print); a top-2 gap below 1e-2 is a tie at that precision.
+TIE_TOLERANCE = 1e-2
+
+
+def _engine(directory, **kwargs) -> LLM:
+    return LLM(str(directory), max_model_len=256, kv_cache_memory="8MiB", **kwargs)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.model_runner
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_cache_keeps_fp32_greedy_output(tiny_model_factory, backend, dtype):
+    directory = tiny_model_factory("LlamaForCausalLM")
+    fp32 = _engine(directory, attention_backend=backend)
+    half = _engine(directory, attention_backend=backend, kv_cache_dtype=dtype)
+    assert _runner(half).kv_caches[0][0].dtype == getattr(torch, dtype)
+    assert _runner(half).kv_caches[0][0].shape[0] == 2 * _runner(fp32).kv_caches[0][0].shape[0]
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in range(5, 45, 5)]
+    ties, largest = 0, 0.0
+    for want, got in zip(_greedy(fp32, prompts), _greedy(half, prompts), strict=True):
+        for position, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)):
+            top = sorted(want.logprobs[position].values(), key=lambda lp: -lp.logprob)
+            if a != b:
+                gap = top[0].logprob - top[1].logprob
+                assert gap <= TIE_TOLERANCE, f"position {position}: gap {gap:.2e} is no tie"
+                ties += 1
+                break
+            largest = max(largest, abs(got.logprobs[position][b].logprob - top[0].logprob))
+    print(f"{dtype}/{backend}: ties {ties}, largest logprob difference {largest:.1e}")
+    assert largest < (2e-3 if dtype == "float16" else 2e-2)
+
+
+def test_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineArgs(kv_cache_dtype="fp8")
