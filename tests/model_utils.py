@@ -116,3 +116,30 @@ def compare_greedy(actual: list[int], reference: GreedyReference, tie_tolerance:
         f"{len(actual)} != {len(reference.token_ids)} tokens"
     )
     return 0
+
+
+def greedy_with_logprobs(llm, prompts: list[list[int]], max_tokens: int) -> list:
+    """Each prompt's greedy completion (EOS ignored), with the top-2 logprobs of every step."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def compare_to_reference_engine(reference: list, actual: list, tie_tolerance: float):
+    """(ties, largest |logprob difference| of the chosen tokens) of `actual` against
+    `reference` completions (from `greedy_with_logprobs`). A different token is allowed only
+    where the reference's top two logprobs are within `tie_tolerance`; a sequence is compared
+    up to its first tie."""
+    ties, largest = 0, 0.0
+    for want, got in zip(reference, actual, strict=True):
+        for position, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)):
+            top = sorted(want.logprobs[position].values(), key=lambda lp: -lp.logprob)
+            if a != b:
+                gap = top[0].logprob - top[1].logprob
+                assert gap <= tie_tolerance, f"position {position}: gap {gap:.2e} is no tie"
+                ties += 1
+                break
+            largest = max(largest, abs(got.logprobs[position][b].logprob - top[0].logprob))
+    return ties, largest

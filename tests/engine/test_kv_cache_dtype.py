@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 
 NUM_PROMPTS, MAX_TOKENS = 8, 24
@@ -23,12 +24,6 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.model_runner
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16_bit_cache_keeps_fp32_greedy_output(tiny_model_factory, backend, dtype):
@@ -39,16 +34,11 @@ def test_16_bit_cache_keeps_fp32_greedy_output(tiny_model_factory, backend, dtyp
     assert _runner(half).kv_caches[0][0].shape[0] == 2 * _runner(fp32).kv_caches[0][0].shape[0]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in range(5, 45, 5)]
-    ties, largest = 0, 0.0
-    for want, got in zip(_greedy(fp32, prompts), _greedy(half, prompts), strict=True):
-        for position, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)):
-            top = sorted(want.logprobs[position].values(), key=lambda lp: -lp.logprob)
-            if a != b:
-                gap = top[0].logprob - top[1].logprob
-                assert gap <= TIE_TOLERANCE, f"position {position}: gap {gap:.2e} is no tie"
-                ties += 1
-                break
-            largest = max(largest, abs(got.logprobs[position][b].logprob - top[0].logprob))
+    ties, largest = compare_to_reference_engine(
+        greedy_with_logprobs(fp32, prompts, MAX_TOKENS),
+        greedy_with_logprobs(half, prompts, MAX_TOKENS),
+        TIE_TOLERANCE,
+    )
     print(f"{dtype}/{backend}: ties {ties}, largest logprob difference {largest:.1e}")
     assert largest < (2e-3 if dtype == "float16" else 2e-2)
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_writer import tiny_model, write_model_gguf
+from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.model.layers.gguf_linear import GGUFLinear, GGUFMergedLinear, unpack_blocks
 from pagedllm.model.layers.linear import Linear
@@ -162,32 +163,14 @@ def test_kernel_layers_replace_the_linear_layers_they_can(engines):
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays fp32
 
 
-def _greedy(llm: LLM, prompts: list[list[int]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-
 def test_greedy_output_is_fp32s_up_to_ties(engines):
     generator = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(3, 320, (int(n),), generator=generator).tolist()
         for n in torch.randint(4, 40, (NUM_PROMPTS,), generator=generator)
     ]
-    ties = 0
-    largest_logprob_error = 0.0
-    for fp32, quantized in zip(*(_greedy(llm, prompts) for llm in engines), strict=True):
-        for position, (want, got) in enumerate(
-            zip(fp32.token_ids, quantized.token_ids, strict=True)
-        ):
-            top = sorted(fp32.logprobs[position].values(), key=lambda lp: -lp.logprob)
-            if got != want:
-                gap = top[0].logprob - top[1].logprob
-                assert gap <= TIE_TOLERANCE, f"position {position}: gap {gap:.2e} is no tie"
-                ties += 1
-                break
-            error = abs(quantized.logprobs[position][got].logprob - top[0].logprob)
-            largest_logprob_error = max(largest_logprob_error, error)
+    fp32, quantized = (greedy_with_logprobs(llm, prompts, MAX_TOKENS) for llm in engines)
+    ties, largest_logprob_error = compare_to_reference_engine(fp32, quantized, TIE_TOLERANCE)
     print(f"ties: {ties}; largest logprob difference: {largest_logprob_error:.2e}")
     assert largest_logprob_error < 1e-4
 
