@@ -1,10 +1,10 @@
 """The skinny-linear kernel against `F.linear` at decode shapes.
 
 Times one forward pass's worth of projections of the default model (4 per layer × 30
-layers + the tied head, fp32) at 1..16 rows, each way, best of `--repeats`, after checking
+layers + the tied head, fp32) at 1..128 rows, each way, best of `--repeats`, after checking
 that both give the same result.
 
-    .venv/bin/python benchmarks/skinny_linear.py [--rows 1,2,3,4,6,8,12,16] [--repeats 5]
+    .venv/bin/python benchmarks/skinny_linear.py [--rows 1,2,4,8,16,32,64,96,128] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pagedllm.ops.extension import load
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,2,3,4,6,8,12,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,96,128")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     ops = load()

@@ -46,8 +46,9 @@ def rms_norm(
 
 
 # Up to this many rows the skinny kernel (one pass over the weight on every thread) beats
-# torch's sgemm, which runs such shapes on one thread: benchmarks/RESULTS.md, "Skinny linear".
-SKINNY_MAX_ROWS = 12
+# torch's sgemm, which runs the fewest rows on one thread and blocks for larger problems
+# (the two met between 96 and 128 rows): benchmarks/RESULTS.md, "Skinny linear".
+SKINNY_MAX_ROWS = 96
 
 
 def linear(

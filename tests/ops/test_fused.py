@@ -40,11 +40,14 @@ def test_silu_and_mul_matches_reference(width):
     torch.testing.assert_close(out, fused.silu_and_mul(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, fused.SKINNY_MAX_ROWS])
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (13, 7), (1536, 129)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, fused.SKINNY_MAX_ROWS])
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(576, 960), (13, 7), (40, 33), (1536, 129)]
+)
 def test_skinny_linear_matches_torch(rows, in_features, out_features):
-    """Odd sizes exercise the kernel's tails: reductions not a multiple of 8, output rows
-    not a multiple of 4 and a weight split unevenly over the threads."""
+    """Odd sizes exercise the kernel's tails: reductions not a multiple of its 16-wide step
+    (13, 40), row counts that leave passes of 2 and 1 input rows after those of 4 (3, 7),
+    and a weight split unevenly over the threads."""
     torch.manual_seed(rows)
     x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
     bias = torch.randn(out_features)
