@@ -43,7 +43,7 @@ class StepTimer:
         self.current: dict[str, float] = defaultdict(float)
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
-        self._wrap(runner.model, "forward", "forward")
+        self._wrap(runner, "_run_model", "forward")
         self._wrap(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", "sample")
 
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         disable_log_stats=True,
         quantization=args.quantization,
+        compile=args.compile,
     )
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
@@ -230,6 +231,7 @@ def main() -> None:
         default=None,
         help="int8 or gguf (model FLOP/s are then fp32-equivalent, against the fp32 ceiling)",
     )
+    parser.add_argument("--compile", action="store_true", help="decode steps through torch.compile")
     args = parser.parse_args()
     report = run(args)
     print_report(report)

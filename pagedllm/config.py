@@ -153,6 +153,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     attention_backend: str = "cpu"
     device: str = "cpu"
+    # Decode-only steps run a torch.compile'd forward (EngineArgs.compile).
+    compile: bool = False
 
 
 @dataclass
@@ -177,6 +179,11 @@ class EngineArgs:
     device: str = "cpu"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    # Decode-only steps through torch.compile (one graph per batch-size bucket, compiled at
+    # start-up and cached on disk): less Python per step, more start-up time. Off by
+    # default; enforce_eager (vLLM's name) keeps every step eager and refuses compile.
+    compile: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -202,6 +209,11 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.compile and self.enforce_eager:
+            raise ValueError(
+                "compile and enforce_eager exclude each other: compile runs decode steps "
+                "through torch.compile, enforce_eager keeps every step eager"
             )
 
     def _check_quantization(self) -> None:

@@ -90,7 +90,12 @@ def build_engine_config(
     )
     check_attention_backend(args.attention_backend)
     return EngineConfig(
-        model_config, cache_config, scheduler_config, args.attention_backend, args.device
+        model_config,
+        cache_config,
+        scheduler_config,
+        args.attention_backend,
+        args.device,
+        compile=args.compile and not args.enforce_eager,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,21 @@ class AttentionMetadata:
     decode_token_indices: torch.Tensor  # [num_decodes]
     decode_seq_lens: torch.Tensor  # [num_decodes]
     prefill_req_indices: list[int]
+    # The layout as the CPU kernel takes it (int32 tensors), built once for all layers. The
+    # kernel path reads only tensors, so a compiled forward does not specialize on the lists.
+    kernel_block_tables: torch.Tensor = field(init=False)
+    kernel_query_start_loc: torch.Tensor = field(init=False)
+    kernel_seq_lens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        tables = self.block_tables.to(torch.int32)
+        if tables.shape[1] < 2:
+            # At least two columns (the null block pads): torch.compile specializes a size
+            # of 1 and would compile another graph for the steps whose contexts fit a block.
+            tables = F.pad(tables, (0, 2 - tables.shape[1]))
+        self.kernel_block_tables = tables.contiguous()
+        self.kernel_query_start_loc = torch.tensor(self.query_start_loc, dtype=torch.int32)
+        self.kernel_seq_lens = torch.tensor(self.seq_lens, dtype=torch.int32)
 
     @property
     def num_reqs(self) -> int:

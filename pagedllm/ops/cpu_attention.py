@@ -7,13 +7,11 @@ step; building and loading the extension belong to `pagedllm.ops.extension`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from pagedllm.ops.attention import (
     AttentionBackend,
-    AttentionMetadata,
     TorchAttentionBackend,
     write_kv_cache,
 )
@@ -39,15 +37,6 @@ def create_backend() -> AttentionBackend:
         return TorchAttentionBackend()
 
 
-@dataclass
-class _Plan:
-    """One step's metadata as the kernel takes it (built once per step, shared by layers)."""
-
-    block_tables: torch.Tensor  # int32
-    query_start_loc: torch.Tensor  # int32
-    seq_lens: torch.Tensor  # int32
-
-
 class CpuAttentionBackend(AttentionBackend):
     """Decodes and prefill chunks of any length run in the C++ kernel, straight from the
     paged blocks (it beats gather + SDPA at every chunk length measured, 2048 included:
@@ -65,14 +54,11 @@ class CpuAttentionBackend(AttentionBackend):
         self._ops = load()
         self._head_dims = frozenset(self._ops.supported_head_dims())
         self._torch = TorchAttentionBackend()
-        self._plan_metadata: AttentionMetadata | None = None
-        self._plan: _Plan | None = None
 
     def forward(self, q, k, v, kv_cache, metadata, scale):
         if not self._covers(q, kv_cache[0]):
             return self._torch.forward(q, k, v, kv_cache, metadata, scale)
         self._write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        plan = self._plan_for(metadata)
         out = torch.empty(q.shape, dtype=torch.float32)
         query = q.float()  # no copy when q is fp32 already
         if query.stride(-1) != 1:  # the kernel takes any token/head strides, but not this
@@ -82,9 +68,9 @@ class CpuAttentionBackend(AttentionBackend):
             query,
             kv_cache[0],
             kv_cache[1],
-            plan.block_tables,
-            plan.query_start_loc,
-            plan.seq_lens,
+            metadata.kernel_block_tables,
+            metadata.kernel_query_start_loc,
+            metadata.kernel_seq_lens,
             scale,
         )
         return out.to(q.dtype)
@@ -108,15 +94,3 @@ class CpuAttentionBackend(AttentionBackend):
             and q.device.type == "cpu"
             and key_cache.device.type == "cpu"
         )
-
-    def _plan_for(self, metadata: AttentionMetadata) -> _Plan:
-        # Every layer of a step gets the same metadata object; convert it once.
-        if metadata is not self._plan_metadata:
-            self._plan = _Plan(
-                block_tables=metadata.block_tables.to(torch.int32).contiguous(),
-                query_start_loc=torch.tensor(metadata.query_start_loc, dtype=torch.int32),
-                seq_lens=torch.tensor(metadata.seq_lens, dtype=torch.int32),
-            )
-            self._plan_metadata = metadata
-        assert self._plan is not None
-        return self._plan

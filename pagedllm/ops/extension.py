@@ -51,11 +51,15 @@ def _source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+def cache_root() -> Path:
+    """pagedllm's cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm"))
+
+
 def cache_dir() -> Path:
     """Where the compiled extension lives: per Python version, torch version and sources."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
     tag = f"{_EXTENSION_NAME}-py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / "extensions" / f"{tag}-torch{torch.__version__}-{_source_digest()}"
+    return cache_root() / "extensions" / f"{tag}-torch{torch.__version__}-{_source_digest()}"
 
 
 def _copy_sources(directory: Path) -> Path:
@@ -121,7 +125,32 @@ def _compile_and_import() -> Any:
         build_directory=str(directory),
         is_python_module=False,
     )
+    _register_fake_kernels()
     return torch.ops.pagedllm
+
+
+# The kernels that take tensors. Each writes into tensors it is given and returns nothing,
+# so tracing them (torch.compile) needs only a fake kernel that does the same: nothing.
+_TENSOR_OPS = (
+    "paged_attention",
+    "write_kv_cache",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotary_embedding",
+    "sample_plain",
+    "skinny_linear",
+    "gguf_linear",
+)
+
+
+def _register_fake_kernels() -> None:
+    for name in _TENSOR_OPS:
+        torch.library.register_fake(f"pagedllm::{name}")(_writes_in_place)
+
+
+def _writes_in_place(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def build() -> float:

@@ -24,6 +24,7 @@ from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.backend import apply_bitmask
+from pagedllm.worker.compiled_forward import CompiledDecode
 from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.input_batch import InputBatch
 
@@ -45,6 +46,25 @@ class ModelRunner:
         max_blocks = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
         self.sampler = Sampler(use_kernels=self.use_kernels)
+        self.compiled_decode = self._compile_decode() if config.compile else None
+
+    def _compile_decode(self) -> CompiledDecode | None:
+        if not self.use_kernels:
+            # The torch backend reads the step's layout from Python lists, on which a
+            # compiled graph would specialize and recompile step after step.
+            logger.warning(
+                "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
+            )
+            return None
+        compiled = CompiledDecode(self.model)
+        try:
+            with torch.inference_mode():
+                compiled.warm_up(self.device)
+        except Exception as error:  # compiling is an optimization: never fail the start
+            # e.g. int8's fbgemm weights are script objects the tracer cannot follow
+            logger.warning("compile failed (%s); decode steps stay eager", _first_line(error))
+            return None
+        return compiled
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         model_config = self.config.model_config
@@ -109,7 +129,7 @@ class ModelRunner:
         input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(
             rows, num_scheduled
         )
-        hidden_states = self.model(input_ids, positions, metadata)
+        hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled)
         output = ModelRunnerOutput()
         self._prompt_logprobs(output, req_ids, rows, num_scheduled, hidden_states)
         if not len(logits_indices):
@@ -142,6 +162,11 @@ class ModelRunner:
             }
             self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
+
+    def _run_model(self, input_ids, positions, metadata, num_scheduled) -> torch.Tensor:
+        if self.compiled_decode is not None and self.compiled_decode.applies(num_scheduled):
+            return self.compiled_decode(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata)
 
     def _fork(self, output, logits, sample_rows, sample_req_ids):
         """Parallel sampling: a request with n > 1 samples n first tokens from its one set of
@@ -320,3 +345,7 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

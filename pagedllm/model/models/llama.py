@@ -58,12 +58,16 @@ class LlamaAttention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x, positions, rotary: RotaryEmbedding, metadata: AttentionMetadata):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         num_tokens = x.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Heads first, then the split: views of the contiguous output, which a compiled
+        # graph handles for any number of tokens (viewing a split's strided column range
+        # made it specialize on a single token).
+        q, k, v = (
+            self.qkv_proj(x)
+            .view(num_tokens, -1, self.head_dim)
+            .split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        )
         q, k = rotary(positions, q, k)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         assert self.kv_cache is not None, "bind_kv_cache() before running the model"
         # k and v stay strided views of the fused output: the cache write reads them so.
         out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)

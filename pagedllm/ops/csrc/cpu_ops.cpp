@@ -259,17 +259,24 @@ void sample_plain(at::Tensor out, const at::Tensor& logits, const at::Tensor& in
 
 }  // namespace
 
+// Schemas here, kernels under the CPU key: tracing (torch.compile) runs the fake kernels
+// registered in pagedllm/ops/fake.py instead of these.
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()", &rms_norm);
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
-        &fused_add_rms_norm);
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &silu_and_mul);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, "
-      "Tensor sin_cache) -> ()",
-      &rotary_embedding);
+      "Tensor sin_cache) -> ()");
   m.def(
       "sample_plain(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) "
-      "-> ()",
-      &sample_plain);
+      "-> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("sample_plain", &sample_plain);
 }

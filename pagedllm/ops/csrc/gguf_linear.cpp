@@ -317,7 +317,8 @@ bool gguf_vnni_available() { return vnni_available(); }
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor mins, "
-      "int bits, int digits, bool allow_vnni) -> ()",
-      &gguf_linear);
+      "int bits, int digits, bool allow_vnni) -> ()");
   m.def("gguf_vnni_available() -> bool", &gguf_vnni_available);
 }
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("gguf_linear", &gguf_linear); }

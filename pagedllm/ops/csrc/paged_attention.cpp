@@ -498,11 +498,14 @@ std::vector<int64_t> supported_head_dims() {
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()",
-      &paged_attention);
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
-      "Tensor slots) -> ()",
-      &write_kv_cache);
+      "Tensor slots) -> ()");
   m.def("supported_head_dims() -> int[]", &supported_head_dims);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
 }

@@ -1,0 +1,102 @@
+"""The compiled decode step (`EngineArgs.compile`): decode-only steps run the model's forward
+through torch.compile (Inductor), the CPU counterpart of CUDA-graph capture.
+
+Between its kernels, an eager decode step of a few sequences runs Python: module calls,
+dispatch, the fast paths' checks, about 1 ms of a 16 ms step at batch 1 on the default
+model. Compiled, the step is one graph that calls the same kernels (their fake versions let
+the tracer through, `ops/extension.py`) with nothing in between, so its output is the eager
+forward's, bit for bit.
+
+One graph serves every decode step of 1..MAX_BATCH_SIZE requests: sizes are symbolic, none
+is specialized (not even 1), and equal sizes are not merged. It is compiled at start-up on a
+dummy decode that writes only the reserved null block, so no request waits for the compiler.
+Inductor keeps its compiled code under pagedllm's cache directory; tracing is redone at each
+start. Prefill steps and larger batches stay eager: their matmuls dwarf the Python around
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagedllm.ops import fused
+from pagedllm.ops.attention import AttentionMetadata
+from pagedllm.ops.extension import cache_root
+
+logger = logging.getLogger(__name__)
+
+
+def _use_pagedllm_cache() -> None:
+    # Set before the first compile: Inductor reads it when it first looks for its cache.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+# Decode steps of up to this many requests run compiled. Python's share of a step falls as
+# the batch grows (2% at 256); larger batches would also take the other side of the linear
+# layers' branch on the row count, a second graph for no gain.
+MAX_BATCH_SIZE = fused.SKINNY_MAX_ROWS
+
+
+class CompiledDecode:
+    """The model's forward compiled for decode-only steps (one token per request)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        _use_pagedllm_cache()
+        # Sizes that happen to be equal while tracing (a batch of 2 and a 2-column block
+        # table) must not become one symbol, or the next step recompiles.
+        torch.fx.experimental._config.use_duck_shape = False
+        # Nor may a size of 1 be specialized: one graph then serves every batch size.
+        torch.fx.experimental._config.backed_size_oblivious = True
+        self._forward: Callable[..., torch.Tensor] = torch.compile(
+            model.forward, dynamic=True, fullgraph=True
+        )
+
+    @staticmethod
+    def applies(num_scheduled_tokens: np.ndarray) -> bool:
+        """A decode-only step of at most MAX_BATCH_SIZE requests."""
+        return len(num_scheduled_tokens) <= MAX_BATCH_SIZE and bool(
+            (num_scheduled_tokens == 1).all()
+        )
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self._forward(input_ids, positions, metadata)
+
+    def warm_up(self, device: torch.device) -> float:
+        """Compile now, on a dummy decode of two requests; returns the seconds it took."""
+        started = time.perf_counter()
+        self(*_dummy_decode(2, device))
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "Compiled the decode step (batches of 1 to %d) in %.1f s", MAX_BATCH_SIZE, elapsed
+        )
+        return elapsed
+
+
+def _dummy_decode(
+    batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Requests of one token at position 0 in the null block (block 0, never handed out)."""
+
+    def zeros() -> torch.Tensor:  # a new tensor each: the graph guards on aliasing
+        return torch.zeros(batch_size, dtype=torch.int64, device=device)
+
+    rows = torch.arange(batch_size, dtype=torch.int64, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=zeros(),
+        block_tables=torch.zeros((batch_size, 1), dtype=torch.int64, device=device),
+        query_start_loc=list(range(batch_size + 1)),
+        seq_lens=[1] * batch_size,
+        decode_req_indices=rows,
+        decode_token_indices=rows.clone(),
+        decode_seq_lens=torch.ones(batch_size, dtype=torch.int64, device=device),
+        prefill_req_indices=[],
+    )
+    return zeros(), zeros(), metadata

@@ -1,0 +1,98 @@
+"""`compile=True`: decode steps run one torch.compile'd graph whose output is the eager
+forward's, for every batch size up to the compiled range, without compiling again."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
+from pagedllm.worker.compiled_forward import MAX_BATCH_SIZE
+
+
+def _engine(directory, **kwargs) -> LLM:
+    return LLM(str(directory), max_model_len=256, kv_cache_memory="8MiB", **kwargs)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.model_runner
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list:
+    # Different lengths: requests finish one after another, so decode batches shrink from
+    # len(prompts) to 1, and contexts cross block boundaries (block tables widen).
+    params = [
+        SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2)
+        for i in range(len(prompts))
+    ]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
+    eager = _engine(tiny_llama)
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled = _engine(tiny_llama, compile=True)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # compiled at start-up
+    runner = _runner(compiled)
+    batch_sizes = []
+    inner = runner.compiled_decode._forward
+
+    def counting(input_ids, positions, metadata):
+        batch_sizes.append(input_ids.shape[0])
+        return inner(input_ids, positions, metadata)
+
+    runner.compiled_decode._forward = counting
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in range(3, 27, 3)]
+    want, got = _generate(eager, prompts), _generate(compiled, prompts)
+    assert sorted(set(batch_sizes)) == list(range(1, len(prompts) + 1))
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1  # and never again
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for position, token in enumerate(a.token_ids):
+            assert b.logprobs[position][token].logprob == pytest.approx(
+                a.logprobs[position][token].logprob, abs=1e-6
+            )
+
+
+def test_compiled_decode_leaves_prefill_and_large_batches_eager():
+    from pagedllm.worker.compiled_forward import CompiledDecode
+
+    assert CompiledDecode.applies(torch.ones(MAX_BATCH_SIZE, dtype=torch.int64).numpy())
+    assert not CompiledDecode.applies(torch.ones(MAX_BATCH_SIZE + 1, dtype=torch.int64).numpy())
+    assert not CompiledDecode.applies(torch.tensor([1, 5, 1]).numpy())
+
+
+def test_compile_needs_the_cpu_backend(tiny_llama, caplog):
+    llm = _engine(tiny_llama, compile=True, attention_backend="torch")
+    assert _runner(llm).compiled_decode is None
+    assert "decode steps stay eager" in caplog.text
+
+
+def test_compile_and_enforce_eager_exclude_each_other():
+    with pytest.raises(ValueError, match="exclude each other"):
+        EngineArgs(compile=True, enforce_eager=True)
+
+
+def test_compile_flags_use_vllm_names():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args_from(parser.parse_args(["--compile"]))
+    assert args.compile and not args.enforce_eager
+    args = engine_args_from(parser.parse_args(["--enforce-eager"]))
+    assert args.enforce_eager and not args.compile
+
+
+def test_a_model_compile_cannot_trace_runs_eagerly(tiny_llama, caplog):
+    # int8's fbgemm weights are script objects that torch.compile does not trace.
+    llm = _engine(tiny_llama, compile=True, quantization="int8")
+    assert _runner(llm).compiled_decode is None
+    assert "compile failed" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids) == 4
