@@ -1,0 +1,78 @@
+"""The compiled decode step against the eager forward, in one process, interleaved.
+
+Captures one real decode step of the default model (fp32) at each `--batch` size, then
+times the model's forward on it eagerly and through `CompiledDecode`, alternating in
+`--rounds` rounds of `--calls` forwards each so that the machine's drift hits both alike.
+Prints the median and best of the rounds' medians (ms a forward) and the compile time.
+
+    .venv/bin/python benchmarks/compiled_decode.py [--batch 1,4,32] [--rounds 15] [--calls 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.worker.compiled_forward import CompiledDecode
+
+
+def capture_decode(llm: LLM, batch: int) -> tuple:
+    """(input_ids, positions, metadata) of a decode step of `batch` requests."""
+    runner = llm.llm_engine.engine_core.model_runner
+    steps = []
+    inner = runner._run_model
+
+    def record(input_ids, positions, metadata, num_scheduled):
+        steps.append((input_ids, positions, metadata))
+        return inner(input_ids, positions, metadata, num_scheduled)
+
+    runner._run_model = record
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate(["Tell me about the sea, please."] * batch, params, use_tqdm=False)
+    runner._run_model = inner
+    return steps[-1]
+
+
+def median_ms(fn, calls: int) -> float:
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        fn()
+        times.append(1000 * (time.perf_counter() - started))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", default="1,4,32")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    llm = LLM(dtype="float32", max_num_seqs=max(batches), disable_log_stats=True)
+    model = llm.llm_engine.engine_core.model_runner.model
+    compiled = CompiledDecode(model)
+    with torch.inference_mode():
+        print(f"compiled in {compiled.warm_up(torch.device('cpu')):.1f} s")
+        print("| batch | eager ms (median / best) | compiled ms (median / best) | saved |")
+        print("|---|---|---|---|")
+        for batch in batches:
+            step = capture_decode(llm, batch)
+            torch.testing.assert_close(compiled(*step), model(*step), rtol=0, atol=0)
+            rounds: dict[str, list[float]] = {"eager": [], "compiled": []}
+            for _ in range(args.rounds):
+                rounds["eager"].append(median_ms(lambda s=step: model(*s), args.calls))
+                rounds["compiled"].append(median_ms(lambda s=step: compiled(*s), args.calls))
+            eager, fast = (statistics.median(rounds[k]) for k in ("eager", "compiled"))
+            print(
+                f"| {batch} | {eager:.2f} / {min(rounds['eager']):.2f} "
+                f"| {fast:.2f} / {min(rounds['compiled']):.2f} | {eager - fast:.2f} ms |"
+            )
+
+
+if __name__ == "__main__":
+    main()
