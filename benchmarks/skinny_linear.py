@@ -5,6 +5,7 @@ layers + the tied head, fp32) at 1..128 rows, each way, best of `--repeats`, aft
 that both give the same result.
 
     .venv/bin/python benchmarks/skinny_linear.py [--rows 1,2,4,8,16,32,64,96,128] [--repeats 5]
+        [--huge-pages]
 """
 
 from __future__ import annotations
@@ -15,16 +16,27 @@ import torch
 from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 
 from pagedllm.ops.extension import load
+from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,96,128")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="weights in one arena on transparent huge pages, as the engine keeps them",
+    )
     args = parser.parse_args()
     ops = load()
     shapes = [(o, i) for i, o in LINEAR_SHAPES.values()] * LAYERS + [(VOCAB, HIDDEN)]
     weights = [torch.randn(shape) for shape in shapes]
+    if args.huge_pages:
+        holder = torch.nn.Module()
+        holder.weights = torch.nn.ParameterList(weights)
+        place_weights_on_huge_pages(holder)
+        weights = [parameter.detach() for parameter in holder.weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"{len(weights)} weights, {weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads")
     print("| rows | F.linear (ms) | skinny (ms) | skinny GB/s |")

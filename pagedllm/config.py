@@ -179,9 +179,10 @@ class EngineArgs:
     device: str = "cpu"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    # Decode-only steps through torch.compile (one graph per batch-size bucket, compiled at
-    # start-up and cached on disk): less Python per step, more start-up time. Off by
-    # default; enforce_eager (vLLM's name) keeps every step eager and refuses compile.
+    # Decode-only steps of up to 96 requests through one torch.compile graph, compiled at
+    # start-up (Inductor's output cached on disk): ~1 ms less Python per step, ~26 s more
+    # start-up here. Off by default; enforce_eager (vLLM's name) keeps every step eager and
+    # refuses compile.
     compile: bool = False
     enforce_eager: bool = False
 
