@@ -181,3 +181,24 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
         EngineArgs(model=str(directory), quantization="gguf")
     with pytest.raises(ValueError, match="needs dtype float32"):
         EngineArgs(quantization="gguf", dtype="bfloat16")
+
+
+def test_compiled_decode_step_equals_eager(tiny_gguf, engines):
+    """The gguf kernel traces like the fp32 ones (`compile=True`): same tokens, same numbers."""
+    compiled = LLM(
+        str(tiny_gguf),
+        quantization="gguf",
+        compile=True,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+    )
+    assert compiled.llm_engine.engine_core.model_runner.compiled_decode is not None
+    prompts = [[5, 9, 31, 7], list(range(3, 40)), [11] * 17]
+    want, got = (greedy_with_logprobs(llm, prompts, MAX_TOKENS) for llm in (engines[1], compiled))
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for position, token in enumerate(a.token_ids):
+            assert b.logprobs[position][token].logprob == pytest.approx(
+                a.logprobs[position][token].logprob, abs=1e-6
+            )
