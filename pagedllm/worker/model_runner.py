@@ -110,12 +110,10 @@ class ModelRunner:
         On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
         4 GiB cache costs no start-up time and only as much RAM as blocks actually used. The
         price is paid in steps: the first write to a block faults its pages in (5-8% of a
-        2,048-token prefill step while the pool is fresh; a fault costs ~8.5 us a 4 KB page
-        here, so touching a 4 GiB pool up front would take ~9 s). Transparent huge pages
-        removed that in one run and not in the next (the kernel falls back to small pages
-        when it has no huge ones free), and on W1 they moved throughput by under 1% (1.391
-        and 1.378 requests/s without, 1.412 and 1.379 with, alternating), so the cache does
-        not ask for them; the weights do (worker/huge_pages.py).
+        2,048-token prefill step while the pool is fresh). On this VM that is the host's
+        first touch of guest memory, ~0.5 GB/s on small and huge pages alike, so touching a
+        4 GiB pool up front would take ~9 s, and huge pages for the cache moved W1 by under
+        1% (docs/performance.md, the prefill step); the cache asks for neither.
         """
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
