@@ -2,11 +2,12 @@
 
 A decode step of a few sequences streams every weight once, so its matmuls run at memory
 bandwidth. On 4 KB pages that stream needs a new TLB entry every 4 KB; on 2 MB pages the
-default model's 121 projections took 9.8 ms instead of 11.0 at one row (RESULTS.md, "Skinny
-linear up to 96 rows"). The kernel's THP setting here is `madvise`, so memory gets huge pages
-only where asked: the large weights are copied into one 2 MB-aligned arena advised with
-MADV_HUGEPAGE before its first write. Where the advice is refused (not Linux, THP off) or
-PAGEDLLM_HUGE_PAGES=0, the weights stay where they are.
+default model's 121 projections took 10.7 ms instead of 11.2 at one row and 17.1 instead of
+19.2 at four (RESULTS.md, "Single-stream, paired round by round, weights on huge pages").
+The kernel's THP setting here is `madvise`, so memory gets huge pages only where asked:
+the large weights are copied into one 2 MB-aligned arena advised with MADV_HUGEPAGE before
+its first write. Where the advice is refused (not Linux, THP off) or PAGEDLLM_HUGE_PAGES=0,
+the weights stay where they are.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def _large_cpu_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _advised_arena(num_bytes: int) -> np.ndarray | None:
+    """`num_bytes` of zeroed memory starting on a huge-page boundary and advised
+    MADV_HUGEPAGE before its first touch, or None where the advice cannot be given."""
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
