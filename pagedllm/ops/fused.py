@@ -49,6 +49,10 @@ def rms_norm(
 # torch's sgemm, which runs the fewest rows on one thread and blocks for larger problems
 # (the two met between 96 and 128 rows): benchmarks/RESULTS.md, "Skinny linear".
 SKINNY_MAX_ROWS = 96
+# From this many rows on, a weight prepacked for oneDNN (`packed`) beats the skinny kernel
+# (at one row it is the other way round: 20.5 against 12.1 ms for the default model's
+# projections): benchmarks/RESULTS.md, "oneDNN".
+PACKED_MIN_ROWS = 4
 
 
 def linear(
@@ -56,8 +60,20 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     use_kernels: bool = False,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b), W shaped [out, in]; decode-sized fp32 batches go to the skinny kernel."""
+    """x W^T (+ b), W shaped [out, in]. With `packed` (W prepacked for oneDNN,
+    `model/layers/onednn.py`) batches of PACKED_MIN_ROWS rows or more run on oneDNN; the
+    fewest rows go to the skinny kernel, and the rest to torch's sgemm."""
+    if (
+        # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
+        # packed tensors (and checked first, the row count adds no guard to the graph).
+        not torch.compiler.is_compiling()
+        and packed is not None
+        and x.dim() == 2
+        and x.shape[0] >= PACKED_MIN_ROWS
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     if (
         x.dim() == 2
         and x.shape[0] <= SKINNY_MAX_ROWS

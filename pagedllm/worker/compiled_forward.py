@@ -37,16 +37,20 @@ def _use_pagedllm_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
 
 
-# Decode steps of up to this many requests run compiled. Python's share of a step falls as
-# the batch grows (2% at 256); larger batches would also take the other side of the linear
-# layers' branch on the row count, a second graph for no gain.
+# Decode steps of up to this many requests can run compiled. Python's share of a step falls
+# as the batch grows (2% at 256); larger batches would also take the other side of the
+# linear layers' branch on the row count, a second graph for no gain.
 MAX_BATCH_SIZE = fused.SKINNY_MAX_ROWS
 
 
 class CompiledDecode:
     """The model's forward compiled for decode-only steps (one token per request)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, max_batch_size: int = MAX_BATCH_SIZE) -> None:
+        """`max_batch_size`: the largest decode step to run compiled (at most
+        MAX_BATCH_SIZE); the model runner lowers it where oneDNN's packed weights serve
+        larger batches faster than the compiled graph's skinny kernel."""
+        self.max_batch_size = min(max_batch_size, MAX_BATCH_SIZE)
         _use_pagedllm_cache()
         # Sizes that happen to be equal while tracing (a batch of 2 and a 2-column block
         # table) must not become one symbol, or the next step recompiles.
@@ -57,10 +61,9 @@ class CompiledDecode:
             model.forward, dynamic=True, fullgraph=True
         )
 
-    @staticmethod
-    def applies(num_scheduled_tokens: np.ndarray) -> bool:
-        """A decode-only step of at most MAX_BATCH_SIZE requests."""
-        return len(num_scheduled_tokens) <= MAX_BATCH_SIZE and bool(
+    def applies(self, num_scheduled_tokens: np.ndarray) -> bool:
+        """A decode-only step of at most `max_batch_size` requests."""
+        return len(num_scheduled_tokens) <= self.max_batch_size and bool(
             (num_scheduled_tokens == 1).all()
         )
 
@@ -75,7 +78,7 @@ class CompiledDecode:
         self(*_dummy_decode(2, device))
         elapsed = time.perf_counter() - started
         logger.info(
-            "Compiled the decode step (batches of 1 to %d) in %.1f s", MAX_BATCH_SIZE, elapsed
+            "Compiled the decode step (batches of 1 to %d) in %.1f s", self.max_batch_size, elapsed
         )
         return elapsed
 

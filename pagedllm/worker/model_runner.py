@@ -16,9 +16,11 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.request import child_request_id
+from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
+from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
@@ -57,7 +59,12 @@ class ModelRunner:
                 "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
             )
             return None
-        compiled = CompiledDecode(self.model)
+        # Where oneDNN's packed weights serve PACKED_MIN_ROWS rows and more (eagerly), the
+        # graph takes only the smaller steps, which run on the skinny kernel either way.
+        packed = any(getattr(m, "packed_weight", None) is not None for m in self.model.modules())
+        compiled = CompiledDecode(
+            self.model, fused.PACKED_MIN_ROWS - 1 if packed else fused.SKINNY_MAX_ROWS
+        )
         try:
             with torch.inference_mode():
                 compiled.warm_up(self.device)
@@ -84,6 +91,7 @@ class ModelRunner:
             gguf_path = source.path if source.is_gguf else None
             quantize_model(model, model_config.quantization, gguf_path=gguf_path)
         if self.device.type == "cpu":
+            pack_linear_weights(model)
             place_weights_on_huge_pages(model)
         return model.eval()
 

@@ -51,7 +51,8 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in range(3, 27, 3)]
     want, got = _generate(eager, prompts), _generate(compiled, prompts)
-    assert sorted(set(batch_sizes)) == list(range(1, len(prompts) + 1))
+    # Larger steps run eagerly on oneDNN's packed weights, in both engines.
+    assert sorted(set(batch_sizes)) == list(range(1, runner.compiled_decode.max_batch_size + 1))
     assert counters["stats"]["unique_graphs"] == graphs_before + 1  # and never again
     for a, b in zip(want, got, strict=True):
         assert a.token_ids == b.token_ids
@@ -61,12 +62,22 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
             )
 
 
-def test_compiled_decode_leaves_prefill_and_large_batches_eager():
+def test_compiled_decode_leaves_prefill_and_large_batches_eager(tiny_llama):
     from pagedllm.worker.compiled_forward import CompiledDecode
 
-    assert CompiledDecode.applies(torch.ones(MAX_BATCH_SIZE, dtype=torch.int64).numpy())
-    assert not CompiledDecode.applies(torch.ones(MAX_BATCH_SIZE + 1, dtype=torch.int64).numpy())
-    assert not CompiledDecode.applies(torch.tensor([1, 5, 1]).numpy())
+    compiled = CompiledDecode(_runner(_engine(tiny_llama)).model, max_batch_size=3)
+    assert compiled.applies(torch.ones(3, dtype=torch.int64).numpy())
+    assert not compiled.applies(torch.ones(4, dtype=torch.int64).numpy())
+    assert not compiled.applies(torch.tensor([1, 5, 1]).numpy())
+    model = _runner(_engine(tiny_llama)).model
+    assert CompiledDecode(model, 10**6).max_batch_size == MAX_BATCH_SIZE
+
+
+def test_packed_weights_leave_the_compiled_graph_the_small_steps(tiny_llama, monkeypatch):
+    assert _runner(_engine(tiny_llama, compile=True)).compiled_decode.max_batch_size == 3
+    monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")  # no packed weights: the skinny kernel's range
+    runner = _runner(_engine(tiny_llama, compile=True))
+    assert runner.compiled_decode.max_batch_size == MAX_BATCH_SIZE
 
 
 def test_compile_needs_the_cpu_backend(tiny_llama, caplog):

@@ -39,6 +39,7 @@ class Linear(nn.Module):
                 self.weight_loader,
             )
         self.use_kernels = False  # set by the model when the CPU extension serves it
+        self.packed_weight: torch.Tensor | None = None  # set by model/layers/onednn.py
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -46,7 +47,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.linear(x, self.weight, self.bias, self.use_kernels)
+        return fused.linear(x, self.weight, self.bias, self.use_kernels, self.packed_weight)
 
 
 class SplitOutputs:

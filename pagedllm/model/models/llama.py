@@ -145,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         # come from the same extension, which loaded if that backend is in use.
         use_kernels = backend.name == "cpu"
         self.use_kernels = use_kernels
+        # The tied head's weight prepacked for oneDNN (model/layers/onednn.py), or None.
+        self.head_packed: torch.Tensor | None = None
         for module in self.modules():
             if hasattr(module, "use_kernels"):
                 module.use_kernels = use_kernels
@@ -155,7 +157,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding's weight turns states into logits
             return fused.linear(
-                hidden_states, self.model.embed_tokens.weight, use_kernels=self.use_kernels
+                hidden_states,
+                self.model.embed_tokens.weight,
+                use_kernels=self.use_kernels,
+                packed=self.head_packed,
             )
         # A Linear, or its int8 replacement under quantization (also set for tied models).
         return self.lm_head(hidden_states)

@@ -1,0 +1,53 @@
+"""Linear weights prepacked for oneDNN: every fp32 linear layer and a tied head get one, the
+packed path equals torch's linear, the fewest rows keep the skinny kernel, and
+PAGEDLLM_ONEDNN=0 turns packing off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.model.layers import onednn
+from pagedllm.model.layers.linear import Linear
+from pagedllm.ops import fused
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [fused.PACKED_MIN_ROWS, 37, 300])
+def test_packed_linear_equals_torch(rows):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(129, 200), torch.randn(129), torch.randn(rows, 200)
+    out = fused.linear(x, weight, bias, use_kernels=True, packed=onednn.pack(weight))
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fewest_rows_keep_the_skinny_kernel(monkeypatch):
+    weight = torch.randn(64, 40)
+    packed = onednn.pack(weight)
+    ops = fused.load()
+    calls = []
+    monkeypatch.setattr(fused, "load", lambda: calls.append(1) or ops)  # the skinny path's
+    for rows in (fused.PACKED_MIN_ROWS - 1, fused.PACKED_MIN_ROWS):
+        x = torch.randn(rows, 40)
+        out = fused.linear(x, weight, use_kernels=True, packed=packed)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+    assert calls == [1]  # only the smaller batch went to the skinny kernel
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.engine_core.model_runner.model
+
+
+def test_every_fp32_linear_and_the_tied_head_are_packed(tiny_model_factory, monkeypatch):
+    directory = tiny_model_factory("LlamaForCausalLM:tied-bias")
+    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert model.lm_head is None and model.head_packed is not None
+    monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")
+    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    assert model.head_packed is None
