@@ -20,6 +20,11 @@ import time
 
 import torch
 
+try:
+    from pagedllm.model.layers import onednn
+except ImportError:  # a pagedllm from before oneDNN packing (cpu_perf.sh's "before" side)
+    onednn = None
+
 # SmolLM2-135M-Instruct
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, LAYERS, VOCAB = 576, 9, 3, 64, 1536, 30, 49152
 LINEAR_SHAPES = {  # name: (in, out)
@@ -42,12 +47,20 @@ def best_seconds(fn, repeats: int = 10) -> float:
 
 
 def matmul_gflops(rows: int) -> float:
-    """The rate of one layer's four projections at `rows` tokens, FLOP-weighted."""
+    """The rate of one layer's four projections at `rows` tokens, FLOP-weighted: for each
+    shape the faster of torch's sgemm (`F.linear`) and oneDNN on a prepacked weight (on
+    AMD CPUs sgemm takes its AVX2 path and oneDNN its AVX-512 one)."""
     flops, seconds = 0.0, 0.0
     for in_features, out_features in LINEAR_SHAPES.values():
         x = torch.randn(rows, in_features)
         w = torch.randn(out_features, in_features)
-        seconds += best_seconds(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+        candidates = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
+        if onednn is not None and onednn.available():
+            packed = onednn.pack(w)
+            candidates.append(
+                lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            )
+        seconds += min(best_seconds(fn) for fn in candidates)
         flops += 2 * rows * in_features * out_features
     return flops / seconds / 1e9
 
