@@ -1,4 +1,4 @@
-"""The skinny-linear kernel against `F.linear` at decode shapes.
+"""The skinny-linear kernel against `F.linear` and oneDNN (prepacked weights) at decode shapes.
 
 Times one forward pass's worth of projections of the default model (4 per layer × 30
 layers + the tied head, fp32) at 1..128 rows, each way, best of `--repeats`, after checking
@@ -15,6 +15,7 @@ import argparse
 import torch
 from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 
+from pagedllm.model.layers import onednn
 from pagedllm.ops.extension import load
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 
@@ -39,8 +40,9 @@ def main() -> None:
         weights = [parameter.detach() for parameter in holder.weights]
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"{len(weights)} weights, {weight_bytes / 1e6:.0f} MB, {torch.get_num_threads()} threads")
-    print("| rows | F.linear (ms) | skinny (ms) | skinny GB/s |")
-    print("|---|---|---|---|")
+    packed = [onednn.pack(w) for w in weights] if onednn.available() else None
+    print("| rows | F.linear (ms) | skinny (ms) | skinny GB/s | oneDNN packed (ms) |")
+    print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
         outs = [torch.empty(rows, w.shape[0]) for w in weights]
@@ -57,10 +59,15 @@ def main() -> None:
             for w, out in zip(weights, outs, strict=True):
                 ops.skinny_linear(out, inputs[w.shape[1]], w)
 
+        def onednn_pass(inputs=inputs):
+            for w, p in zip(weights, packed, strict=True):
+                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
         torch_ms = 1000 * best_seconds(torch_pass, args.repeats)
         skinny_ms = 1000 * best_seconds(skinny_pass, args.repeats)
+        onednn_ms = 1000 * best_seconds(onednn_pass, args.repeats) if packed else float("nan")
         gbs = weight_bytes / skinny_ms / 1e6
-        print(f"| {rows} | {torch_ms:.1f} | {skinny_ms:.1f} | {gbs:.1f} |")
+        print(f"| {rows} | {torch_ms:.1f} | {skinny_ms:.1f} | {gbs:.1f} | {onednn_ms:.1f} |")
 
 
 if __name__ == "__main__":
