@@ -10,11 +10,11 @@ forward's, bit for bit.
 One graph serves every decode step of 1..max_batch_size requests: sizes are symbolic, none
 is specialized (not even 1), and equal sizes are not merged. max_batch_size is 96 (the
 skinny kernel's range), or 3 where the linear layers hold oneDNN-packed weights, which
-serve 4 rows and more faster eagerly than the graph's skinny kernel does. It is compiled at start-up on a
-dummy decode that writes only the reserved null block, so no request waits for the compiler.
-Inductor keeps its compiled code under pagedllm's cache directory; tracing is redone at each
-start. Prefill steps and larger batches stay eager: their matmuls dwarf the Python around
-them.
+serve 4 rows and more faster eagerly than the graph's skinny kernel does. It is compiled
+at start-up on a dummy decode that writes only the reserved null block, so no request
+waits for the compiler. Inductor keeps its compiled code under pagedllm's cache directory;
+tracing is redone at each start. Prefill steps and larger batches stay eager: their
+matmuls dwarf the Python around them.
 """
 
 from __future__ import annotations
