@@ -50,8 +50,8 @@ def rms_norm(
 # (the two met between 96 and 128 rows): benchmarks/RESULTS.md, "Skinny linear".
 SKINNY_MAX_ROWS = 96
 # From this many rows on, a weight prepacked for oneDNN (`packed`) beats the skinny kernel
-# (at one row it is the other way round: 20.5 against 12.1 ms for the default model's
-# projections): benchmarks/RESULTS.md, "oneDNN".
+# (the default model's projections: 18.7 against 19.4 ms at four rows, 22.2 against 17.9 at
+# one): benchmarks/RESULTS.md, "oneDNN with prepacked weights".
 PACKED_MIN_ROWS = 4
 
 
