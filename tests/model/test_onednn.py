@@ -51,3 +51,11 @@ def test_every_fp32_linear_and_the_tied_head_are_packed(tiny_model_factory, monk
     model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
     assert model.head_packed is None
+
+
+def test_packing_is_skipped_when_the_copies_would_not_fit(tiny_model_factory, monkeypatch):
+    # No memory to spare: a large model keeps only its plain weights instead of failing.
+    monkeypatch.setattr(onednn, "MAX_SHARE_OF_AVAILABLE_MEMORY", 0.0)
+    directory = tiny_model_factory("LlamaForCausalLM")
+    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))

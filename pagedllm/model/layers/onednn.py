@@ -39,24 +39,53 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_ROWS)
 
 
+# Packed copies may take at most this share of the memory available when packing starts:
+# a large fp32 model keeps its plain weights alone rather than run out of memory.
+MAX_SHARE_OF_AVAILABLE_MEMORY = 0.25
+
+
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every fp32 CPU `Linear` of the model (and a tied head) a packed weight; returns
-    how many weights were packed (0 where oneDNN is unavailable)."""
+    how many weights were packed (0 where oneDNN is unavailable or the copies would not
+    fit in MAX_SHARE_OF_AVAILABLE_MEMORY of the available memory)."""
     if not available():
         return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and _packable(module.weight):
-            module.packed_weight = pack(module.weight)
-            count += 1
+    owners: list[tuple[object, str, torch.Tensor]] = [
+        (module, "packed_weight", module.weight)
+        for module in model.modules()
+        if isinstance(module, Linear) and _packable(module.weight)
+    ]
     # A tied head (LlamaForCausalLM.head_packed) multiplies by the embedding's weight.
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied = hasattr(model, "head_packed") and getattr(model, "lm_head", True) is None
     if tied and embedding is not None and _packable(embedding.weight):
-        model.head_packed = pack(embedding.weight)
-        count += 1
-    logger.info("Packed %d linear weights for oneDNN", count)
-    return count
+        owners.append((model, "head_packed", embedding.weight))
+    needed = sum(weight.nbytes for _, _, weight in owners)
+    budget = MAX_SHARE_OF_AVAILABLE_MEMORY * available_memory_bytes()
+    if needed > budget:
+        logger.warning(
+            "oneDNN packing skipped: the packed weights (%.1f GB) would exceed %.0f%% of the "
+            "available memory; linear layers use sgemm",
+            needed / 1e9,
+            100 * MAX_SHARE_OF_AVAILABLE_MEMORY,
+        )
+        return 0
+    for owner, attribute, weight in owners:
+        setattr(owner, attribute, pack(weight))
+    logger.info("Packed %d linear weights for oneDNN (%.0f MB)", len(owners), needed / 1e6)
+    return len(owners)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _packable(weight: torch.Tensor) -> bool:
