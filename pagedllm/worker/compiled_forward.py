@@ -45,6 +45,14 @@ def _use_pagedllm_cache() -> None:
 MAX_BATCH_SIZE = fused.SKINNY_MAX_ROWS
 
 
+def compiled_batch_limit(model: torch.nn.Module) -> int:
+    """The largest decode step worth compiling for `model`: MAX_BATCH_SIZE, or 3 where its
+    linear layers hold oneDNN-packed weights, which serve four rows and more faster eagerly
+    than the graph's skinny kernel does."""
+    packed = any(getattr(m, "packed_weight", None) is not None for m in model.modules())
+    return fused.PACKED_MIN_ROWS - 1 if packed else MAX_BATCH_SIZE
+
+
 class CompiledDecode:
     """The model's forward compiled for decode-only steps (one token per request)."""
 

@@ -20,13 +20,12 @@ from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.backend import apply_bitmask
-from pagedllm.worker.compiled_forward import CompiledDecode
+from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 from pagedllm.worker.input_batch import InputBatch
@@ -59,12 +58,7 @@ class ModelRunner:
                 "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
             )
             return None
-        # Where oneDNN's packed weights serve PACKED_MIN_ROWS rows and more (eagerly), the
-        # graph takes only the smaller steps, which run on the skinny kernel either way.
-        packed = any(getattr(m, "packed_weight", None) is not None for m in self.model.modules())
-        compiled = CompiledDecode(
-            self.model, fused.PACKED_MIN_ROWS - 1 if packed else fused.SKINNY_MAX_ROWS
-        )
+        compiled = CompiledDecode(self.model, compiled_batch_limit(self.model))
         try:
             with torch.inference_mode():
                 compiled.warm_up(self.device)
