@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from pagedllm.ops import fused
+
 try:
     from pagedllm.model.layers import onednn
 except ImportError:  # a pagedllm from before oneDNN packing (cpu_perf.sh's "before" side)
@@ -57,9 +59,7 @@ def matmul_gflops(rows: int) -> float:
         candidates = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
         if onednn is not None and onednn.available():
             packed = onednn.pack(w)
-            candidates.append(
-                lambda x=x, p=packed: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-            )
+            candidates.append(lambda x=x, p=packed: fused.onednn_linear(x, p))
         seconds += min(best_seconds(fn) for fn in candidates)
         flops += 2 * rows * in_features * out_features
     return flops / seconds / 1e9

@@ -16,6 +16,7 @@ import torch
 from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 
 from pagedllm.model.layers import onednn
+from pagedllm.ops import fused
 from pagedllm.ops.extension import load
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 
@@ -61,7 +62,7 @@ def main() -> None:
 
         def onednn_pass(inputs=inputs):
             for w, p in zip(weights, packed, strict=True):
-                torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                fused.onednn_linear(inputs[w.shape[1]], p)
 
         torch_ms = 1000 * best_seconds(torch_pass, args.repeats)
         skinny_ms = 1000 * best_seconds(skinny_pass, args.repeats)

@@ -143,3 +143,15 @@ def compare_to_reference_engine(reference: list, actual: list, tie_tolerance: fl
                 break
             largest = max(largest, abs(got.logprobs[position][b].logprob - top[0].logprob))
     return ties, largest
+
+
+def small_engine(directory, **engine_args):
+    """An `LLM` on a tiny model with a small context and cache (8 MiB)."""
+    from pagedllm import LLM
+
+    return LLM(str(directory), max_model_len=256, kv_cache_memory="8MiB", **engine_args)
+
+
+def model_runner(llm):
+    """The engine's `ModelRunner` (the offline `LLM` runs the core in its own process)."""
+    return llm.llm_engine.engine_core.model_runner

@@ -73,7 +73,7 @@ def linear(
         and x.dim() == 2
         and x.shape[0] >= PACKED_MIN_ROWS
     ):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return onednn_linear(x, packed, bias)
     if (
         x.dim() == 2
         and x.shape[0] <= SKINNY_MAX_ROWS
@@ -85,6 +85,13 @@ def linear(
         load().skinny_linear(out, x, weight)
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T (+ b) on oneDNN, W prepacked by `model/layers/onednn.py`'s `pack`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def silu_and_mul(x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:

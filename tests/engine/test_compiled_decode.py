@@ -7,20 +7,13 @@ import argparse
 
 import pytest
 import torch
+from model_utils import model_runner, small_engine
 from torch._dynamo.utils import counters
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.worker.compiled_forward import MAX_BATCH_SIZE
-
-
-def _engine(directory, **kwargs) -> LLM:
-    return LLM(str(directory), max_model_len=256, kv_cache_memory="8MiB", **kwargs)
-
-
-def _runner(llm: LLM):
-    return llm.llm_engine.engine_core.model_runner
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list:
@@ -35,11 +28,11 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
 
 
 def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
-    eager = _engine(tiny_llama)
+    eager = small_engine(tiny_llama)
     graphs_before = counters["stats"]["unique_graphs"]
-    compiled = _engine(tiny_llama, compile=True)
+    compiled = small_engine(tiny_llama, compile=True)
     assert counters["stats"]["unique_graphs"] == graphs_before + 1  # compiled at start-up
-    runner = _runner(compiled)
+    runner = model_runner(compiled)
     batch_sizes = []
     inner = runner.compiled_decode._forward
 
@@ -65,24 +58,24 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
 def test_compiled_decode_leaves_prefill_and_large_batches_eager(tiny_llama):
     from pagedllm.worker.compiled_forward import CompiledDecode
 
-    compiled = CompiledDecode(_runner(_engine(tiny_llama)).model, max_batch_size=3)
+    compiled = CompiledDecode(model_runner(small_engine(tiny_llama)).model, max_batch_size=3)
     assert compiled.applies(torch.ones(3, dtype=torch.int64).numpy())
     assert not compiled.applies(torch.ones(4, dtype=torch.int64).numpy())
     assert not compiled.applies(torch.tensor([1, 5, 1]).numpy())
-    model = _runner(_engine(tiny_llama)).model
+    model = model_runner(small_engine(tiny_llama)).model
     assert CompiledDecode(model, 10**6).max_batch_size == MAX_BATCH_SIZE
 
 
 def test_packed_weights_leave_the_compiled_graph_the_small_steps(tiny_llama, monkeypatch):
-    assert _runner(_engine(tiny_llama, compile=True)).compiled_decode.max_batch_size == 3
+    assert model_runner(small_engine(tiny_llama, compile=True)).compiled_decode.max_batch_size == 3
     monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")  # no packed weights: the skinny kernel's range
-    runner = _runner(_engine(tiny_llama, compile=True))
+    runner = model_runner(small_engine(tiny_llama, compile=True))
     assert runner.compiled_decode.max_batch_size == MAX_BATCH_SIZE
 
 
 def test_compile_needs_the_cpu_backend(tiny_llama, caplog):
-    llm = _engine(tiny_llama, compile=True, attention_backend="torch")
-    assert _runner(llm).compiled_decode is None
+    llm = small_engine(tiny_llama, compile=True, attention_backend="torch")
+    assert model_runner(llm).compiled_decode is None
     assert "decode steps stay eager" in caplog.text
 
 
@@ -102,8 +95,8 @@ def test_compile_flags_use_vllm_names():
 
 def test_a_model_compile_cannot_trace_runs_eagerly(tiny_llama, caplog):
     # int8's fbgemm weights are script objects that torch.compile does not trace.
-    llm = _engine(tiny_llama, compile=True, quantization="int8")
-    assert _runner(llm).compiled_decode is None
+    llm = small_engine(tiny_llama, compile=True, quantization="int8")
+    assert model_runner(llm).compiled_decode is None
     assert "compile failed" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids) == 4

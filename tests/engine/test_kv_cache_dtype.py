@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import compare_to_reference_engine, greedy_with_logprobs
+from model_utils import (
+    compare_to_reference_engine,
+    greedy_with_logprobs,
+    model_runner,
+    small_engine,
+)
 
-from pagedllm import LLM
 from pagedllm.config import EngineArgs
 
 NUM_PROMPTS, MAX_TOKENS = 8, 24
@@ -16,22 +20,17 @@ NUM_PROMPTS, MAX_TOKENS = 8, 24
 TIE_TOLERANCE = 1e-2
 
 
-def _engine(directory, **kwargs) -> LLM:
-    return LLM(str(directory), max_model_len=256, kv_cache_memory="8MiB", **kwargs)
-
-
-def _runner(llm: LLM):
-    return llm.llm_engine.engine_core.model_runner
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_16_bit_cache_keeps_fp32_greedy_output(tiny_model_factory, backend, dtype):
     directory = tiny_model_factory("LlamaForCausalLM")
-    fp32 = _engine(directory, attention_backend=backend)
-    half = _engine(directory, attention_backend=backend, kv_cache_dtype=dtype)
-    assert _runner(half).kv_caches[0][0].dtype == getattr(torch, dtype)
-    assert _runner(half).kv_caches[0][0].shape[0] == 2 * _runner(fp32).kv_caches[0][0].shape[0]
+    fp32 = small_engine(directory, attention_backend=backend)
+    half = small_engine(directory, attention_backend=backend, kv_cache_dtype=dtype)
+    assert model_runner(half).kv_caches[0][0].dtype == getattr(torch, dtype)
+    assert (
+        model_runner(half).kv_caches[0][0].shape[0]
+        == 2 * model_runner(fp32).kv_caches[0][0].shape[0]
+    )
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in range(5, 45, 5)]
     ties, largest = compare_to_reference_engine(

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_writer import tiny_model, write_model_gguf
-from model_utils import compare_to_reference_engine, greedy_with_logprobs
+from model_utils import compare_to_reference_engine, greedy_with_logprobs, model_runner
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
@@ -143,12 +143,8 @@ def engines(tiny_gguf):
     return LLM(str(tiny_gguf), **common), LLM(str(tiny_gguf), quantization="gguf", **common)
 
 
-def _model(llm: LLM) -> torch.nn.Module:
-    return llm.llm_engine.engine_core.model_runner.model
-
-
 def test_kernel_layers_replace_the_linear_layers_they_can(engines):
-    model = _model(engines[1])
+    model = model_runner(engines[1]).model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
     kept = {n for n, m in model.named_modules() if isinstance(m, Linear)}
     assert set(layers) == {
@@ -193,7 +189,7 @@ def test_compiled_decode_step_equals_eager(tiny_gguf, engines):
         skip_tokenizer_init=True,
         disable_log_stats=True,
     )
-    assert compiled.llm_engine.engine_core.model_runner.compiled_decode is not None
+    assert model_runner(compiled).compiled_decode is not None
     prompts = [[5, 9, 31, 7], list(range(3, 40)), [11] * 17]
     want, got = (greedy_with_logprobs(llm, prompts, MAX_TOKENS) for llm in (engines[1], compiled))
     for a, b in zip(want, got, strict=True):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import model_runner, small_engine
 
-from pagedllm import LLM
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.linear import Linear
 from pagedllm.ops import fused
@@ -37,18 +37,14 @@ def test_fewest_rows_keep_the_skinny_kernel(monkeypatch):
     assert calls == [1]  # only the smaller batch went to the skinny kernel
 
 
-def _model(llm: LLM) -> torch.nn.Module:
-    return llm.llm_engine.engine_core.model_runner.model
-
-
 def test_every_fp32_linear_and_the_tied_head_are_packed(tiny_model_factory, monkeypatch):
     directory = tiny_model_factory("LlamaForCausalLM:tied-bias")
-    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    model = model_runner(small_engine(directory)).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert model.lm_head is None and model.head_packed is not None
     monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")
-    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    model = model_runner(small_engine(directory)).model
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
     assert model.head_packed is None
 
@@ -57,5 +53,5 @@ def test_packing_is_skipped_when_the_copies_would_not_fit(tiny_model_factory, mo
     # No memory to spare: a large model keeps only its plain weights instead of failing.
     monkeypatch.setattr(onednn, "MAX_SHARE_OF_AVAILABLE_MEMORY", 0.0)
     directory = tiny_model_factory("LlamaForCausalLM")
-    model = _model(LLM(str(directory), max_model_len=128, kv_cache_memory="4MiB"))
+    model = model_runner(small_engine(directory)).model
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
