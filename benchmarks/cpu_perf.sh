@@ -35,6 +35,15 @@ for side in before after; do
     > "$out/steps_$side.log" 2>&1
   tail -4 "$out/steps_$side.log"
 done
+step "the same with the KV pool's pages faulted in first (a server's steady state)"
+for side in before after; do
+  $side "$py" "$root/benchmarks/step_breakdown.py" --populate-kv-cache \
+    --output-json "$out/steps_populated_$side.json" > "$out/steps_populated_$side.log" 2>&1
+  tail -2 "$out/steps_populated_$side.log"
+done
+after "$py" "$root/benchmarks/step_breakdown.py" --populate-kv-cache --kv-cache-dtype float16 \
+  --output-json "$out/steps_populated_kv_fp16.json" > "$out/steps_populated_kv_fp16.log" 2>&1
+tail -2 "$out/steps_populated_kv_fp16.log"
 fi
 
 w1=(bench throughput --dataset-name file --dataset-path "$out/w1/workload_64.jsonl"
@@ -46,6 +55,8 @@ after "$py" "$root/benchmarks/compare.py" --only pagedllm,vllm --num-prompts 64 
 before "$py" -m pagedllm "${w1[@]}" --output-json "$out/w1_before.json" > "$out/w1_before.log" 2>&1
 after "$py" -m pagedllm "${w1[@]}" --compile --output-json "$out/w1_compile.json" \
   > "$out/w1_compile.log" 2>&1
+after "$py" -m pagedllm "${w1[@]}" --kv-cache-dtype float16 --output-json "$out/w1_kv_fp16.json" \
+  > "$out/w1_kv_fp16.log" 2>&1
 fi
 
 if want quantized; then
@@ -54,6 +65,8 @@ for q in int8 gguf; do
   after "$py" -m pagedllm "${w1[@]}" --quantization "$q" --output-json "$out/w1_$q.json" \
     > "$out/w1_$q.log" 2>&1
 done
+after "$py" -m pagedllm "${w1[@]}" --quantization gguf --kv-cache-dtype float16 \
+  --output-json "$out/w1_gguf_kv_fp16.json" > "$out/w1_gguf_kv_fp16.log" 2>&1
 after "$py" "$root/benchmarks/int8_speed.py" w1 --rounds 1 --variants fp32,int8,gguf \
   --output-json "$out/int8_speed.json" > "$out/int8_speed.log" 2>&1
 after "$py" "$root/benchmarks/int8_accuracy.py" --output-json "$out/int8_accuracy.json" \

@@ -19,7 +19,10 @@ tokens beside the few decodes of the first chunk's prompts).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -31,6 +34,7 @@ from ceiling import HEAD_DIM, HEADS, HIDDEN, LAYERS, NON_EMBEDDING_PARAMS, VOCAB
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import DatasetConfig, random_dataset
 
+_MADV_POPULATE_WRITE = 23  # linux/mman.h
 PHASES = ("schedule", "forward", "logits", "sample", "update")
 
 
@@ -88,7 +92,10 @@ def run(args: argparse.Namespace) -> dict:
         disable_log_stats=True,
         quantization=args.quantization,
         compile=args.compile,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
+    if args.populate_kv_cache:
+        populate_kv_cache(llm)
     engine = llm.llm_engine
     tokenizer = llm.get_tokenizer()
     config = DatasetConfig(
@@ -131,6 +138,27 @@ def run(args: argparse.Namespace) -> dict:
     return summarize(steps, args, best)
 
 
+def populate_kv_cache(llm: LLM) -> None:
+    """Fault every page of the KV pool in (MADV_POPULATE_WRITE, Linux 5.14+; the contents are
+    left alone), as in a server that has used its whole pool once. On a fresh pool the first
+    write to each block's pages happens inside a step, and on this VM that first touch of
+    guest memory costs ~1-2 s per GB (docs/performance.md)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    started = time.perf_counter()
+    total = 0
+    for cache in llm.llm_engine.engine_core.model_runner.kv_caches:
+        for tensor in cache:
+            begin = -(-tensor.data_ptr() // page) * page
+            end = (tensor.data_ptr() + tensor.nbytes) // page * page
+            if libc.madvise(begin, end - begin, _MADV_POPULATE_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            total += end - begin
+    seconds = time.perf_counter() - started
+    print(f"KV pool populated: {total / 1e9:.2f} GB in {seconds:.1f} s")
+
+
 def classify(scheduler, before: dict[str, int], args) -> tuple[str | None, dict]:
     """A step is "prefill" if it ran a full budget of which at least 90% were prompt tokens
     (after the first chunk, every step carries the decodes of the prompts already done),
@@ -160,6 +188,8 @@ def summarize(steps: dict[str, list[dict]], args, ceiling_by_rows: dict[int, flo
         "batch": args.batch,
         "input_len": args.input_len,
         "threads": torch.get_num_threads(),
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "populated_kv_cache": args.populate_kv_cache,
     }
     for kind, rows in (("prefill", args.max_num_batched_tokens), ("decode", args.batch)):
         records = steps[kind]
@@ -232,6 +262,13 @@ def main() -> None:
         help="int8 or gguf (model FLOP/s are then fp32-equivalent, against the fp32 ceiling)",
     )
     parser.add_argument("--compile", action="store_true", help="decode steps through torch.compile")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, float16 or bfloat16")
+    parser.add_argument(
+        "--populate-kv-cache",
+        action="store_true",
+        help="fault the KV pool's pages in before the steps (the steady state of a server "
+        "that has used its pool once) instead of in the steps that first write them",
+    )
     args = parser.parse_args()
     report = run(args)
     print_report(report)

@@ -142,7 +142,9 @@ def random_requests(rng: random.Random, count: int) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("block_size", [16, 7])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3)])
+# Query heads per kv head 1, 3, 8 and 5: prefill rows go in groups of up to four that share
+# a kv head, so these give groups of one, three, four and four-then-one.
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1), (10, 2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_mixed_batches_match_torch(cpu_backend, block_size, num_heads, num_kv_heads, seed):
     requests = random_requests(random.Random(seed), 12)
