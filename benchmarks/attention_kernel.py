@@ -1,12 +1,15 @@
 """One layer's attention call, "torch" (gather + SDPA) vs "cpu" (C++ kernel on the paged blocks).
 
-SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block_size 16, fp32): decode
-batches of 64 and 256 sequences x 320-token contexts, and prefill chunks (fresh and after
-cached tokens) including one of 2048 tokens. Prints ms per call, median and minimum of the
-repeats (on a shared machine the minimum is the better guide), and torch/cpu of the
-medians. Blocks are scattered over the cache as after a while of serving.
+SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block_size 16, an fp32 cache
+unless `--kv-cache-dtype` says otherwise): decode batches of 64 and 256 sequences x
+320-token contexts, and prefill chunks (fresh and after cached tokens) including one of 2048
+tokens and one of eight 256-token prompts (the step breakdown's prefill chunk). Prints ms
+per call, median and minimum of the repeats (on a shared machine the minimum is the better
+guide), and torch/cpu of the medians. Blocks are scattered over the cache as after a while
+of serving.
 
     .venv/bin/python benchmarks/attention_kernel.py [--repeats 20] [--threads N]
+        [--kv-cache-dtype float16] [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pagedllm.ops.attention import AttentionBackend, AttentionMetadata, TorchAtt
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
-def make_step(requests: list[tuple[int, int]], seed: int = 0):
+def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float32):
     """(q, k, v, kv_cache, metadata) for [(tokens cached, tokens scheduled)] per request."""
     rng = random.Random(seed)
     seq_lens = [cached + scheduled for cached, scheduled in requests]
@@ -35,7 +38,7 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0):
     tables = [[free.pop() for _ in range(n)] for n in needed]
     width = max(needed)
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    kv_cache = (torch.randn(shape), torch.randn(shape))
+    kv_cache = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
     slots = [
         table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
         for (cached, scheduled), table in zip(requests, tables, strict=True)
@@ -85,6 +88,7 @@ def cases() -> dict[str, list[tuple[int, int]]]:
         "prefill 128 fresh": [(0, 128)],
         "prefill 256 after 512 cached": [(512, 256)],
         "prefill 512 fresh": [(0, 512)],
+        "prefill 8 x 256 fresh": [(0, 256)] * 8,
         "prefill 2048 fresh": [(0, 2048)],
         "64 decodes + 256-token chunk": [(319, 1)] * 64 + [(256, 256)],
     }
@@ -94,15 +98,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
+    )
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.kv_cache_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     extension.build()
     backends = {"torch": TorchAttentionBackend(), "cpu": cpu_attention.CpuAttentionBackend()}
-    print(f"threads={torch.get_num_threads()}  repeats={args.repeats}  (one layer, ms/call)")
+    print(
+        f"threads={torch.get_num_threads()}  repeats={args.repeats}  "
+        f"cache {args.kv_cache_dtype}  (one layer, ms/call)"
+    )
     print(f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}")
+    wanted = None if args.cases is None else set(args.cases.split(","))
     for name, requests in cases().items():
-        step = make_step(requests)
+        if wanted is not None and name not in wanted:
+            continue
+        step = make_step(requests, dtype=dtype)
         ms = {label: time_call(backend, step, args.repeats) for label, backend in backends.items()}
         ratio = ms["torch"][0] / ms["cpu"][0]
         torch_ms, cpu_ms = (f"{m[0]:8.2f} /{m[1]:8.2f}" for m in (ms["torch"], ms["cpu"]))

@@ -306,6 +306,9 @@ inline void attend_group(const T* keys, const T* values, int64_t stride, int n, 
   const int stride_s = s.scores_stride;
   float* scores = s.scores.data();
   prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
+  // A lone row's share is small and its work short: both halves go out at once, as the
+  // decode path always did.
+  if constexpr (R == 1) prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
   if constexpr (R == 1) {
     block_scores<NV>(&s.q[r0 * D], keys, stride, n, scores);
   } else {
@@ -323,7 +326,7 @@ inline void attend_group(const T* keys, const T* values, int64_t stride, int n, 
     s.m[r] = m_new;
     std::fill(p + (n_r + 7) / 8 * 8, p + stride_s, 0.0f);
   }
-  prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
+  if constexpr (R > 1) prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
   if constexpr (R == 1) {
     accumulate_values<NV>(&s.acc[r0 * D], values, stride, scores, n, rescale[0]);
   } else {
