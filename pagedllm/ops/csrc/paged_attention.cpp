@@ -167,14 +167,15 @@ struct WorkItem {
 };
 
 struct Scratch {
-  int scores_stride;  // one row's scores (a block, rounded up to whole vectors)
   std::vector<float> q, acc, m, l, scores;
   std::vector<int> limit;
   std::vector<int64_t> head_offset;  // of the row's kv head within a cache token, elements
+  int group_stride;                  // one row's scores in group_scores: a block, rounded up
+  std::vector<float> group_scores;   // kMaxGroupRows rows of them
   Scratch(int max_rows, int head_dim, int block_size, int group_rows)
-      : scores_stride((block_size + 7) / 8 * 8), q(max_rows * head_dim),
-        acc(max_rows * head_dim), m(max_rows), l(max_rows),
-        scores(group_rows * scores_stride), limit(max_rows), head_offset(max_rows) {}
+      : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
+        scores((block_size + 7) / 8 * 8), limit(max_rows), head_offset(max_rows),
+        group_stride((block_size + 7) / 8 * 8), group_scores(group_rows * group_stride) {}
 };
 
 // Scaled queries into scratch; a row's `limit` is the number of keys it may see (causal).
@@ -296,6 +297,22 @@ inline void group_values(float* acc, const T* values, int64_t stride, const floa
   }
 }
 
+// One row against the first n keys of a block: the online-softmax update. A decode's rows
+// take this path, as do prefill rows left over from groups.
+template <int NV, typename T>
+inline void attend_block(const T* keys, const T* values, int64_t stride, int n, int r,
+                         Scratch& s) {
+  constexpr int D = NV * 8;
+  float* scores = s.scores.data();
+  block_scores<NV>(&s.q[r * D], keys, stride, n, scores);
+  const float m_new = std::max(s.m[r], masked_max(scores, n));
+  // exp(-inf) = 0 on the first block; libm's exp is worth skipping when the max holds.
+  const float rescale = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
+  s.l[r] = s.l[r] * rescale + exp_and_sum(scores, n, m_new);
+  s.m[r] = m_new;
+  accumulate_values<NV>(&s.acc[r * D], values, stride, scores, n, rescale);
+}
+
 // Rows r0 .. r0 + R - 1 (one kv head) against the first n keys of a block, row r seeing
 // its first valid[r] of them: the online-softmax update. A row's weights past its own
 // valid keys are zero, so the shared value pass leaves it as it was.
@@ -303,76 +320,87 @@ template <int NV, int R, typename T>
 inline void attend_group(const T* keys, const T* values, int64_t stride, int n, int r0,
                          const int* valid, const Ahead<T>& ahead, Scratch& s) {
   constexpr int D = NV * 8;
-  const int stride_s = s.scores_stride;
-  float* scores = s.scores.data();
+  const int stride_s = s.group_stride;
+  float* scores = s.group_scores.data();
   prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
-  // A lone row's share is small and its work short: both halves go out at once, as the
-  // decode path always did.
-  if constexpr (R == 1) prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
-  if constexpr (R == 1) {
-    block_scores<NV>(&s.q[r0 * D], keys, stride, n, scores);
-  } else {
-    group_scores<NV, R>(&s.q[r0 * D], keys, stride, n, scores, stride_s);
-  }
+  group_scores<NV, R>(&s.q[r0 * D], keys, stride, n, scores, stride_s);
   float rescale[R];
   for (int i = 0; i < R; ++i) {
     const int r = r0 + i;
     float* p = scores + i * stride_s;
     const int n_r = std::max(valid[i], 0);
     const float m_new = std::max(s.m[r], masked_max(p, n_r));
-    // exp(-inf) = 0 on the first block; libm's exp is worth skipping when the max holds.
     rescale[i] = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
     s.l[r] = s.l[r] * rescale[i] + exp_and_sum(p, n_r, m_new);
     s.m[r] = m_new;
     std::fill(p + (n_r + 7) / 8 * 8, p + stride_s, 0.0f);
   }
-  if constexpr (R > 1) prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
-  if constexpr (R == 1) {
-    accumulate_values<NV>(&s.acc[r0 * D], values, stride, scores, n, rescale[0]);
-  } else {
-    group_values<NV, R>(&s.acc[r0 * D], values, stride, scores, stride_s, n, rescale);
-  }
+  prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
+  group_values<NV, R>(&s.acc[r0 * D], values, stride, scores, stride_s, n, rescale);
 }
 
 template <int NV, typename T>
 inline void attend_rows(const T* keys, const T* values, int64_t stride, int n, int r0,
                         int count, const int* valid, const Ahead<T>& ahead, Scratch& s) {
   switch (count) {
-    case 1: return attend_group<NV, 1>(keys, values, stride, n, r0, valid, ahead, s);
+    case 1:
+      // A lone row's share is small and its work short: both halves go out at once.
+      prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
+      prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
+      return attend_block<NV>(keys, values, stride, n, r0, s);
     case 2: return attend_group<NV, 2>(keys, values, stride, n, r0, valid, ahead, s);
     case 3: return attend_group<NV, 3>(keys, values, stride, n, r0, valid, ahead, s);
     default: return attend_group<NV, 4>(keys, values, stride, n, r0, valid, ahead, s);
   }
 }
 
-// Attention of one work item, written to out. Blocks are visited in order; every row of
-// the item uses a block while it is in L1, and the next block is prefetched meanwhile.
+// A decode item's rows one at a time against each block. Grouping its rows (three per kv
+// head here) measured 15-40% slower at 256 decodes: a decode's time is memory, not loads.
+// This loop is kept apart from the tiles' (below) because sharing one function with it
+// slowed it by 10-18% in the A/B runs of RESULTS.md.
 template <int NV, typename T>
-void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
+void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
   constexpr int D = NV * 8;
-  const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
-  const int context_start = p.seq_lens[w.req] - query_len;
-  load_rows<NV>(p, w, context_start, s);
-  const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
-  const int kv_end = context_start + w.q_end;
   const int32_t* table = p.block_tables + w.req * p.table_stride;
   // The item's heads are adjacent in a cache token: one contiguous run to prefetch.
   const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
   const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * D;
-  // Only prefill tiles group their rows. A decode's time is memory, not loads: grouping its
-  // rows (three per kv head here) measured 15-40% slower at 256 decodes, while the tiles of
-  // 256-token prompts ran 10% faster on an fp32 cache and 28% on fp16 (RESULTS.md).
-  const bool group_rows = w.q_end - w.q_begin > 1;
+  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
+    const int n = std::min(p.block_size, kv_end - t0);
+    const int64_t block = table[b] * p.block_stride;
+    const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
+    const int64_t next = next_n ? table[b + 1] * p.block_stride + run_offset : 0;
+    for (int r = 0; r < rows; ++r) {
+      const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
+      const int64_t ahead = next + j0 * p.token_stride;
+      prefetch_rows(p.key_cache + ahead, p.token_stride, j1 - j0, run_elements);
+      prefetch_rows(p.value_cache + ahead, p.token_stride, j1 - j0, run_elements);
+      const int valid = std::min(n, s.limit[r] - t0);
+      if (valid <= 0) continue;  // a causal row that ends before this block
+      const int64_t offset = block + s.head_offset[r];
+      attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, valid, r,
+                       s);
+    }
+  }
+}
+
+// A prefill tile's rows against each block, in groups of up to kMaxGroupRows that share a
+// kv head (rows run token-major over the item's heads, so a kv head's query heads are
+// adjacent); 256-token prompts' tiles ran 10-18% faster on an fp32 cache and 9-27% on fp16.
+template <int NV, typename T>
+void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
+  constexpr int D = NV * 8;
+  const int32_t* table = p.block_tables + w.req * p.table_stride;
+  const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
+  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * D;
   for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
     const int n = std::min(p.block_size, kv_end - t0);
     const int64_t block = table[b] * p.block_stride;
     const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
     const int64_t next = next_n ? table[b + 1] * p.block_stride + run_offset : 0;
     for (int r = 0, count; r < rows; r += count) {
-      // Rows r .. r + count - 1 share a kv head (rows run token-major over the item's
-      // heads, so a kv head's query heads are adjacent).
       count = 1;
-      while (group_rows && count < kMaxGroupRows && r + count < rows &&
+      while (count < kMaxGroupRows && r + count < rows &&
              s.head_offset[r + count] == s.head_offset[r]) {
         ++count;
       }
@@ -390,6 +418,22 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
       attend_rows<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, group_n, r,
                       count, valid, ahead, s);
     }
+  }
+}
+
+// Attention of one work item, written to out. Blocks are visited in order; every row of
+// the item uses a block while it is in L1, and the next block is prefetched meanwhile.
+template <int NV, typename T>
+void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
+  const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
+  const int context_start = p.seq_lens[w.req] - query_len;
+  load_rows<NV>(p, w, context_start, s);
+  const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
+  const int kv_end = context_start + w.q_end;
+  if (w.q_end - w.q_begin == 1) {
+    attend_decode<NV>(p, w, s, rows, kv_end);
+  } else {
+    attend_tile<NV>(p, w, s, rows, kv_end);
   }
   store_rows<NV>(p, w, s);
 }
