@@ -354,22 +354,30 @@ inline void attend_rows(const T* keys, const T* values, int64_t stride, int n, i
   }
 }
 
+// Calls visit(t0, n, block, next_n, next) for each block of the item's context in order:
+// its first position t0, its n keys at element offset `block`, and the next block's first
+// next_n tokens at `next` (its kv-head run), to prefetch while this one is used.
+template <int NV, typename T, typename Visit>
+inline void for_each_block(const Problem<T>& p, const WorkItem& w, int kv_end, Visit&& visit) {
+  constexpr int D = NV * 8;
+  const int32_t* table = p.block_tables + w.req * p.table_stride;
+  // The item's heads are adjacent in a cache token: one contiguous run to prefetch.
+  const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
+  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
+    const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
+    visit(t0, std::min(p.block_size, kv_end - t0), table[b] * p.block_stride, next_n,
+          next_n ? table[b + 1] * p.block_stride + run_offset : int64_t{0});
+  }
+}
+
 // A decode item's rows one at a time against each block. Grouping its rows (three per kv
 // head here) measured 15-40% slower at 256 decodes: a decode's time is memory, not loads.
 // This loop is kept apart from the tiles' (below) because sharing one function with it
 // slowed it by 10-18% in the A/B runs of RESULTS.md.
 template <int NV, typename T>
 void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
-  constexpr int D = NV * 8;
-  const int32_t* table = p.block_tables + w.req * p.table_stride;
-  // The item's heads are adjacent in a cache token: one contiguous run to prefetch.
-  const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
-  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * D;
-  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
-    const int n = std::min(p.block_size, kv_end - t0);
-    const int64_t block = table[b] * p.block_stride;
-    const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
-    const int64_t next = next_n ? table[b + 1] * p.block_stride + run_offset : 0;
+  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * NV * 8;
+  for_each_block<NV>(p, w, kv_end, [&](int t0, int n, int64_t block, int next_n, int64_t next) {
     for (int r = 0; r < rows; ++r) {
       const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
       const int64_t ahead = next + j0 * p.token_stride;
@@ -381,7 +389,7 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
       attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, valid, r,
                        s);
     }
-  }
+  });
 }
 
 // A prefill tile's rows against each block, in groups of up to kMaxGroupRows that share a
@@ -389,15 +397,8 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
 // adjacent); 256-token prompts' tiles ran 10-18% faster on an fp32 cache and 9-27% on fp16.
 template <int NV, typename T>
 void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
-  constexpr int D = NV * 8;
-  const int32_t* table = p.block_tables + w.req * p.table_stride;
-  const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
-  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * D;
-  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
-    const int n = std::min(p.block_size, kv_end - t0);
-    const int64_t block = table[b] * p.block_stride;
-    const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
-    const int64_t next = next_n ? table[b + 1] * p.block_stride + run_offset : 0;
+  const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * NV * 8;
+  for_each_block<NV>(p, w, kv_end, [&](int t0, int n, int64_t block, int next_n, int64_t next) {
     for (int r = 0, count; r < rows; r += count) {
       count = 1;
       while (count < kMaxGroupRows && r + count < rows &&
@@ -418,7 +419,7 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
       attend_rows<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, group_n, r,
                       count, valid, ahead, s);
     }
-  }
+  });
 }
 
 // Attention of one work item, written to out. Blocks are visited in order; every row of
