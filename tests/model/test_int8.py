@@ -133,7 +133,7 @@ def test_tied_head_gets_an_int8_copy_of_the_embedding(tiny_model_factory):
     # tied-bias: tied embeddings, and biases on q/k/v, o and the MLP.
     fp32 = _model(_engine(tiny_model_factory("LlamaForCausalLM:tied-bias")))
     embedding = fp32.model.embed_tokens.weight.clone()
-    assert fp32.lm_head is None
+    assert fp32.lm_head.weight is fp32.model.embed_tokens.weight  # one parameter, two names
     names = quantize_model(fp32, "int8")
     assert "lm_head" in names and isinstance(fp32.lm_head, Int8Linear)
     assert torch.equal(fp32.model.embed_tokens.weight, embedding)  # the lookup stays fp32

@@ -42,11 +42,15 @@ def test_every_fp32_linear_and_the_tied_head_are_packed(tiny_model_factory, monk
     model = model_runner(small_engine(directory)).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
-    assert model.lm_head is None and model.head_packed is not None
+    # The tied head is a Linear on the embedding's own parameter, packed like the others.
+    assert model.lm_head in linears and model.lm_head.weight is model.model.embed_tokens.weight
+    hidden = torch.randn(5, model.config.hidden_size)
+    torch.testing.assert_close(
+        model.compute_logits(hidden), torch.nn.functional.linear(hidden, model.lm_head.weight)
+    )
     monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")
     model = model_runner(small_engine(directory)).model
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
-    assert model.head_packed is None
 
 
 def test_packing_is_skipped_when_the_copies_would_not_fit(tiny_model_factory, monkeypatch):

@@ -45,7 +45,7 @@ MAX_SHARE_OF_AVAILABLE_MEMORY = 0.25
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
-    """Give every fp32 CPU `Linear` of the model (and a tied head) a packed weight; returns
+    """Give every fp32 CPU `Linear` of the model (a tied head included) a packed weight; returns
     how many weights were packed (0 where oneDNN is unavailable or the copies would not
     fit in MAX_SHARE_OF_AVAILABLE_MEMORY of the available memory)."""
     if not available():
@@ -55,11 +55,6 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
         for module in model.modules()
         if isinstance(module, Linear) and _packable(module.weight)
     ]
-    # A tied head (LlamaForCausalLM.head_packed) multiplies by the embedding's weight.
-    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    tied = hasattr(model, "head_packed") and getattr(model, "lm_head", True) is None
-    if tied and embedding is not None and _packable(embedding.weight):
-        owners.append((model, "head_packed", embedding.weight))
     needed = sum(weight.nbytes for _, _, weight in owners)
     budget = MAX_SHARE_OF_AVAILABLE_MEMORY * available_memory_bytes()
     if needed > budget:

@@ -178,12 +178,6 @@ def quantize_model(
         float_bytes += module.weight.numel() * module.weight.element_size()
         int8_bytes += module.weight.numel()
     names = [name for name, _ in targets]
-    if quantize_head and getattr(model, "lm_head", False) is None:
-        # Tied (Llama family): compute_logits calls lm_head once it is set.
-        embedding = model.model.embed_tokens.weight
-        model.lm_head = Int8Linear(embedding, None)
-        int8_bytes += embedding.numel()
-        names.append("lm_head")
     logger.info(
         "quantization=%s: %d Linear layers to int8 (%.0f MB of float weights -> %.0f MB)",
         method,
@@ -207,8 +201,6 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> list[str]:
         raise ValueError(f"quantization='gguf' needs the CPU kernels: {error}") from error
     shards = _gguf_shards(model, path)
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    if getattr(model, "lm_head", False) is None:
-        targets.append(("lm_head", None))  # tied: compute_logits calls lm_head once set
     replaced, kept = [], []
     for name, module in targets:
         layer = _gguf_layer(module, shards.get(name, {}))
@@ -233,7 +225,7 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, tupl
     from pagedllm.model.gguf_loader import iter_gguf_raw_weights
     from pagedllm.model.models.llama import _fused_name
 
-    tied = getattr(model, "lm_head", False) is None
+    tied = getattr(model, "tie_word_embeddings", False)
     shards: dict[str, dict[str | None, tuple]] = {}
     for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
         if tied and hf_name == "model.embed_tokens.weight":
@@ -243,8 +235,8 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, tupl
     return shards
 
 
-def _gguf_layer(module: Linear | None, parts: dict[str | None, tuple]) -> nn.Module | None:
-    """The GGUF layer for `module` (None: the tied head) from its shards, if a kernel fits."""
+def _gguf_layer(module: Linear, parts: dict[str | None, tuple]) -> nn.Module | None:
+    """The GGUF layer for `module` from its shards, if a kernel fits."""
     from pagedllm.model.layers.gguf_linear import KERNEL_TYPES, GGUFLinear, GGUFMergedLinear
 
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
@@ -252,7 +244,6 @@ def _gguf_layer(module: Linear | None, parts: dict[str | None, tuple]) -> nn.Mod
     if set(parts) != set(order) or len(types) != 1 or next(iter(types)) not in KERNEL_TYPES:
         return None
     raw = np.concatenate([parts[shard][1] for shard in order])
-    bias = None if module is None else module.bias
     if isinstance(module, MergedLinear):
-        return GGUFMergedLinear(raw, types.pop(), module.output_sizes, bias)
-    return GGUFLinear(raw, types.pop(), bias)
+        return GGUFMergedLinear(raw, types.pop(), module.output_sizes, module.bias)
+    return GGUFLinear(raw, types.pop(), module.bias)

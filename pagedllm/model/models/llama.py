@@ -138,15 +138,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, backend, dtype, max_len)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None
-        if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            # One parameter under two names: the head is a plain Linear to everything that
+            # walks Linear modules (oneDNN packing, int8 and gguf layers), and the checkpoint
+            # fills it through the embedding (named_parameters lists it once, there).
+            self.lm_head.weight = self.model.embed_tokens.weight
         # The fused CPU kernels serve the model where the CPU attention backend does: both
         # come from the same extension, which loaded if that backend is in use.
         use_kernels = backend.name == "cpu"
         self.use_kernels = use_kernels
-        # The tied head's weight prepacked for oneDNN (model/layers/onednn.py), or None.
-        self.head_packed: torch.Tensor | None = None
         for module in self.modules():
             if hasattr(module, "use_kernels"):
                 module.use_kernels = use_kernels
@@ -155,14 +156,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied: the embedding's weight turns states into logits
-            return fused.linear(
-                hidden_states,
-                self.model.embed_tokens.weight,
-                use_kernels=self.use_kernels,
-                packed=self.head_packed,
-            )
-        # A Linear, or its int8 replacement under quantization (also set for tied models).
+        # A Linear (tied: on the embedding's weight), or its int8 or gguf replacement.
         return self.lm_head(hidden_states)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -174,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         unloaded = set(params)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb.inv_freq" in name or (
+                name == "lm_head.weight" and self.tie_word_embeddings
+            ):
                 continue
             param_name, shard_id = _fused_name(name)
             if param_name not in params:
