@@ -19,8 +19,6 @@ tokens beside the few decodes of the first chunk's prompts).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import statistics
@@ -33,6 +31,7 @@ from ceiling import HEAD_DIM, HEADS, HIDDEN, LAYERS, NON_EMBEDDING_PARAMS, VOCAB
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import DatasetConfig, random_dataset
+from pagedllm.worker.huge_pages import madvise
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h
 PHASES = ("schedule", "forward", "logits", "sample", "update")
@@ -143,8 +142,6 @@ def populate_kv_cache(llm: LLM) -> None:
     left alone), as in a server that has used its whole pool once. On a fresh pool the first
     write to each block's pages happens inside a step, and on this VM that first touch of
     guest memory costs ~1-2 s per GB (docs/performance.md)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
     started = time.perf_counter()
     total = 0
@@ -152,8 +149,9 @@ def populate_kv_cache(llm: LLM) -> None:
         for tensor in cache:
             begin = -(-tensor.data_ptr() // page) * page
             end = (tensor.data_ptr() + tensor.nbytes) // page * page
-            if libc.madvise(begin, end - begin, _MADV_POPULATE_WRITE) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed")
+            error = madvise(begin, end - begin, _MADV_POPULATE_WRITE)
+            if error:
+                raise OSError(error, "madvise(MADV_POPULATE_WRITE) failed")
             total += end - begin
     seconds = time.perf_counter() - started
     print(f"KV pool populated: {total / 1e9:.2f} GB in {seconds:.1f} s")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import sys
@@ -65,22 +66,26 @@ def _large_cpu_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return found
 
 
+def madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) on [address, address + length): 0, or the errno (ENOSYS where there is no
+    Linux libc to ask)."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if name is None:
+        return errno.ENOSYS
+    libc_madvise = ctypes.CDLL(name, use_errno=True).madvise
+    libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return 0 if libc_madvise(address, length, advice) == 0 else ctypes.get_errno()
+
+
 def _advised_arena(num_bytes: int) -> np.ndarray | None:
     """`num_bytes` of zeroed memory starting on a huge-page boundary and advised
     MADV_HUGEPAGE before its first touch, or None where the advice cannot be given."""
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    madvise = ctypes.CDLL(name, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     length = -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     # calloc of a large block maps fresh pages without touching them
     raw = np.zeros(length + HUGE_PAGE_BYTES, dtype=np.uint8)
     skip = -raw.ctypes.data % HUGE_PAGE_BYTES
-    if madvise(raw.ctypes.data + skip, length, _MADV_HUGEPAGE) != 0:
-        errno = ctypes.get_errno()
-        logger.info("MADV_HUGEPAGE refused (errno %d); weights stay on small pages", errno)
+    error = madvise(raw.ctypes.data + skip, length, _MADV_HUGEPAGE)
+    if error:
+        logger.info("MADV_HUGEPAGE refused (errno %d); weights stay on small pages", error)
         return None
     return raw[skip : skip + num_bytes]

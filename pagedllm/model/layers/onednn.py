@@ -50,12 +50,12 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     fit in MAX_SHARE_OF_AVAILABLE_MEMORY of the available memory)."""
     if not available():
         return 0
-    owners: list[tuple[object, str, torch.Tensor]] = [
-        (module, "packed_weight", module.weight)
+    linears = [
+        module
         for module in model.modules()
         if isinstance(module, Linear) and _packable(module.weight)
     ]
-    needed = sum(weight.nbytes for _, _, weight in owners)
+    needed = sum(linear.weight.nbytes for linear in linears)
     budget = MAX_SHARE_OF_AVAILABLE_MEMORY * available_memory_bytes()
     if needed > budget:
         logger.warning(
@@ -65,10 +65,10 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
             100 * MAX_SHARE_OF_AVAILABLE_MEMORY,
         )
         return 0
-    for owner, attribute, weight in owners:
-        setattr(owner, attribute, pack(weight))
-    logger.info("Packed %d linear weights for oneDNN (%.0f MB)", len(owners), needed / 1e6)
-    return len(owners)
+    for linear in linears:
+        linear.packed_weight = pack(linear.weight)
+    logger.info("Packed %d linear weights for oneDNN (%.0f MB)", len(linears), needed / 1e6)
+    return len(linears)
 
 
 def available_memory_bytes() -> int:
