@@ -141,7 +141,8 @@ def random_requests(rng: random.Random, count: int) -> list[tuple[int, int]]:
     return requests
 
 
-@pytest.mark.parametrize("block_size", [16, 7])
+# Prefill tiles take a block's keys 16 at a time: 7 is one partial slice, 32 two slices.
+@pytest.mark.parametrize("block_size", [16, 7, 32])
 # Query heads per kv head 1, 3, 8 and 5: prefill rows go in groups of up to four that share
 # a kv head, so these give groups of one, three, four and four-then-one.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1), (10, 2)])
@@ -200,11 +201,13 @@ def test_long_prefill_chunks_match_torch(cpu_backend):
     assert_matches_torch(cpu_backend, batch)
 
 
-def test_never_reads_past_a_sequence(cpu_backend):
+# 24: a full slice of 16 keys and a partial one, whose lanes past the block's end are NaN.
+@pytest.mark.parametrize("block_size", [7, 24])
+def test_never_reads_past_a_sequence(cpu_backend, block_size):
     """Slots past each sequence's end (and unused blocks) hold NaN; no output sees them."""
     batch = make_batch(
         [(13, 1), (0, 20), (40, 9), (6, 1)],
-        block_size=7,
+        block_size=block_size,
         num_heads=9,
         num_kv_heads=3,
         share_blocks=False,
