@@ -143,8 +143,9 @@ def random_requests(rng: random.Random, count: int) -> list[tuple[int, int]]:
 
 # Prefill tiles take a block's keys 16 at a time: 7 is one partial slice, 32 two slices.
 @pytest.mark.parametrize("block_size", [16, 7, 32])
-# Query heads per kv head 1, 3, 8 and 5: prefill rows go in groups of up to four that share
-# a kv head, so these give groups of one, three, four and four-then-one.
+# Query heads per kv head 1, 3, 8 and 5: a prefill tile has 48 rows (45 for 5) and takes
+# them six at a time, so full tiles give groups of six and six-then-three, and short
+# prompts' tiles the groups of one to five.
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 1), (10, 2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_mixed_batches_match_torch(cpu_backend, block_size, num_heads, num_kv_heads, seed):
