@@ -2,11 +2,11 @@
 
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block_size 16, an fp32 cache
 unless `--kv-cache-dtype` says otherwise): decode batches of 64 and 256 sequences x
-320-token contexts, and prefill chunks (fresh and after cached tokens) including one of 2048
-tokens and one of eight 256-token prompts (the step breakdown's prefill chunk). Prints ms
-per call, median and minimum of the repeats (on a shared machine the minimum is the better
-guide), and torch/cpu of the medians. Blocks are scattered over the cache as after a while
-of serving.
+320-token contexts, and prefill chunks (fresh and after cached tokens) including a long
+prompt's first two 2048-token chunks and one of eight 256-token prompts (the step
+breakdown's prefill chunk). Prints ms per call, median and minimum of the repeats (on a
+shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
+scattered over the cache as after a while of serving.
 
     .venv/bin/python benchmarks/attention_kernel.py [--repeats 20] [--threads N]
         [--kv-cache-dtype float16] [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
@@ -90,6 +90,7 @@ def cases() -> dict[str, list[tuple[int, int]]]:
         "prefill 512 fresh": [(0, 512)],
         "prefill 8 x 256 fresh": [(0, 256)] * 8,
         "prefill 2048 fresh": [(0, 2048)],
+        "prefill 2048 after 2048 cached": [(2048, 2048)],
         "64 decodes + 256-token chunk": [(319, 1)] * 64 + [(256, 256)],
     }
 

@@ -1,0 +1,81 @@
+"""How close one layer's decode attention is to what memory allows: the kernel as served,
+the kernel's arithmetic alone, and a plain read of the same bytes.
+
+Decode attention reads every running sequence's K and V once per layer and does little
+arithmetic per byte, so its time is bounded below by those bytes over the machine's read
+bandwidth. Three timings per case (SmolLM2-135M shapes, `benchmarks/attention_kernel.py`'s
+step builder, blocks scattered over the cache):
+
+- served: the CPU kernel on the scattered blocks;
+- arithmetic alone: the same call with every block-table entry pointing at one block, so
+  the data stays in L1 and only the arithmetic and loads remain;
+- read floor: `torch.sum` over a contiguous fp32 tensor of as many bytes as the call reads
+  (the K and V of every sequence), on the same threads; a sequential read, which the
+  hardware prefetchers serve at their best.
+
+    .venv/bin/python benchmarks/decode_attention_floor.py [--kv-cache-dtype float16]
+        [--batch 256] [--context 320] [--repeats 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+from attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
+
+from pagedllm.ops import cpu_attention, extension
+
+
+def median_ms(call, repeats: int) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=320)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
+    )
+    args = parser.parse_args()
+    dtype = getattr(torch, args.kv_cache_dtype)
+    extension.build()
+    backend = cpu_attention.CpuAttentionBackend()
+    q, k, v, kv_cache, metadata = make_step([(args.context - 1, 1)] * args.batch, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+
+    def served(meta=metadata):
+        backend.forward(q, k, v, kv_cache, meta, scale)
+
+    one_block = dataclasses.replace(
+        metadata, block_tables=torch.full_like(metadata.block_tables, 1)
+    )
+    bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    stream = torch.ones(bytes_read // 4)
+    results = {
+        "served": median_ms(served, args.repeats),
+        "arithmetic alone": median_ms(lambda: served(one_block), args.repeats),
+        "read floor": median_ms(lambda: stream.sum(), args.repeats),
+    }
+    print(
+        f"decode {args.batch} x {args.context}, cache {args.kv_cache_dtype}, "
+        f"{bytes_read / 1e6:.0f} MB of K/V per call, threads={torch.get_num_threads()}"
+    )
+    for name, ms in results.items():
+        print(f"{name:18} {ms:7.2f} ms  {bytes_read / ms / 1e6:6.1f} GB/s")
+    print(f"served / read floor: {results['served'] / results['read floor']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

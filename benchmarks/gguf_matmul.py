@@ -1,0 +1,82 @@
+"""The gguf kernel on one decoder layer's four matmuls, beside fp32 oneDNN on the same shapes.
+
+SmolLM2-135M's shapes (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 576, down
+576 x 1536) with random Q4_1 blocks (the default model's type), at each row count of
+`--rows`. Prints ms for the layer's four matmuls (median of `--repeats`) and the rate in
+fp32-equivalent GFLOP/s (2 * rows * in * out per matmul), for the gguf kernel with
+`--digits` activation digits and for fp32 oneDNN on prepacked weights.
+
+    .venv/bin/python benchmarks/gguf_matmul.py [--rows 64,256,2048] [--digits 2] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pagedllm.model.layers import onednn
+from pagedllm.model.layers.gguf_linear import pack_weights
+from pagedllm.ops import fused
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
+BLOCK = 32
+
+
+def median_s(call, repeats: int) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def random_q4_1(out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    d = torch.rand(out_features, in_features // BLOCK) * 0.01
+    m = -torch.rand(out_features, in_features // BLOCK) * 0.05
+    return pack_weights(q, d, m, bits=4), q.float() * d.repeat_interleave(BLOCK, 1) + (
+        m.repeat_interleave(BLOCK, 1)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="64,256,2048")
+    parser.add_argument("--digits", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    ops = fused.load()
+    layers = [random_q4_1(n, k) for n, k in SHAPES]
+    packed_fp32 = [onednn.pack(weight) for _, weight in layers]
+    print(f"threads={torch.get_num_threads()}  digits={args.digits}  (one layer's four matmuls)")
+    for rows in (int(r) for r in args.rows.split(",")):
+        time_layer(ops, layers, packed_fp32, rows, args)
+
+
+def time_layer(ops, layers, packed_fp32, rows: int, args: argparse.Namespace) -> None:
+    inputs = {k: torch.randn(rows, k) for _, k in SHAPES}
+    outputs = {n: torch.empty(rows, n) for n, _ in SHAPES}
+
+    def gguf_layer():
+        for (n, k), ((packed, scales, mins), _) in zip(SHAPES, layers, strict=True):
+            ops.gguf_linear(outputs[n], inputs[k], packed, scales, mins, 4, args.digits, True)
+
+    def fp32_layer():
+        for (_, k), packed in zip(SHAPES, packed_fp32, strict=True):
+            fused.onednn_linear(inputs[k], packed)
+
+    flops = 2 * rows * sum(n * k for n, k in SHAPES)
+    for name, call in (("gguf", gguf_layer), ("fp32 oneDNN", fp32_layer)):
+        seconds = median_s(call, args.repeats)
+        rate = flops / seconds / 1e9
+        print(f"rows={rows:5d} {name:12} {seconds * 1e3:8.2f} ms  {rate:6.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
