@@ -21,23 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import torch
 from attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
+from timing import median_seconds
 
 from pagedllm.ops import cpu_attention, extension
-
-
-def median_ms(call, repeats: int) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -64,9 +53,9 @@ def main() -> None:
     bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     stream = torch.ones(bytes_read // 4)
     results = {
-        "served": median_ms(served, args.repeats),
-        "arithmetic alone": median_ms(lambda: served(one_block), args.repeats),
-        "read floor": median_ms(lambda: stream.sum(), args.repeats),
+        "served": 1e3 * median_seconds(served, args.repeats),
+        "arithmetic alone": 1e3 * median_seconds(lambda: served(one_block), args.repeats),
+        "read floor": 1e3 * median_seconds(lambda: stream.sum(), args.repeats),
     }
     print(
         f"decode {args.batch} x {args.context}, cache {args.kv_cache_dtype}, "

@@ -12,10 +12,9 @@ fp32-equivalent GFLOP/s (2 * rows * in * out per matmul), for the gguf kernel wi
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from timing import median_seconds
 
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.gguf_linear import pack_weights
@@ -23,16 +22,6 @@ from pagedllm.ops import fused
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 BLOCK = 32
-
-
-def median_s(call, repeats: int) -> float:
-    call()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def random_q4_1(out_features: int, in_features: int) -> tuple[torch.Tensor, ...]:
@@ -73,7 +62,7 @@ def time_layer(ops, layers, packed_fp32, rows: int, args: argparse.Namespace) ->
 
     flops = 2 * rows * sum(n * k for n, k in SHAPES)
     for name, call in (("gguf", gguf_layer), ("fp32 oneDNN", fp32_layer)):
-        seconds = median_s(call, args.repeats)
+        seconds = median_seconds(call, args.repeats)
         rate = flops / seconds / 1e9
         print(f"rows={rows:5d} {name:12} {seconds * 1e3:8.2f} ms  {rate:6.0f} GFLOP/s")
 

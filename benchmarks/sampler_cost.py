@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import numpy as np
 import torch
+from timing import median_seconds
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import Request
 from pagedllm.sample.logits_processors import LogitsProcessorState, apply_logits_processors
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
 
 
 def decode_step_seconds(llm: LLM, batch: int, repeats: int) -> float:
@@ -40,7 +29,7 @@ def decode_step_seconds(llm: LLM, batch: int, repeats: int) -> float:
         core.add_request(Request(f"b{index}", prompt, params))
     while len(core.scheduler.running) < batch or core.scheduler.waiting:
         core.step()
-    seconds = timed(core.step, repeats)
+    seconds = median_seconds(core.step, repeats)
     core.abort_requests([f"b{index}" for index in range(batch)])
     return seconds
 
@@ -114,7 +103,7 @@ def main() -> None:
     print("| sampling | ms per step | share of the step |")
     print("|---|---|---|")
     for name, fn in cases.items():
-        seconds = timed(fn, args.repeats)
+        seconds = median_seconds(fn, args.repeats)
         print(f"| {name} | {seconds * 1000:.1f} | {100 * seconds / step:.1f}% |")
 
 
