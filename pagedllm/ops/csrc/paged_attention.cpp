@@ -498,6 +498,7 @@ std::vector<WorkItem> plan_work(const int32_t* query_start_loc, const int32_t* s
       // Keys seen by the tile's rows: the whole context plus half the causal triangle.
       const int64_t cost = static_cast<int64_t>(q_end - q_begin) *
                            (context_start + (q_begin + q_end + 1) / 2);
+      // One kv head per tile item: attend_tile transposes that head's keys for all rows.
       for (int h = 0; h < num_kv_heads; ++h) {
         items.push_back({req, h, h + 1, q_begin, q_end, cost});
       }
