@@ -339,8 +339,8 @@ inline void group_values(float* acc, const T* values, int64_t stride, const floa
   }
 }
 
-// One row against the first n keys of a block: the online-softmax update. A decode's rows
-// take this path, as do prefill rows left over from groups.
+// One row against the first n keys of a block: the online-softmax update. Decode items'
+// rows take this path (prefill tiles take attend_group's).
 template <int NV, typename T>
 inline void attend_block(const T* keys, const T* values, int64_t stride, int n, int r,
                          Scratch& s) {
@@ -427,7 +427,7 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
 
 // A prefill tile's rows against each block, a slice of kSliceKeys keys at a time (transposed
 // once for all rows), in groups of up to kMaxGroupRows rows. A tile item has one kv head
-// (plan_work), so all its rows read the same keys and values.
+// (attend routes only those here), so all its rows read the same keys and values.
 template <int NV, typename T>
 void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
   const int64_t run_elements = NV * 8;
@@ -465,7 +465,9 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   load_rows<NV>(p, w, context_start, s);
   const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
   const int kv_end = context_start + w.q_end;
-  if (w.q_end - w.q_begin == 1) {
+  // attend_tile transposes one kv head's keys for all its rows; plan_work gives tiles one
+  // kv head, and the row-at-a-time loop takes anything else.
+  if (w.q_end - w.q_begin == 1 || w.kv_head_end - w.kv_head != 1) {
     attend_decode<NV>(p, w, s, rows, kv_end);
   } else {
     attend_tile<NV>(p, w, s, rows, kv_end);
@@ -498,7 +500,6 @@ std::vector<WorkItem> plan_work(const int32_t* query_start_loc, const int32_t* s
       // Keys seen by the tile's rows: the whole context plus half the causal triangle.
       const int64_t cost = static_cast<int64_t>(q_end - q_begin) *
                            (context_start + (q_begin + q_end + 1) / 2);
-      // One kv head per tile item: attend_tile transposes that head's keys for all rows.
       for (int h = 0; h < num_kv_heads; ++h) {
         items.push_back({req, h, h + 1, q_begin, q_end, cost});
       }
