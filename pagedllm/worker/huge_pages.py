@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import os
 import sys
@@ -66,15 +67,24 @@ def _large_cpu_tensors(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return found
 
 
+@functools.cache
+def _libc_madvise():
+    """libc's madvise, or None where there is no Linux libc (looked up once)."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    if name is None:
+        return None
+    function = ctypes.CDLL(name, use_errno=True).madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+
 def madvise(address: int, length: int, advice: int) -> int:
     """madvise(2) on [address, address + length): 0, or the errno (ENOSYS where there is no
     Linux libc to ask)."""
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
-    if name is None:
+    function = _libc_madvise()
+    if function is None:
         return errno.ENOSYS
-    libc_madvise = ctypes.CDLL(name, use_errno=True).madvise
-    libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return 0 if libc_madvise(address, length, advice) == 0 else ctypes.get_errno()
+    return 0 if function(address, length, advice) == 0 else ctypes.get_errno()
 
 
 def _advised_arena(num_bytes: int) -> np.ndarray | None:

@@ -167,16 +167,29 @@ struct WorkItem {
   int64_t cost;
 };
 
+// Rows that share a kv head are taken together (up to kMaxGroupRows): every K and V vector
+// loaded (and, for a 16-bit cache, converted) then serves all of them, where a row at a time
+// loads each vector once per row and the loads, not the FMAs, set the pace. Six rows keep
+// twelve score chains in flight (FMA latency times throughput is eight) in 15 registers;
+// against four, a 2,048-token prompt's call took 4-5% less and 8 x 256 tokens' 8% less.
+constexpr int kMaxGroupRows = 6;
+
+// A tile's keys are taken kSliceKeys at a time, transposed so the keys lie in the lanes:
+// a row's scores are then FMAs over d (a broadcast query element times a vector of keys)
+// with no horizontal reductions, and its softmax runs on the two score vectors in registers.
+// The transposition is paid once per slice and item and serves all of the tile's rows.
+constexpr int kSliceKeys = 16;
+
 struct Scratch {
   std::vector<float> q, acc, m, l, scores;
   std::vector<int> limit;
   std::vector<int64_t> head_offset;  // of the row's kv head within a cache token, elements
   std::vector<float> key_t;          // a slice's keys transposed: head_dim x kSliceKeys
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
-  Scratch(int max_rows, int head_dim, int block_size, int group_rows, int slice_keys)
+  Scratch(int max_rows, int head_dim, int block_size)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
         scores((block_size + 7) / 8 * 8), limit(max_rows), head_offset(max_rows),
-        key_t(head_dim * slice_keys), group_scores(group_rows * slice_keys) {}
+        key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys) {}
 };
 
 // Scaled queries into scratch; a row's `limit` is the number of keys it may see (causal).
@@ -226,19 +239,6 @@ struct Ahead {
   int tokens;
   int64_t run_elements;
 };
-
-// Rows that share a kv head are taken together (up to kMaxGroupRows): every K and V vector
-// loaded (and, for a 16-bit cache, converted) then serves all of them, where a row at a time
-// loads each vector once per row and the loads, not the FMAs, set the pace. Six rows keep
-// twelve score chains in flight (FMA latency times throughput is eight) in 15 registers;
-// against four, a 2,048-token prompt's call took 4-5% less and 8 x 256 tokens' 8% less.
-constexpr int kMaxGroupRows = 6;
-
-// A tile's keys are taken kSliceKeys at a time, transposed so the keys lie in the lanes:
-// a row's scores are then FMAs over d (a broadcast query element times a vector of keys)
-// with no horizontal reductions, and its softmax runs on the two score vectors in registers.
-// The transposition is paid once per slice and item and serves all of the tile's rows.
-constexpr int kSliceKeys = 16;
 
 // key_t[d * kSliceKeys + j] = K[j][d] for the slice's first n keys; rows past n repeat row
 // n - 1 (finite, and masked later): they may lie outside the block.
@@ -306,11 +306,12 @@ inline float slice_softmax(const __m256 (&scores)[2], int n, int r, Scratch& s, 
   return rescale;
 }
 
-// acc_r <- acc_r * rescale[r] + sum_j p_r[j] V[j] for R rows, in chunks of NC vectors so the
-// R * NC accumulators and the R broadcast weights fit the 16 registers.
+// acc_r <- acc_r * rescale[r] + sum_j p_r[j] V[j] for R rows (p_r at p + r * kSliceKeys), in
+// chunks of NC vectors so the R * NC accumulators and the R broadcast weights fit the 16
+// registers.
 template <int NV, int R, int C0 = 0, typename T>
 inline void group_values(float* acc, const T* values, int64_t stride, const float* p,
-                         int stride_s, int n, const float* rescale) {
+                         int n, const float* rescale) {
   constexpr int D = NV * 8;
   constexpr int kRegs = (14 - R) / R;
   constexpr int NC = NV - C0 < kRegs ? NV - C0 : kRegs;
@@ -324,7 +325,7 @@ inline void group_values(float* acc, const T* values, int64_t stride, const floa
   for (int j = 0; j < n; ++j) {
     const T* row = values + j * stride + 8 * C0;
     __m256 pj[R];
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * stride_s + j]);
+    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * kSliceKeys + j]);
 #pragma GCC unroll 8
     for (int v = 0; v < NC; ++v) {
       const __m256 x = load8(row + 8 * v);
@@ -335,7 +336,7 @@ inline void group_values(float* acc, const T* values, int64_t stride, const floa
     for (int v = 0; v < NC; ++v) _mm256_storeu_ps(acc + r * D + 8 * (C0 + v), a[r][v]);
   }
   if constexpr (C0 + NC < NV) {
-    group_values<NV, R, C0 + NC>(acc, values, stride, p, stride_s, n, rescale);
+    group_values<NV, R, C0 + NC>(acc, values, stride, p, n, rescale);
   }
 }
 
@@ -371,7 +372,7 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
     rescale[i] = slice_softmax(scores[i], std::max(valid[i], 0), r0 + i, s, p + i * kSliceKeys);
   }
   prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
-  group_values<NV, R>(&s.acc[r0 * D], values, stride, p, kSliceKeys, n, rescale);
+  group_values<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
 }
 
 template <int NV, typename T>
@@ -516,7 +517,7 @@ void run_items(const Problem<T>& p, const std::vector<WorkItem>& items, int max_
   const int threads = std::max(1, std::min(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch(max_rows, p.head_dim, p.block_size, kMaxGroupRows, kSliceKeys);
+    Scratch scratch(max_rows, p.head_dim, p.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < num_items; ++i) attend<NV>(p, items[i], scratch);
   }
