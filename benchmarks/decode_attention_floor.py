@@ -3,10 +3,12 @@ the kernel's arithmetic alone, and a plain read of the same bytes.
 
 Decode attention reads every running sequence's K and V once per layer and does little
 arithmetic per byte, so its time is bounded below by those bytes over the machine's read
-bandwidth. Three timings per case (SmolLM2-135M shapes, `benchmarks/attention_kernel.py`'s
+bandwidth. Four timings per case (SmolLM2-135M shapes, `benchmarks/attention_kernel.py`'s
 step builder, blocks scattered over the cache):
 
 - served: the CPU kernel on the scattered blocks;
+- blocks in order: the same call with each sequence's blocks adjacent and in order in the
+  cache (what a fresh pool hands a prompt's blocks), to show what the scattering costs;
 - arithmetic alone: the same call with every block-table entry pointing at one block, so
   the data stays in L1 and only the arithmetic and loads remain;
 - read floor: `torch.sum` over a contiguous fp32 tensor of as many bytes as the call reads
@@ -14,7 +16,11 @@ step builder, blocks scattered over the cache):
   hardware prefetchers serve at their best.
 
     .venv/bin/python benchmarks/decode_attention_floor.py [--kv-cache-dtype float16]
-        [--batch 256] [--context 320] [--repeats 30]
+        [--batch 256] [--context 320] [--repeats 30] [--threads 1]
+
+`--threads 1` against the default (all cores) shows whether the call is bound by the
+memory bus (it would barely slow down) or by each core's own misses (it would take up to
+twice as long; 1.7× here: docs/performance.md, "What bounds decode attention").
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
     )
+    parser.add_argument("--threads", type=int, default=None, help="default: torch's")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.kv_cache_dtype)
     extension.build()
     backend = cpu_attention.CpuAttentionBackend()
@@ -50,10 +59,15 @@ def main() -> None:
     one_block = dataclasses.replace(
         metadata, block_tables=torch.full_like(metadata.block_tables, 1)
     )
+    batch, width = metadata.block_tables.shape
+    in_order = dataclasses.replace(
+        metadata, block_tables=torch.arange(1, 1 + batch * width).view(batch, width)
+    )
     bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     stream = torch.ones(bytes_read // 4)
     results = {
         "served": 1e3 * median_seconds(served, args.repeats),
+        "blocks in order": 1e3 * median_seconds(lambda: served(in_order), args.repeats),
         "arithmetic alone": 1e3 * median_seconds(lambda: served(one_block), args.repeats),
         "read floor": 1e3 * median_seconds(lambda: stream.sum(), args.repeats),
     }

@@ -114,8 +114,13 @@ class ModelRunner:
         price is paid in steps: the first write to a block faults its pages in (5-8% of a
         2,048-token prefill step while the pool is fresh). On this VM that is the host's
         first touch of guest memory, ~0.5 GB/s on small and huge pages alike, so touching a
-        4 GiB pool up front would take ~9 s, and huge pages for the cache moved W1 by under
-        1% (docs/performance.md, the prefill step); the cache asks for neither.
+        4 GiB pool up front would take ~9 s; the cache does not do it.
+
+        numpy advises MADV_HUGEPAGE for arrays this large (NUMPY_MADVISE_HUGEPAGE=0 turns
+        that off), so where transparent huge pages are "madvise" the pool is faulted in as
+        huge pages. Nothing here depends on it: on small pages the steady-state decode step
+        at 256 sequences measured the same (docs/performance.md, "What bounds decode
+        attention").
         """
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
