@@ -212,7 +212,9 @@ PAGEDLLM_VNNI void vnni_tile(const Activations& a, const Weights& w, int64_t row
     for (int r = 0; r < R; ++r) {
       const int64_t offset = (row + r) * a.k + b * kBlock;
       __m256i dot = block_dot(wv, a.hi + offset);
-      if (DIGITS == 2) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), block_dot(wv, a.lo + offset));
+      if constexpr (DIGITS == 2) {
+        dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), block_dot(wv, a.lo + offset));
+      }
       const int64_t at = (row + r) * a.blocks + b;
       const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.step[at]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r]);
