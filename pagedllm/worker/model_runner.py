@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limi
 from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +44,10 @@ class ModelRunner:
             tune_malloc()
         self.block_size = cache_config.block_size
         self.vocab_size = model_config.vocab_size
-        self.model = self._load_model(source)
+        # The pool first, so its pages fault in on the idle core while the model loads.
         self.kv_caches = self._allocate_kv_cache()
+        self._prefaulter = self._start_prefault()
+        self.model = self._load_model(source)
         self.model.bind_kv_cache(self.kv_caches)
         max_blocks = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
@@ -105,16 +109,26 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
 
+    def _start_prefault(self) -> KVCachePrefaulter | None:
+        if self.device.type != "cpu" or not prefault_enabled():
+            return None
+        prefaulter = KVCachePrefaulter([t for pair in self.kv_caches for t in pair]).start()
+        # Stop with the runner, so a dropped engine's pool is not kept alive and faulted in.
+        weakref.finalize(self, prefaulter.stop)
+        return prefaulter
+
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Zeroed, not empty: padded decode batches read slots past each sequence's end, and
         masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
 
         On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
-        4 GiB cache costs no start-up time and only as much RAM as blocks actually used. The
-        price is paid in steps: the first write to a block faults its pages in (5-8% of a
-        2,048-token prefill step while the pool is fresh). On this VM that is the host's
-        first touch of guest memory, ~0.5 GB/s on small and huge pages alike, so touching a
-        4 GiB pool up front would take ~9 s; the cache does not do it.
+        4 GiB cache costs no start-up time. A page not yet touched is faulted in by the first
+        write to its block, inside a step (5-8% of a 2,048-token prefill step); on this VM
+        that is the host's first touch of guest memory, ~0.5 GB/s on small and huge pages
+        alike, so touching the whole pool up front would take ~9 s. Instead
+        `KVCachePrefaulter` faults the pool in on idle CPU time from here on (while the
+        model loads, and while the engine waits for work), in the order blocks are handed
+        out; the pool becomes resident as it goes.
 
         numpy advises MADV_HUGEPAGE for arrays this large (NUMPY_MADVISE_HUGEPAGE=0 turns
         that off), so where transparent huge pages are "madvise" the pool is faulted in as

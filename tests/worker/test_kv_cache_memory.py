@@ -1,4 +1,5 @@
-"""The CPU KV cache: zeroed, mapped lazily (RAM only for blocks in use), and usable."""
+"""The CPU KV cache: zeroed, mapped lazily (RAM only for blocks in use until the background
+prefault reaches them), and usable."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def resident_bytes() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_cache_is_zero_and_costs_ram_only_where_written(tiny_llama):
+def test_cache_is_zero_and_costs_ram_only_where_written(tiny_llama, monkeypatch):
+    # Without the background prefault, which would fault the whole pool in while idle.
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "0")
     before = resident_bytes()
     llm = LLM(str(tiny_llama), max_model_len=64, kv_cache_memory="2GiB")
     runner = llm.llm_engine.engine_core.model_runner

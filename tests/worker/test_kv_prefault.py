@@ -1,0 +1,130 @@
+"""The KV pool's pages are faulted in by a background thread, in the order blocks are handed
+out, without touching their contents; it stops on request and with its runner."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import itertools
+import mmap
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.worker import kv_prefault
+from pagedllm.worker.kv_prefault import KVCachePrefaulter, block_major_ranges
+from tests.model_utils import model_runner, small_engine
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+
+
+def _pool_tensor(num_blocks: int, block_floats: int) -> torch.Tensor:
+    """Zeros on a fresh anonymous mapping of their own, none of its pages touched yet, and
+    starting off a page boundary (as calloc's do, after its header)."""
+    num_bytes = num_blocks * block_floats * 4
+    mapping = mmap.mmap(-1, num_bytes + PAGE)
+    raw = np.frombuffer(mapping, dtype=np.uint8)[64 : 64 + num_bytes]
+    return torch.from_numpy(raw).view(torch.float32).view(num_blocks, block_floats)
+
+
+def _resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
+    """(resident, all) pages of the mapping under `tensor`, by mincore(2)."""
+    begin = tensor.data_ptr() // PAGE * PAGE
+    end = -(-(tensor.data_ptr() + tensor.nbytes) // PAGE) * PAGE
+    pages = (end - begin) // PAGE
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(begin, end - begin, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector), pages
+
+
+def test_ranges_are_block_major_and_cover_every_page_once():
+    tensors = [_pool_tensor(10, 3000), _pool_tensor(10, 3000)]  # 12,000 bytes a block
+    ranges = list(block_major_ranges(tensors, chunk_blocks=4))
+
+    def owner(address: int) -> int:
+        for index, tensor in enumerate(tensors):
+            if tensor.data_ptr() // PAGE * PAGE <= address < tensor.data_ptr() + tensor.nbytes:
+                return index
+        raise AssertionError(f"{address:#x} is in no tensor")
+
+    # Blocks 0-3 of both tensors, then 4-7 of both, then 8-9 of both.
+    assert [owner(address) for address, _ in ranges] == [0, 1] * 3
+    for index, tensor in enumerate(tensors):
+        mine = [(a, n) for a, n in ranges if owner(a) == index]
+        assert mine[0][0] == tensor.data_ptr() // PAGE * PAGE
+        for (address, length), (following, _) in itertools.pairwise(mine):
+            assert address + length == following
+        last_address, last_length = mine[-1]
+        assert last_address + last_length >= tensor.data_ptr() + tensor.nbytes
+        assert last_address + last_length - (tensor.data_ptr() + tensor.nbytes) < PAGE
+        # A boundary falls where a chunk of blocks ends, rounded up to a page.
+        assert mine[1][0] == -(-(tensor.data_ptr() + 4 * 12_000) // PAGE) * PAGE
+
+
+@linux_only
+def test_faults_every_page_in_and_leaves_the_contents_alone():
+    keys, values = _pool_tensor(64, 2**15), _pool_tensor(64, 2**15)  # 8 MiB each
+    keys[0], keys[10], values[63] = 1.5, -2.0, 3.25  # blocks a step already wrote
+    assert _resident_pages(keys)[0] < _resident_pages(keys)[1]
+    prefaulter = KVCachePrefaulter([keys, values]).start()
+    assert prefaulter.finished.wait(60)
+    for tensor in (keys, values):
+        resident, pages = _resident_pages(tensor)
+        assert resident == pages
+    assert prefaulter.populated_bytes >= keys.nbytes + values.nbytes
+    assert prefaulter.populated_bytes < keys.nbytes + values.nbytes + 4 * PAGE
+    assert (keys[0] == 1.5).all() and (keys[10] == -2.0).all() and (values[63] == 3.25).all()
+    assert not keys[1:10].any() and not keys[11:].any() and not values[:63].any()
+
+
+def test_stop_ends_the_thread_before_it_faults_anything():
+    tensor = _pool_tensor(64, 2**15)
+    prefaulter = KVCachePrefaulter([tensor])
+    prefaulter.stop()
+    prefaulter.start()
+    assert prefaulter.finished.wait(60)
+    assert prefaulter.populated_bytes == 0
+    prefaulter.stop()
+    assert not prefaulter._thread.is_alive()
+
+
+def test_tensors_must_share_their_number_of_blocks():
+    with pytest.raises(ValueError, match="number of blocks"):
+        KVCachePrefaulter([_pool_tensor(4, 16), _pool_tensor(5, 16)])
+    with pytest.raises(ValueError, match="non-empty"):
+        KVCachePrefaulter([])
+
+
+@linux_only
+def test_runner_faults_its_whole_pool_in(tiny_llama):
+    llm = small_engine(tiny_llama)
+    runner = model_runner(llm)
+    prefaulter = runner._prefaulter
+    assert prefaulter.finished.wait(60)
+    pool_bytes = sum(t.nbytes for pair in runner.kv_caches for t in pair)
+    assert prefaulter.populated_bytes >= pool_bytes
+    for pair in runner.kv_caches:
+        for tensor in pair:
+            assert _resident_pages(tensor)[0] == _resident_pages(tensor)[1]
+
+
+def test_a_dropped_runner_stops_a_prefault_still_running(tiny_llama, monkeypatch):
+    stopped = []
+    monkeypatch.setattr(KVCachePrefaulter, "stop", lambda self, *a: stopped.append(self))
+    llm = small_engine(tiny_llama)
+    prefaulter = model_runner(llm)._prefaulter
+    del llm
+    gc.collect()
+    assert stopped == [prefaulter]
+
+
+def test_turned_off_by_environment(tiny_llama, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "0")
+    assert not kv_prefault.prefault_enabled()
+    assert model_runner(small_engine(tiny_llama))._prefaulter is None
