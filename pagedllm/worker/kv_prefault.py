@@ -13,7 +13,9 @@ otherwise idle: the second core while the model loads, and both while a server w
 requests. MADV_POPULATE_WRITE never changes a page's contents, so it is safe against the
 steps' own writes to the same blocks. Where the kernel lacks it (Linux < 5.14) or the
 thread cannot be put at idle priority, nothing is faulted in ahead and the steps fault as
-before. PAGEDLLM_KV_PREFAULT=0 turns it off.
+before. It stops short where the machine's available memory would fall below
+MIN_AVAILABLE_BYTES, so a pool sized beyond the RAM that is left still only costs what its
+steps use. PAGEDLLM_KV_PREFAULT=0 turns it off.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.worker.huge_pages import madvise
 
 logger = logging.getLogger(__name__)
@@ -35,6 +38,8 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Bytes of each tensor per madvise call. Calls of 2 MB slowed the model load running beside
 # them more than calls of 256 KB did (load 2.6-2.9 s against 1.1-1.7; 0.6-0.8 alone).
 CHUNK_BYTES = 256 * 1024
+MIN_AVAILABLE_BYTES = 2**30  # left to the rest of the machine
+_CHECK_MEMORY_EVERY_BYTES = 64 * 2**20  # /proc/meminfo is read once per this many bytes
 
 
 def prefault_enabled() -> bool:
@@ -97,10 +102,19 @@ class KVCachePrefaulter:
         try:
             if not _lower_own_priority():
                 return
-            started = time.perf_counter()
+            started, next_check = time.perf_counter(), 0
             for address, length in block_major_ranges(tensors, self.chunk_blocks):
                 if self._stopping.is_set():
                     return
+                if self.populated_bytes >= next_check:
+                    if available_memory_bytes() < MIN_AVAILABLE_BYTES + length:
+                        logger.info(
+                            "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
+                            "that use it (available memory is low)",
+                            self.populated_bytes / 1e9,
+                        )
+                        return
+                    next_check = self.populated_bytes + _CHECK_MEMORY_EVERY_BYTES
                 error = madvise(address, length, _MADV_POPULATE_WRITE)
                 if error:
                     logger.debug("KV pool not faulted in ahead (madvise errno %d)", error)

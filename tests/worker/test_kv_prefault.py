@@ -94,6 +94,20 @@ def test_stop_ends_the_thread_before_it_faults_anything():
     assert not prefaulter._thread.is_alive()
 
 
+@linux_only
+def test_stops_where_available_memory_would_run_low(monkeypatch):
+    tensor = _pool_tensor(64, 2**15)  # 8 MiB
+    readings = iter([2**40, 0])  # plenty at the first check, nothing left at the second
+    monkeypatch.setattr(kv_prefault, "available_memory_bytes", lambda: next(readings))
+    monkeypatch.setattr(kv_prefault, "_CHECK_MEMORY_EVERY_BYTES", 2 * 2**20)
+    prefaulter = KVCachePrefaulter([tensor]).start()
+    assert prefaulter.finished.wait(60)
+    # The first 2 MiB (and the page the tensor starts in), then the second check stopped it.
+    assert 2 * 2**20 <= prefaulter.populated_bytes <= 2 * 2**20 + PAGE
+    resident, pages = _resident_pages(tensor)
+    assert resident < pages
+
+
 def test_tensors_must_share_their_number_of_blocks():
     with pytest.raises(ValueError, match="number of blocks"):
         KVCachePrefaulter([_pool_tensor(4, 16), _pool_tensor(5, 16)])
