@@ -13,9 +13,10 @@ otherwise idle: the second core while the model loads, and both while a server w
 requests. MADV_POPULATE_WRITE never changes a page's contents, so it is safe against the
 steps' own writes to the same blocks. Where the kernel lacks it (Linux < 5.14) or the
 thread cannot be put at idle priority, nothing is faulted in ahead and the steps fault as
-before. It stops short where the machine's available memory would fall below
-MIN_AVAILABLE_BYTES, so a pool sized beyond the RAM that is left still only costs what its
-steps use. PAGEDLLM_KV_PREFAULT=0 turns it off.
+before. It stops short where the machine's available memory would fall below a quarter
+of its RAM (at least 1 GiB): several engines in one machine (a test suite holds a few) or a
+pool sized beyond the RAM that is left then cost only what their steps use, and the page
+cache keeps room. PAGEDLLM_KV_PREFAULT=0 turns it off.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Bytes of each tensor per madvise call. Calls of 2 MB slowed the model load running beside
 # them more than calls of 256 KB did (load 2.6-2.9 s against 1.1-1.7; 0.6-0.8 alone).
 CHUNK_BYTES = 256 * 1024
-MIN_AVAILABLE_BYTES = 2**30  # left to the rest of the machine
+MIN_AVAILABLE_SHARE, MIN_AVAILABLE_BYTES = 0.25, 2**30  # left to the rest of the machine
 _CHECK_MEMORY_EVERY_BYTES = 64 * 2**20  # /proc/meminfo is read once per this many bytes
 
 
@@ -107,7 +108,7 @@ class KVCachePrefaulter:
                 if self._stopping.is_set():
                     return
                 if self.populated_bytes >= next_check:
-                    if available_memory_bytes() < MIN_AVAILABLE_BYTES + length:
+                    if available_memory_bytes() < _memory_floor_bytes() + length:
                         logger.info(
                             "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
                             "that use it (available memory is low)",
@@ -127,6 +128,14 @@ class KVCachePrefaulter:
             )
         finally:
             self.finished.set()
+
+
+def _memory_floor_bytes() -> int:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        total = 0
+    return max(MIN_AVAILABLE_BYTES, int(MIN_AVAILABLE_SHARE * total))
 
 
 def _lower_own_priority() -> bool:
