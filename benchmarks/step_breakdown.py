@@ -32,8 +32,8 @@ from ceiling import HEAD_DIM, HEADS, HIDDEN, LAYERS, NON_EMBEDDING_PARAMS, VOCAB
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import DatasetConfig, random_dataset
 from pagedllm.worker.huge_pages import madvise
+from pagedllm.worker.kv_prefault import MADV_POPULATE_WRITE
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h
 PHASES = ("schedule", "forward", "logits", "sample", "update")
 
 
@@ -149,7 +149,7 @@ def populate_kv_cache(llm: LLM) -> None:
         for tensor in cache:
             begin = -(-tensor.data_ptr() // page) * page
             end = (tensor.data_ptr() + tensor.nbytes) // page * page
-            error = madvise(begin, end - begin, _MADV_POPULATE_WRITE)
+            error = madvise(begin, end - begin, MADV_POPULATE_WRITE)
             if error:
                 raise OSError(error, "madvise(MADV_POPULATE_WRITE) failed")
             total += end - begin

@@ -34,7 +34,7 @@ from pagedllm.worker.huge_pages import madvise
 
 logger = logging.getLogger(__name__)
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
+MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Bytes of each tensor per madvise call. Calls of 2 MB slowed the model load running beside
 # them more than calls of 256 KB did (load 2.6-2.9 s against 1.1-1.7; 0.6-0.8 alone).
@@ -103,12 +103,12 @@ class KVCachePrefaulter:
         try:
             if not _lower_own_priority():
                 return
-            started, next_check = time.perf_counter(), 0
+            started, next_check, floor = time.perf_counter(), 0, _memory_floor_bytes()
             for address, length in block_major_ranges(tensors, self.chunk_blocks):
                 if self._stopping.is_set():
                     return
                 if self.populated_bytes >= next_check:
-                    if available_memory_bytes() < _memory_floor_bytes() + length:
+                    if available_memory_bytes() < floor + length:
                         logger.info(
                             "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
                             "that use it (available memory is low)",
@@ -116,7 +116,7 @@ class KVCachePrefaulter:
                         )
                         return
                     next_check = self.populated_bytes + _CHECK_MEMORY_EVERY_BYTES
-                error = madvise(address, length, _MADV_POPULATE_WRITE)
+                error = madvise(address, length, MADV_POPULATE_WRITE)
                 if error:
                     logger.debug("KV pool not faulted in ahead (madvise errno %d)", error)
                     return
