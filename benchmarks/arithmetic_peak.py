@@ -1,0 +1,159 @@
+"""The cores' own arithmetic peak: what no matmul, ours or any engine's, can pass.
+
+Builds a small C program (gcc, OpenMP) and runs register-only loops on every core at once:
+
+  clock       a chain of dependent integer adds (one a cycle) gives the cycles per second
+  fp32 FMA    16 independent FMA chains on 256- and 512-bit vectors: FLOP per cycle and s
+  int8 VNNI   16 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
+
+No memory is touched inside the loops, so these are the cores' issue rates, the bound above
+`ceiling.py`'s measured matmul rate. `--json PATH` writes the figures.
+
+    .venv/bin/python benchmarks/arithmetic_peak.py [--seconds 1] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+/* 64 dependent adds an iteration: one a cycle on every x86 core since the Pentium 4. */
+static void add_chain(long iterations) {
+    long x = 0;
+    for (long i = 0; i < iterations; i++) {
+        __asm__ volatile(
+            ".rept 64\n\tadd $1, %0\n\t.endr" : "+r"(x));
+    }
+}
+
+/* 12 independent chains on zeroed registers, written in asm so that no compiler keeps
+   them in memory: the FMA's latency (4 cycles) times two pipes needs 8 in flight. */
+#define CHAINS 12
+#define ZERO \
+    ".irp r,0,1,2,3,4,5,6,7,8,9,10,11,12,13\n\tvxorps %%xmm\\r,%%xmm\\r,%%xmm\\r\n\t.endr\n\t"
+#define LOOP(W, INSN)                                                                  \
+    __asm__ volatile(ZERO "1:\n\t.irp r,0,1,2,3,4,5,6,7,8,9,10,11\n\t" INSN " %%" W \
+                     "12,%%" W "13,%%" W "\\r\n\t.endr\n\tdec %0\n\tjnz 1b"                \
+                     : "+r"(iterations)                                                \
+                     :                                                                 \
+                     : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7",  \
+                       "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "cc");
+
+__attribute__((target("avx2,fma"))) static void fma256(long iterations) {
+    LOOP("ymm", "vfmadd231ps")
+}
+__attribute__((target("avx512f"))) static void fma512(long iterations) {
+    LOOP("zmm", "vfmadd231ps")
+}
+__attribute__((target("avx512f,avx512vl,avx512vnni"))) static void vnni256(long iterations) {
+    LOOP("ymm", "vpdpbusd")
+}
+__attribute__((target("avx512f,avx512vnni"))) static void vnni512(long iterations) {
+    LOOP("zmm", "vpdpbusd")
+}
+
+typedef void (*loop_fn)(long);
+
+/* Every thread runs `fn` for about `seconds`; prints the iterations a second of all threads
+   together. One call is sized to >= 50 ms first, on one thread. */
+static void run(const char *name, loop_fn fn, double seconds, double ops_per_iteration) {
+    long iterations = 1000;
+    for (double took = 0; took < 0.05; took = now() - took) {
+        iterations *= 4;
+        took = now();
+        fn(iterations);
+    }
+    double calls_took = now();
+    fn(iterations);
+    long calls = (long)(seconds / (now() - calls_took)) + 1;
+    double total_rate = 0;
+    #pragma omp parallel reduction(+ : total_rate)
+    {
+        double t0 = now();
+        for (long k = 0; k < calls; k++) fn(iterations);
+        total_rate = calls * iterations / (now() - t0);
+    }
+    printf("%s %.6e %.6e\n", name, total_rate, ops_per_iteration);
+}
+
+int main(int argc, char **argv) {
+    double seconds = argc > 1 ? atof(argv[1]) : 1.0;
+    run("clock", add_chain, seconds, 64);
+    run("fp32_fma_256", fma256, seconds, CHAINS * 8 * 2);
+    if (__builtin_cpu_supports("avx512f"))
+        run("fp32_fma_512", fma512, seconds, CHAINS * 16 * 2);
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
+        run("int8_vnni_256", vnni256, seconds, CHAINS * 32);
+        run("int8_vnni_512", vnni512, seconds, CHAINS * 64);
+    }
+    return 0;
+}
+"""
+
+
+def build(directory: Path) -> Path:
+    source, binary = directory / "peak.c", directory / "peak"
+    source.write_text(_SOURCE)
+    subprocess.run(["gcc", "-O3", "-fopenmp", str(source), "-o", str(binary)], check=True)
+    return binary
+
+
+def measure(seconds: float, threads: int) -> dict[str, dict[str, float]]:
+    """{loop: {"per_second": ops a second on all threads, "per_cycle_per_core": ...}}."""
+    with tempfile.TemporaryDirectory() as directory:
+        binary = build(Path(directory))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "spread"}
+        output = subprocess.run(
+            [str(binary), str(seconds)], check=True, capture_output=True, text=True, env=env
+        ).stdout
+    rates = {}
+    for line in output.splitlines():
+        name, iterations_per_s, ops_per_iteration = line.split()
+        rates[name] = float(iterations_per_s) * float(ops_per_iteration)
+    cycles_per_s = rates["clock"]  # add-chain ops a second, all threads = cycles a second
+    return {
+        name: {"per_second": rate, "per_cycle_per_core": rate / cycles_per_s}
+        for name, rate in rates.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per loop, per thread")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    figures = measure(args.seconds, args.threads)
+    clock_ghz = figures["clock"]["per_second"] / args.threads / 1e9
+    print(f"{args.threads} threads, {clock_ghz:.2f} GHz per core (dependent adds)")
+    for name, figure in figures.items():
+        if name == "clock":
+            continue
+        unit = "GFLOP/s" if name.startswith("fp32") else "G int8 MAC/s"
+        print(
+            f"{name:14s} {figure['per_second'] / 1e9:8.1f} {unit:13s}"
+            f" {figure['per_cycle_per_core']:6.1f} a cycle a core"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, **figures}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""benchmarks/arithmetic_peak.py: its loops build, run and are read back as per-cycle rates
+that a core can actually issue."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).parents[2] / "benchmarks" / "arithmetic_peak.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("arithmetic_peak", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the loops are built with gcc")
+def test_rates_are_per_cycle_issue_rates():
+    figures = _load_script().measure(seconds=0.02, threads=1)
+    # The add chain defines the cycle, so it is exactly one a cycle by construction.
+    assert figures["clock"]["per_cycle_per_core"] == pytest.approx(1.0)
+    assert figures["clock"]["per_second"] > 1e8
+    for name in ("fp32_fma_256", "fp32_fma_512"):
+        # At least one 8-lane FMA every other cycle; no x86 core issues more than two 16-lane
+        # FMAs a cycle (64 FLOP).
+        assert 4 <= figures[name]["per_cycle_per_core"] <= 64 * 1.1, (name, figures)
+    for name in ("int8_vnni_256", "int8_vnni_512"):
+        if name in figures:  # only where the CPU has AVX-512 VNNI
+            assert 8 <= figures[name]["per_cycle_per_core"] <= 128 * 1.1, (name, figures)
