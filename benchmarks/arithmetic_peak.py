@@ -3,8 +3,8 @@
 Builds a small C program (gcc, OpenMP) and runs register-only loops on every core at once:
 
   clock       a chain of dependent integer adds (one a cycle) gives the cycles per second
-  fp32 FMA    16 independent FMA chains on 256- and 512-bit vectors: FLOP per cycle and s
-  int8 VNNI   16 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
+  fp32 FMA    12 independent FMA chains on 256- and 512-bit vectors: FLOP per cycle and s
+  int8 VNNI   12 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
 
 No memory is touched inside the loops, so these are the cores' issue rates, the bound above
 `ceiling.py`'s measured matmul rate. `--json PATH` writes the figures.
@@ -75,14 +75,14 @@ typedef void (*loop_fn)(long);
    together. One call is sized to >= 50 ms first, on one thread. */
 static void run(const char *name, loop_fn fn, double seconds, double ops_per_iteration) {
     long iterations = 1000;
-    for (double took = 0; took < 0.05; took = now() - took) {
+    double took = 0;
+    while (took < 0.05) {
         iterations *= 4;
-        took = now();
+        double started = now();
         fn(iterations);
+        took = now() - started;
     }
-    double calls_took = now();
-    fn(iterations);
-    long calls = (long)(seconds / (now() - calls_took)) + 1;
+    long calls = (long)(seconds / took) + 1;
     double total_rate = 0;
     #pragma omp parallel reduction(+ : total_rate)
     {

@@ -15,10 +15,11 @@ workload=$root/benchmarks/results/kv-prefault-2026-11-25/workload_64.jsonl
 w1=(-m pagedllm bench throughput --dataset-name file --dataset-path "$workload"
   --num-prompts 64 --dtype float32)
 rate() { grep -o '"requests_per_s": [0-9.]*' "$1"; }
+# vLLM's environment as compare.py sets it (peers/vllm_peer.py), not restated here.
+vllm_env=$(cd "$root/benchmarks" && "$py" -c \
+  'from peers.vllm_peer import VLLM_ENV; print(" ".join(f"{k}={v}" for k, v in VLLM_ENV.items()))')
 vllm() {
-  VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=2 \
-  VLLM_USE_AOT_COMPILE=0 HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \
-  "$peers/vllm/venv/bin/python" -P "$root/benchmarks/peers/run_vllm_offline.py" \
+  env $vllm_env "$peers/vllm/venv/bin/python" -P "$root/benchmarks/peers/run_vllm_offline.py" \
     --model "$peers/models/SmolLM2-135M-Instruct-fp32-hf" --workload "$workload" \
     --num-prompts 64 --output-json "$out/w1_vllm_$1.json" > "$out/w1_vllm_$1.log" 2>&1
   echo "vllm $1: $(rate "$out/w1_vllm_$1.json")"
