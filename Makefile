@@ -36,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/throughput_vs_hf.py
+	$(BIN)/python -m benchmarks.throughput_vs_hf
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -9,7 +9,7 @@ Builds a small C program (gcc, OpenMP) and runs register-only loops on every cor
 No memory is touched inside the loops, so these are the cores' issue rates, the bound above
 `ceiling.py`'s measured matmul rate. `--json PATH` writes the figures.
 
-    .venv/bin/python benchmarks/arithmetic_peak.py [--seconds 1] [--threads N]
+    .venv/bin/python -m benchmarks.arithmetic_peak [--seconds 1] [--threads N]
 """
 
 from __future__ import annotations

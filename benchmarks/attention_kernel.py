@@ -8,7 +8,7 @@ breakdown's prefill chunk). Prints ms per call, median and minimum of the repeat
 shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
 scattered over the cache as after a while of serving.
 
-    .venv/bin/python benchmarks/attention_kernel.py [--repeats 20] [--threads N]
+    .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16] [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
 """
 

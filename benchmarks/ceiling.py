@@ -9,7 +9,7 @@ matmul ceiling. Model FLOPs of a run:
   + 2 × hidden × vocab × output tokens                       logits only where a token is due
   + 4 × layers × heads × head_dim × Σ context length          q·k and p·v per token
 
-    .venv/bin/python benchmarks/ceiling.py [--throughput-json run.json ...]
+    .venv/bin/python -m benchmarks.ceiling [--throughput-json run.json ...]
 """
 
 from __future__ import annotations

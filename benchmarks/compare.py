@@ -6,10 +6,10 @@ the same model (SmolLM2-135M-Instruct, fp32) and the same prompts (random, 256 t
 for the three servers, and each engine's model FLOP/s against the machine's matmul ceiling.
 Results: benchmarks/out/compare/*.json and RESULTS-compare.md (also printed).
 
-    .venv/bin/python benchmarks/compare.py [--only vllm,llamacpp] [--skip-serve]
+    .venv/bin/python -m benchmarks.compare [--only vllm,llamacpp] [--skip-serve]
         [--skip-offline] [--num-prompts 200] [--rates 0.2,0.7,1.2] [--dry-run]
-    .venv/bin/python benchmarks/compare.py --install-only      # install / build the peers
-    .venv/bin/python benchmarks/compare.py --report-only       # redo the table from JSONs
+    .venv/bin/python -m benchmarks.compare --install-only      # install / build the peers
+    .venv/bin/python -m benchmarks.compare --report-only       # redo the table from JSONs
 
 Engines: pagedllm, vllm, transformers, llamacpp (F32 GGUF), llamacpp-q4_1 (offline only).
 """
@@ -25,8 +25,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from peers import install, offline, report, serving
-from peers.common import (
+from benchmarks.peers import install, offline, report, serving
+from benchmarks.peers.common import (
     DEFAULT_OUT_DIR,
     DEFAULT_PEERS_DIR,
     PLOTS_DIR,
@@ -36,7 +36,7 @@ from peers.common import (
     read_stamp,
     write_json,
 )
-from peers.workload import Workload, write_workload
+from benchmarks.peers.workload import Workload, write_workload
 
 
 def parse_args() -> argparse.Namespace:
@@ -114,8 +114,8 @@ def versions(paths: PeerPaths) -> dict[str, str]:
 
 
 def measure_ceiling(out: Path) -> None:
-    """benchmarks/ceiling.py's matmul rate at the model's shapes, best over row counts."""
-    import ceiling
+    """benchmarks.ceiling's matmul rate at the model's shapes, best over row counts."""
+    from benchmarks import ceiling
 
     print("== matmul ceiling", flush=True)
     by_rows = {rows: round(ceiling.matmul_gflops(rows), 1) for rows in (16, 64, 256, 2048)}

@@ -5,7 +5,7 @@ times the model's forward on it eagerly and through `CompiledDecode`, alternatin
 `--rounds` rounds of `--calls` forwards each so that the machine's drift hits both alike.
 Prints the median and best of the rounds' medians (ms a forward) and the compile time.
 
-    .venv/bin/python benchmarks/compiled_decode.py [--batch 1,2,3] [--rounds 15] [--calls 10]
+    .venv/bin/python -m benchmarks.compiled_decode [--batch 1,2,3] [--rounds 15] [--calls 10]
 
 Only batches the engine would compile are timed (`compiled_batch_limit`: 3 where the linear
 layers hold oneDNN-packed weights, which serve larger batches eagerly; 96 without them,

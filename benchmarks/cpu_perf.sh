@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every figure of RESULTS.md's "CPU performance" section in one run, side by side: the
-# working tree ("after") against BASE ("before", default c5b3781, the last commit before
-# the fused CPU kernels), vLLM CPU and llama.cpp from benchmarks/compare.py's peers
-# (install them first: `.venv/bin/python benchmarks/compare.py --install-only`).
+# The CPU performance targets in one run, side by side (benchmarks/results/steps.md and the
+# pages it links): the working tree ("after") against BASE ("before", default c5b3781, the
+# last commit before the fused CPU kernels), vLLM CPU and llama.cpp from benchmarks.compare's
+# peers (install them first: `.venv/bin/python -m benchmarks.compare --install-only`).
 #
 #     benchmarks/cpu_perf.sh OUT_DIR [BASE_COMMIT]      # about 40 minutes on 2 cores
 #     SECTIONS="w1 single" benchmarks/cpu_perf.sh OUT_DIR [BASE_COMMIT]   # some of them
@@ -20,28 +20,32 @@ py=$root/.venv/bin/python
 peers=${PAGEDLLM_PEERS_DIR:-$HOME/.cache/pagedllm-peers}
 before=$out/before-src
 [ -d "$before" ] || git -C "$root" worktree add --force --detach "$before" "$base"
+grep -m1 '^flags' /proc/cpuinfo > "$out/cpu_flags.txt"
 
-# Run from OUT_DIR so neither tree is importable from the working directory.
-after() { (cd "$out" && "$@"); }
-before() { (cd "$out" && PAGEDLLM_CACHE_DIR=$out/before-cache PYTHONPATH=$before "$@"); }
+# Run from OUT_DIR so neither tree is importable from the working directory. The benchmarks
+# package is always the working tree's, found through a folder that holds nothing else, so
+# "before" takes only pagedllm from its worktree (which has a benchmarks/ of its own).
+mkdir -p "$out/path" && ln -sfn "$root/benchmarks" "$out/path/benchmarks"
+after() { (cd "$out" && PYTHONPATH=$out/path "$@"); }
+before() { (cd "$out" && PAGEDLLM_CACHE_DIR=$out/before-cache PYTHONPATH=$out/path:$before "$@"); }
 step() { echo "== $(date +%T) $*"; }
 want() { [[ " ${SECTIONS:-all} " == *" all "* || " ${SECTIONS:-all} " == *" $1 "* ]]; }
 
 if want steps; then
 step "step breakdown at batch 256 (decode) and in 2,048-token chunks (prefill)"
 for side in before after; do
-  $side "$py" "$root/benchmarks/step_breakdown.py" --profile "$out/decode_profile_$side.txt" \
+  $side "$py" -m benchmarks.step_breakdown --profile "$out/decode_profile_$side.txt" \
     --profile-prefill "$out/prefill_profile_$side.txt" --output-json "$out/steps_$side.json" \
     > "$out/steps_$side.log" 2>&1
   tail -4 "$out/steps_$side.log"
 done
 step "the same with the KV pool's pages faulted in first (a server's steady state)"
 for side in before after; do
-  $side "$py" "$root/benchmarks/step_breakdown.py" --populate-kv-cache \
+  $side "$py" -m benchmarks.step_breakdown --populate-kv-cache \
     --output-json "$out/steps_populated_$side.json" > "$out/steps_populated_$side.log" 2>&1
   tail -2 "$out/steps_populated_$side.log"
 done
-after "$py" "$root/benchmarks/step_breakdown.py" --populate-kv-cache --kv-cache-dtype float16 \
+after "$py" -m benchmarks.step_breakdown --populate-kv-cache --kv-cache-dtype float16 \
   --output-json "$out/steps_populated_kv_fp16.json" > "$out/steps_populated_kv_fp16.log" 2>&1
 tail -2 "$out/steps_populated_kv_fp16.log"
 fi
@@ -50,7 +54,7 @@ w1=(bench throughput --dataset-name file --dataset-path "$out/w1/workload_64.jso
   --num-prompts 64 --dtype float32)
 if want w1; then
 step "W1 offline: pagedllm and vLLM CPU (compare.py), then pagedllm before"
-after "$py" "$root/benchmarks/compare.py" --only pagedllm,vllm --num-prompts 64 \
+after "$py" -m benchmarks.compare --only pagedllm,vllm --num-prompts 64 \
   --skip-serve --skip-ceiling --out-dir "$out/w1" > "$out/w1.log" 2>&1
 before "$py" -m pagedllm "${w1[@]}" --output-json "$out/w1_before.json" > "$out/w1_before.log" 2>&1
 after "$py" -m pagedllm "${w1[@]}" --compile --output-json "$out/w1_compile.json" \
@@ -67,9 +71,9 @@ for q in int8 gguf; do
 done
 after "$py" -m pagedllm "${w1[@]}" --quantization gguf --kv-cache-dtype float16 \
   --output-json "$out/w1_gguf_kv_fp16.json" > "$out/w1_gguf_kv_fp16.log" 2>&1
-after "$py" "$root/benchmarks/int8_speed.py" w1 --rounds 1 --variants fp32,int8,gguf \
+after "$py" -m benchmarks.int8_speed w1 --rounds 1 --variants fp32,int8,gguf \
   --output-json "$out/int8_speed.json" > "$out/int8_speed.log" 2>&1
-after "$py" "$root/benchmarks/int8_accuracy.py" --output-json "$out/int8_accuracy.json" \
+after "$py" -m benchmarks.int8_accuracy --output-json "$out/int8_accuracy.json" \
   > "$out/int8_accuracy.log" 2>&1
 fi
 
@@ -83,13 +87,13 @@ fi
 
 if want kv; then
 step "KV waste on W1"
-after "$py" "$root/benchmarks/kv_waste.py" --output-json "$out/kv_waste.json" > "$out/kv_waste.log" 2>&1
+after "$py" -m benchmarks.kv_waste --output-json "$out/kv_waste.json" > "$out/kv_waste.log" 2>&1
 fi
 
 if want single; then
 step "skinny linear at 1..128 rows (before, after)"
 for side in before after; do
-  $side "$py" "$root/benchmarks/skinny_linear.py" --rows 1,2,4,8,16,32,64,96,128 \
+  $side "$py" -m benchmarks.skinny_linear --rows 1,2,4,8,16,32,64,96,128 \
     > "$out/skinny_$side.log" 2>&1
 done
 step "single-stream decode: pagedllm (before, after) and llama.cpp F32 tg128"
@@ -105,7 +109,7 @@ for flags in "--compile" "--quantization gguf" "--quantization gguf --compile"; 
   after "$py" -m pagedllm "${latency[@]}" $flags --output-json "$out/$name.json" \
     > "$out/$name.log" 2>&1
 done
-after "$py" "$root/benchmarks/step_breakdown.py" --quantization gguf \
+after "$py" -m benchmarks.step_breakdown --quantization gguf \
   --profile "$out/decode_profile_gguf.txt" --output-json "$out/steps_gguf.json" \
   > "$out/steps_gguf.log" 2>&1
 "$peers/llama.cpp/build/bin/llama-bench" -m "$peers/models/SmolLM2-135M-Instruct-f32.gguf" \
@@ -114,9 +118,9 @@ fi
 
 if want startup; then
 step "server start-up, warm cache (eager; then --compile)"
-after "$py" "$root/benchmarks/startup.py" --runs 3 > "$out/startup.log" 2>&1
+after "$py" -m benchmarks.startup --runs 3 > "$out/startup.log" 2>&1
 tail -3 "$out/startup.log"
-after "$py" "$root/benchmarks/startup.py" --runs 2 -- --compile > "$out/startup_compile.log" 2>&1
+after "$py" -m benchmarks.startup --runs 2 -- --compile > "$out/startup_compile.log" 2>&1
 tail -3 "$out/startup_compile.log"
 fi
 step "done: $out"

@@ -3,7 +3,7 @@ the kernel's arithmetic alone, and a plain read of the same bytes.
 
 Decode attention reads every running sequence's K and V once per layer and does little
 arithmetic per byte, so its time is bounded below by those bytes over the machine's read
-bandwidth. Four timings per case (SmolLM2-135M shapes, `benchmarks/attention_kernel.py`'s
+bandwidth. Four timings per case (SmolLM2-135M shapes, `benchmarks.attention_kernel`'s
 step builder, blocks scattered over the cache):
 
 - served: the CPU kernel on the scattered blocks;
@@ -15,7 +15,7 @@ step builder, blocks scattered over the cache):
   (the K and V of every sequence), on the same threads; a sequential read, which the
   hardware prefetchers serve at their best.
 
-    .venv/bin/python benchmarks/decode_attention_floor.py [--kv-cache-dtype float16]
+    .venv/bin/python -m benchmarks.decode_attention_floor [--kv-cache-dtype float16]
         [--batch 256] [--context 320] [--repeats 30] [--threads 1]
 
 `--threads 1` against the default (all cores) shows whether the call is bound by the
@@ -29,9 +29,9 @@ import argparse
 import dataclasses
 
 import torch
-from attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
-from timing import median_seconds
 
+from benchmarks.attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
+from benchmarks.timing import median_seconds
 from pagedllm.ops import cpu_attention, extension
 
 

@@ -6,7 +6,7 @@ SmolLM2-135M's shapes (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 
 fp32-equivalent GFLOP/s (2 * rows * in * out per matmul), for the gguf kernel with
 `--digits` activation digits and for fp32 oneDNN on prepacked weights.
 
-    .venv/bin/python benchmarks/gguf_matmul.py [--rows 64,256,2048] [--digits 2] [--repeats 10]
+    .venv/bin/python -m benchmarks.gguf_matmul [--rows 64,256,2048] [--digits 2] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from timing import median_seconds
 
+from benchmarks.timing import median_seconds
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.gguf_linear import pack_weights
 from pagedllm.ops import fused

@@ -1,6 +1,6 @@
 """Accuracy cost of `quantization="int8"` on the default model (SmolLM2-135M-Instruct).
 
-    .venv/bin/python benchmarks/int8_accuracy.py [--max-tokens 64] [--variants int8,gguf]
+    .venv/bin/python -m benchmarks.int8_accuracy [--max-tokens 64] [--variants int8,gguf]
                                                  [--output-json out.json]
 
 On 32 fixed prompts (16 chat, through the model's chat template, and 16 plain text) the

@@ -1,7 +1,7 @@
 """Speed of `quantization="int8"`: per-shape matmul rates, and W1 with and without it.
 
-    .venv/bin/python benchmarks/int8_speed.py matmul [--rows 1,16,64,256,2048]
-    .venv/bin/python benchmarks/int8_speed.py w1 [--rounds 2] [--variants fp32,int8]
+    .venv/bin/python -m benchmarks.int8_speed matmul [--rows 1,16,64,256,2048]
+    .venv/bin/python -m benchmarks.int8_speed w1 [--rounds 2] [--variants fp32,int8]
 
 `matmul` times each candidate kernel at SmolLM2-135M's shapes (fused q/k/v, o, fused
 gate/up, down, and the tied head) against fp32 `F.linear`: the smallest time over many
@@ -165,7 +165,7 @@ W1_VARIANTS = {
     "int8": ([str(BIN / "pagedllm")], ["--quantization", "int8"]),
     "gguf": ([str(BIN / "pagedllm")], ["--quantization", "gguf"]),
     # The head left fp32: an fp32 engine quantized by this script with quantize_head=False.
-    "int8/fp32head": ([sys.executable, __file__, "fp32-head-child"], []),
+    "int8/fp32head": ([sys.executable, "-m", "benchmarks.int8_speed", "fp32-head-child"], []),
 }
 
 

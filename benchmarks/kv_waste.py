@@ -6,7 +6,7 @@ ignored) by default and, after every step, counts the blocks the pool has handed
 computed tokens). Waste at the step with the most blocks in use is the figure reported:
 that is when memory decides how many requests fit.
 
-    .venv/bin/python benchmarks/kv_waste.py [--num-prompts 64] [--input-len 256]
+    .venv/bin/python -m benchmarks.kv_waste [--num-prompts 64] [--input-len 256]
         [--output-len 128] [--block-size 16] [--output-json out.json]
 """
 

@@ -1,7 +1,7 @@
 """n = 4 parallel sampling against 4 separate requests with the same prompt, on the default
 model (fp32), in one run: total time and prompt tokens computed.
 
-    .venv/bin/python benchmarks/parallel_sampling.py [--prompts 16 --input-len 256 --output-len 64
+    .venv/bin/python -m benchmarks.parallel_sampling [--prompts 16 --input-len 256 --output-len 64
         --rounds 2]
 """
 

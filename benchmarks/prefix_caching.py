@@ -7,7 +7,7 @@ time, prompt tokens actually computed, time to first token (median, p99).
 No sharing: random prompts with nothing in common (`--plain-*`), alternating on and off for
 `--rounds` rounds: the throughput cost of looking up and publishing blocks.
 
-    .venv/bin/python benchmarks/prefix_caching.py [--output-json out.json]
+    .venv/bin/python -m benchmarks.prefix_caching [--output-json out.json]
 """
 
 from __future__ import annotations

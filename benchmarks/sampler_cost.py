@@ -1,7 +1,7 @@
 """The sampler's cost per step at batch 256 on the default model's vocabulary, as a share of
 a real decode step of the default model (fp32) with 256 requests running.
 
-    .venv/bin/python benchmarks/sampler_cost.py [--batch 256 --repeats 20]
+    .venv/bin/python -m benchmarks.sampler_cost [--batch 256 --repeats 20]
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import random
 
 import numpy as np
 import torch
-from timing import median_seconds
 
+from benchmarks.timing import median_seconds
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sample.logits_processors import LogitsProcessorState, apply_logits_processors
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 

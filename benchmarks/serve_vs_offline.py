@@ -7,7 +7,7 @@
 3. Offline: `pagedllm bench throughput` on the same prompts with `--max-num-seqs` equal to
    that concurrency, so the difference is the server's own overhead.
 
-    .venv/bin/python benchmarks/serve_vs_offline.py [--num-prompts 200 --max-concurrency 16]
+    .venv/bin/python -m benchmarks.serve_vs_offline [--num-prompts 200 --max-concurrency 16]
 """
 
 from __future__ import annotations

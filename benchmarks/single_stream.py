@@ -6,10 +6,10 @@ llama-bench `tg128` (one repetition, 2 threads) and then one pagedllm request of
 from a 1-token prompt in an engine kept loaded, and the ratio is taken within the round.
 Prints each round and the medians; `--output-json` keeps them.
 
-    .venv/bin/python benchmarks/single_stream.py [--rounds 10]
+    .venv/bin/python -m benchmarks.single_stream [--rounds 10]
         [--variants fp32,fp32-compile,gguf,gguf-compile] [--output-json out.json]
 
-llama.cpp and its F32 file come from benchmarks/compare.py's peer cache
+llama.cpp and its F32 file come from benchmarks.compare's peer cache
 (`--install-only` puts them there).
 """
 

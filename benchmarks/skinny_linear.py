@@ -4,7 +4,7 @@ Times one forward pass's worth of projections of the default model (4 per layer 
 layers + the tied head, fp32) at 1..128 rows, each way, best of `--repeats`, after checking
 that both give the same result.
 
-    .venv/bin/python benchmarks/skinny_linear.py [--rows 1,2,4,8,16,32,64,96,128] [--repeats 5]
+    .venv/bin/python -m benchmarks.skinny_linear [--rows 1,2,4,8,16,32,64,96,128] [--repeats 5]
         [--huge-pages]
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 
+from benchmarks.ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_seconds
 from pagedllm.model.layers import onednn
 from pagedllm.ops import fused
 from pagedllm.ops.extension import load

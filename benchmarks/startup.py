@@ -4,7 +4,7 @@ Starts the server on the default model (or `--model`) on 127.0.0.1 and a free po
 polls /health every 50 ms, stops it, and repeats. The first run may include a compile of
 the attention kernel (cold cache); the others show a warm start.
 
-    .venv/bin/python benchmarks/startup.py [--runs 3] [--model PATH] [-- extra serve flags]
+    .venv/bin/python -m benchmarks.startup [--runs 3] [--model PATH] [-- extra serve flags]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ scheduling, model forward, logits, sampling and the rest (output handling), the 
 FLOP/s against this machine's matmul ceiling at the same number of rows, and the engine
 overhead (everything but forward and logits) as a share of the step.
 
-    .venv/bin/python benchmarks/step_breakdown.py [--batch 256] [--decode-steps 16]
+    .venv/bin/python -m benchmarks.step_breakdown [--batch 256] [--decode-steps 16]
         [--profile decode_profile.txt] [--output-json out.json]
 
 `--profile FILE` records one decode step with torch.profiler and writes its op table;
@@ -27,8 +27,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from ceiling import HEAD_DIM, HEADS, HIDDEN, LAYERS, NON_EMBEDDING_PARAMS, VOCAB, matmul_gflops
 
+from benchmarks.ceiling import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    NON_EMBEDDING_PARAMS,
+    VOCAB,
+    matmul_gflops,
+)
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import DatasetConfig, random_dataset
 from pagedllm.worker.huge_pages import madvise

@@ -8,7 +8,7 @@
 3. Compile time of the largest test schema on a fresh compiler, and time to first token of
    one request with that schema when its grammar is not cached (cold) and when it is (warm).
 
-    .venv/bin/python benchmarks/structured_output.py [--batch 32]
+    .venv/bin/python -m benchmarks.structured_output [--batch 32]
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,10 +25,33 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import apply_bitmask, bitmask_words
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "structured_output"))
-from test_structured_generation import PERSON, SCHEMAS
-
-LARGEST = max(SCHEMAS, key=lambda s: len(json.dumps(s)))
+# The test suite's person schema and its largest schema (an order with a $ref'd item array,
+# enums, bounded numbers and a pattern), restated so that the benchmark needs no test code.
+SHORT = {"type": "string", "maxLength": 24}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
+LARGEST = {
+    "type": "object",
+    "$defs": {"item": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 50},
+        "price": {"type": "number", "minimum": 0, "maximum": 1000}},
+        "required": ["sku", "qty", "price"]}},
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 1, "maximum": 99999},
+        "status": {"enum": ["new", "paid", "shipped"]},
+        "items": {"type": "array", "items": {"$ref": "#/$defs/item"},
+                  "minItems": 1, "maxItems": 3},
+        "note": SHORT,
+    },
+    "required": ["order_id", "status", "items"],
+}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:

@@ -5,7 +5,7 @@ ignored, on the default model (SmolLM2-135M-Instruct, fp32). Transformers runs t
 prompts as padded batches (`--hf-batch-size`, default all at once). Engines alternate when
 `--rounds` > 1 so machine noise falls on both.
 
-    .venv/bin/python benchmarks/throughput_vs_hf.py [--num-prompts 64 --input-len 256
+    .venv/bin/python -m benchmarks.throughput_vs_hf [--num-prompts 64 --input-len 256
         --output-len 128 --range-ratio 0 --hf-batch-size 64 --rounds 1 --output-json out.json]
 """
 

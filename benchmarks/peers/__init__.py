@@ -1,4 +1,4 @@
-"""Peer engines for `benchmarks/compare.py`: vLLM (CPU build), llama.cpp and Transformers.
+"""Peer engines for `benchmarks.compare`: vLLM (CPU build), llama.cpp and Transformers.
 
 The package owns everything about the peers that our own engine does not need: installing
 each into its own virtualenv or build directory under a cache root outside the repository

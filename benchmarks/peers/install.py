@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from peers import llamacpp, models, vllm_peer
-from peers.common import PeerPaths, Runner, StepError, write_json
+from benchmarks.peers import llamacpp, models, vllm_peer
+from benchmarks.peers.common import PeerPaths, Runner, StepError, write_json
 
 ENGINES = ("pagedllm", "vllm", "transformers", "llamacpp", "llamacpp-q4_1")
 SERVE_ENGINES = ("pagedllm", "vllm", "llamacpp")

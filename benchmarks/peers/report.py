@@ -4,7 +4,7 @@ Reads `run.json` (machine, versions, rates), `ceiling.json`, `install.json`,
 `offline_*.json` and `serve_*.json`, so a partial re-run (`--only`, `--skip-serve`) still
 reports everything measured so far. Figures are absolute, with ratios ours ÷ peer; an
 engine that could not install or run shows why. Achieved model FLOP/s use
-`benchmarks/ceiling.py`'s count (2 × parameters × tokens + logits + attention).
+`benchmarks.ceiling`'s count (2 × parameters × tokens + logits + attention).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import ceiling
-
-from peers.common import read_json
-from peers.install import ENGINES
+from benchmarks import ceiling
+from benchmarks.peers.common import read_json
+from benchmarks.peers.install import ENGINES
 
 OURS = "pagedllm"
 ENGINE_ORDER = {name: index for index, name in enumerate(ENGINES)}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from peers.common import StepError, merged_env, tail
+from benchmarks.peers.common import StepError, merged_env, tail
 
 
 def free_port() -> int:

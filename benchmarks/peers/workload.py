@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peers.common import OUR_BIN
+from benchmarks.peers.common import OUR_BIN
 
 VOCAB_SIZE = 49152  # SmolLM2's
 SAMPLING_TEMPERATURE = "1.0"  # as `pagedllm bench throughput` samples

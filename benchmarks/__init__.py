@@ -1,0 +1,49 @@
+"""pagedllm's benchmarks: one entry per question, each run from the repository root as
+`.venv/bin/python -m benchmarks.<name> [--help]`. The figures they produced, with the machine
+and the command for each, are in `benchmarks/results/README.md`.
+
+Throughput and serving against other engines
+    compare             How do pagedllm, vLLM (CPU), llama.cpp and Transformers compare on the
+                        same model and prompts, offline and served at three request rates?
+                        (The peers are installed and run by `benchmarks.peers`.)
+    throughput_vs_hf    How much does continuous batching gain over Transformers' padded
+                        `generate` on equal and on variable lengths?
+    serve_vs_offline    What does the server (HTTP, SSE, two processes) cost against the
+                        offline engine on one workload?
+    startup             How long from launching `pagedllm serve` until `/health` answers?
+
+The CPU step against the machine
+    arithmetic_peak     What do the cores issue at most (FMA and VNNI), that no matmul passes?
+    ceiling             What is the fp32 matmul rate at the model's shapes, and what share of
+                        it does an engine run reach?
+    step_breakdown      Where does a prefill and a decode step's time go (schedule, forward,
+                        logits, sampling), and what share of the ceiling is it?
+    skinny_linear       At one to a few hundred rows, which matmul wins: the skinny kernel,
+                        sgemm or oneDNN's prepacked weights?
+    gguf_matmul         How fast is the gguf kernel on a layer's four matmuls beside fp32?
+    attention_kernel    How long does one layer's attention call take, per case and backend?
+    decode_attention_floor  How close is decode attention to what memory allows?
+    compiled_decode     How much does the compiled decode step save over the eager forward?
+    single_stream       Is single-stream decode ahead of llama.cpp's F32 `tg128`, paired round
+                        by round?
+
+Quantization
+    int8_accuracy       How many of fp32's greedy tokens does each quantized variant keep?
+    int8_speed          How fast are int8 matmuls per shape, and W1 with and without them?
+
+Features' costs and gains
+    prefix_caching      What does prefix caching save on a shared prefix and cost without one?
+    parallel_sampling   Is n = 4 cheaper than four separate requests?
+    sampler_cost        What share of a decode step does each kind of sampling take?
+    structured_output   What does an enforced JSON schema cost, and how long do grammars take
+                        to compile?
+    kv_waste            How much of the KV cache is allocated but empty at peak?
+
+Shell entries (run by path, they call the modules above)
+    cpu_perf.sh         The CPU targets in one run: the working tree against a base commit in
+                        a worktree, beside vLLM and llama.cpp.
+    w1_sitting.sh       W1 against vLLM in one sitting, beside the cores' peak and the matmul
+                        rates (the current throughput figure).
+
+`timing` holds the shared timer.
+"""
