@@ -9,24 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedllm.core.prefix_cache import BlockCacheKey, PrefixCache
-
-
-class KVCacheBlock:
-    """One physical block's bookkeeping; `prev_free`/`next_free` link it into the free queue."""
-
-    __slots__ = ("block_id", "cache_key", "generation", "next_free", "prev_free", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.cache_key: BlockCacheKey | None = None
-        self.generation = 0  # bumped at each eviction from the prefix cache
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+from pagedllm.core.kv_block import KVCacheBlock
+from pagedllm.core.prefix_cache import PrefixCache
 
 
 class FreeKVCacheBlockQueue:

@@ -14,30 +14,8 @@ Invariants (each is asserted by `KVCacheManager.check_integrity` or a test):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from pagedllm.core.hashing import BlockHash, ExtraKeys
-
-if TYPE_CHECKING:
-    from pagedllm.core.block_pool import KVCacheBlock
-
-# (block_id, generation) of a cache entry.
-EntryId = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class BlockCacheKey:
-    """What a cached block proves about itself."""
-
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    extra_keys: ExtraKeys
-    parent: EntryId | None
-
-
-def entry_id(block: KVCacheBlock | None) -> EntryId | None:
-    return None if block is None else (block.block_id, block.generation)
+from pagedllm.core.kv_block import BlockCacheKey, KVCacheBlock, entry_id
 
 
 class PrefixCache:

@@ -30,15 +30,12 @@ from pagedllm.engine.messages import (
     event_decoder,
     input_encoder,
 )
+from pagedllm.errors import EngineDeadError
 
 logger = logging.getLogger("pagedllm")
 
 # How often a waiting receiver checks that the engine process is alive.
 LIVENESS_POLL_MS = 200
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process exited; nothing in flight can finish."""
 
 
 class MPClient:

@@ -20,7 +20,7 @@ from pagedllm.config import (
 )
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.ops.attention import check_attention_backend
+from pagedllm.ops.attention_registry import check_attention_backend
 
 logger = logging.getLogger("pagedllm")
 

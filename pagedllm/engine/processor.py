@@ -5,17 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
-
-
-class InvalidRequestError(ValueError):
-    """A ValueError that names the request field at fault (the server's error `param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def prompt_to_token_ids(

@@ -36,6 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
+from pagedllm.utils import cache_root
+
 __all__ = ["iter_gguf_weights", "load_gguf_config", "load_gguf_tokenizer"]
 
 logger = logging.getLogger(__name__)
@@ -341,8 +343,7 @@ def _cache_dir(path: str, kind: str, version: str) -> str:
     stat = os.stat(path)
     key = f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}:{version}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm")
-    return os.path.join(root, kind, digest)
+    return str(cache_root() / kind / digest)
 
 
 def _save_atomically(cache_dir: str, save: Callable[[str], Any]) -> None:

@@ -1,40 +1,43 @@
-"""The "cpu" attention backend: a C++/OpenMP kernel that reads K/V in place from the paged cache.
+"""The "cpu" attention backend: a C++/OpenMP kernel that reads K/V in place from the paged
+cache, and its metadata (the layout as int32 tensors, nothing else).
 
 `CpuAttentionBackend` calls the kernel (pagedllm/ops/csrc/paged_attention.cpp) for every
-step; building and loading the extension belong to `pagedllm.ops.extension`.
+step; building and loading the extension belong to `pagedllm.ops.extension`, and whether
+this backend serves a model at all to `pagedllm.ops.kernel_selection`.
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.ops.attention import (
     AttentionBackend,
-    TorchAttentionBackend,
+    AttentionLayout,
+    AttentionMetadata,
+    to_device,
     write_kv_cache,
 )
 from pagedllm.ops.extension import load
 
-logger = logging.getLogger(__name__)
-
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_fallback_logged = False
+# The cache dtypes the kernel reads (bf16 / fp16 accumulate in fp32).
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def create_backend() -> AttentionBackend:
-    """The "cpu" backend, or the "torch" one (with an error logged once per process) if the
-    kernel cannot be built or loaded here."""
-    global _fallback_logged
-    try:
-        return CpuAttentionBackend()
-    except RuntimeError as error:
-        if not _fallback_logged:
-            logger.error("%s; falling back to attention_backend='torch'", error)
-            _fallback_logged = True
-        return TorchAttentionBackend()
+def kernel_covers(head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernel serves a model of this head size and KV cache dtype (loads the
+    extension, which must be available)."""
+    return cache_dtype in SUPPORTED_CACHE_DTYPES and head_dim in load().supported_head_dims()
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    # Only tensors: a compiled forward does not specialize on them.
+    block_tables: torch.Tensor  # [num_reqs, max(2, max_num_blocks)] int32
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -42,22 +45,32 @@ class CpuAttentionBackend(AttentionBackend):
     paged blocks (it beats gather + SDPA at every chunk length measured, 2048 included:
     benchmarks/attention_kernel.py).
 
-    Falls back to the torch backend for a whole call when the kernel does not cover it:
-    caches other than fp32 / bf16 / fp16, head_dim not in the kernel's list (16, 32, 64,
-    80, 96, 128, 256), or tensors not on the CPU. bf16 / fp16 caches are read as such and
-    accumulated in fp32; queries are upcast to fp32 and the output cast back.
+    Serves fp32 / bf16 / fp16 caches and the kernel's head sizes (16, 32, 64, 80, 96, 128,
+    256) on the CPU, which `kernel_covers` checks once, when the kernels are chosen; bf16 /
+    fp16 caches are read as such and accumulated in fp32; queries are upcast to fp32 and
+    the output cast back.
     """
 
     name = "cpu"
+    traceable = True
 
     def __init__(self) -> None:
         self._ops = load()
-        self._head_dims = frozenset(self._ops.supported_head_dims())
-        self._torch = TorchAttentionBackend()
 
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        if not self._covers(q, kv_cache[0]):
-            return self._torch.forward(q, k, v, kv_cache, metadata, scale)
+    def build_metadata(self, layout: AttentionLayout, device: torch.device) -> CpuAttentionMetadata:
+        tables = to_device(layout.block_tables, device, torch.int32)
+        if tables.shape[1] < 2:
+            # At least two columns (the null block pads): torch.compile specializes a size
+            # of 1 and would compile another graph for the steps whose contexts fit a block.
+            tables = F.pad(tables, (0, 2 - tables.shape[1]))
+        return CpuAttentionMetadata(
+            slot_mapping=to_device(layout.slot_mapping, device, torch.int64),
+            block_tables=tables.contiguous(),
+            query_start_loc=to_device(layout.query_start_loc, device, torch.int32),
+            seq_lens=to_device(layout.seq_lens, device, torch.int32),
+        )
+
+    def forward(self, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale):
         self._write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         query = q.float()  # no copy when q is fp32 already
@@ -68,9 +81,9 @@ class CpuAttentionBackend(AttentionBackend):
             query,
             kv_cache[0],
             kv_cache[1],
-            metadata.kernel_block_tables,
-            metadata.kernel_query_start_loc,
-            metadata.kernel_seq_lens,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
             scale,
         )
         return out.to(q.dtype)
@@ -83,14 +96,6 @@ class CpuAttentionBackend(AttentionBackend):
             and t.stride(-2) == t.shape[-1]
             for t in (k, v)
         ):
-            self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots.to(torch.int64))
+            self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots)
         else:
             write_kv_cache(k, v, kv_cache, slots)
-
-    def _covers(self, q: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        return (
-            key_cache.dtype in _SUPPORTED_DTYPES
-            and q.shape[-1] in self._head_dims
-            and q.device.type == "cpu"
-            and key_cache.device.type == "cpu"
-        )

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from pagedllm.ops.cpu_features import kernel_isa_missing
+from pagedllm.utils import cache_root
+
 logger = logging.getLogger(__name__)
 
 _EXTENSION_NAME = "pagedllm_cpu_ops"
@@ -49,11 +52,6 @@ def _source_digest() -> str:
     for path in _source_files():
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    """pagedllm's cache: $PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm."""
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.expanduser("~/.cache/pagedllm"))
 
 
 def cache_dir() -> Path:
@@ -108,8 +106,9 @@ def available() -> bool:
 
 
 def _compile_and_import() -> Any:
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError("the CPU lacks AVX2 and FMA, which the kernels need")
+    missing = kernel_isa_missing()
+    if missing:
+        raise RuntimeError(missing)
     from torch.utils.cpp_extension import load as load_extension
 
     directory = cache_dir()

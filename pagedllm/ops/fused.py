@@ -1,10 +1,12 @@
 """Fused element-wise ops of the decoder step, the sampler's plain draw and the linear
 layers' few-row (decode) path.
 
-Each op has a torch reference (any device and dtype) and, for fp32 tensors on the CPU when
-the caller passes `use_kernels`, a C++ kernel (ops/csrc/cpu_ops.cpp) that makes one pass
-over memory where the torch sequence makes several and allocates temporaries. Kernels
-work in place where the reference returns new tensors: callers use the return values only.
+Each op has a torch reference (any device and dtype) and a C++ kernel (ops/csrc/cpu_ops.cpp)
+that makes one pass over memory where the torch sequence makes several and allocates
+temporaries. Which of the two runs is the engine's `KernelSelection` (`kernels`, decided once
+in `ops/kernel_selection.py`); per call an op checks only that the tensors are laid out as
+its kernel takes them (fp32, CPU, unit stride), else it runs the reference. Kernels work in
+place where the reference returns new tensors: callers use the return values only.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.extension import load
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
-def _kernel_applies(use_kernels: bool, *tensors: torch.Tensor) -> bool:
-    return use_kernels and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+def _kernel_fits(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def rms_norm(
@@ -24,11 +27,11 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    use_kernels: bool = False,
+    kernels: KernelSelection = TORCH_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) with no residual; with one, (norm(x + residual), x + residual), which the
     kernel computes in place in x and residual (the residual stream of the decoder)."""
-    if _kernel_applies(use_kernels, x, weight) and x.dim() == 2 and x.stride(-1) == 1:
+    if kernels.fused_ops and _kernel_fits(x, weight) and x.dim() == 2 and x.stride(-1) == 1:
         if residual is None:
             out = torch.empty_like(x)
             load().rms_norm(out, x, weight, eps)
@@ -59,7 +62,7 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    use_kernels: bool = False,
+    kernels: KernelSelection = TORCH_KERNELS,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b), W shaped [out, in]. With `packed` (W prepacked for oneDNN,
@@ -77,7 +80,8 @@ def linear(
     if (
         x.dim() == 2
         and x.shape[0] <= SKINNY_MAX_ROWS
-        and _kernel_applies(use_kernels, x, weight)
+        and kernels.fused_ops
+        and _kernel_fits(x, weight)
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     ):
@@ -94,10 +98,10 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def silu_and_mul(x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension."""
     d = x.shape[-1] // 2
-    if _kernel_applies(use_kernels, x) and x.dim() == 2 and x.stride(-1) == 1:
+    if kernels.fused_ops and _kernel_fits(x) and x.dim() == 2 and x.stride(-1) == 1:
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         load().silu_and_mul(out, x)
         return out
@@ -110,12 +114,13 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    use_kernels: bool = False,
+    kernels: KernelSelection = TORCH_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q [T, H, D] and k [T, Hkv, D]; the kernel rotates in place
     (q and k may be strided views into the fused q/k/v output)."""
     if (
-        _kernel_applies(use_kernels, q, k, cos_cache)
+        kernels.fused_ops
+        and _kernel_fits(q, k, cos_cache)
         and q.stride(-1) == 1
         and k.stride(-1) == 1
         and positions.dtype == torch.int64
@@ -136,11 +141,15 @@ def sample_plain(
     logits: torch.Tensor,
     inv_temperature: torch.Tensor,
     uniforms: torch.Tensor,
-    use_kernels: bool = False,
+    kernels: KernelSelection = TORCH_KERNELS,
 ) -> torch.Tensor:
     """One token per row from softmax(logits * inv_temperature), by inverse CDF with the
     row's uniform number; -inf logits are never drawn."""
-    if _kernel_applies(use_kernels, logits, inv_temperature, uniforms) and logits.dim() == 2:
+    if (
+        kernels.sampler_draw
+        and _kernel_fits(logits, inv_temperature, uniforms)
+        and logits.dim() == 2
+    ):
         token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
         load().sample_plain(
             token_ids,

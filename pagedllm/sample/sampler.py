@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.ops.fused import inverse_cdf, sample_plain
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
 @dataclass
@@ -42,9 +43,9 @@ TOP_P_CANDIDATES = 1024
 
 
 class Sampler:
-    def __init__(self, use_kernels: bool = False) -> None:
-        # The plain draw (no top-k/top-p/min-p) runs in the C++ kernel on fp32 CPU logits.
-        self.use_kernels = use_kernels
+    def __init__(self, kernels: KernelSelection = TORCH_KERNELS) -> None:
+        # The plain draw (no top-k/top-p/min-p) runs in the C++ kernel where `kernels` says.
+        self.kernels = kernels
 
     def __call__(
         self,
@@ -71,13 +72,13 @@ class Sampler:
         uniforms = uniform_per_row(logits.shape[0], metadata.generators, logits.device)
         if metadata.min_p is None and metadata.top_k is None and metadata.top_p is None:
             # Temperature folded into the draw: no scaled copy of the logits.
-            random_ids = sample_plain(logits, 1.0 / temperature, uniforms, self.use_kernels)
+            random_ids = sample_plain(logits, 1.0 / temperature, uniforms, self.kernels)
         else:
             scaled = logits / temperature[:, None]
             if metadata.min_p is not None:
                 scaled = apply_min_p(scaled, metadata.min_p)
             random_ids = sample_filtered(
-                scaled, metadata.top_k, metadata.top_p, uniforms, self.use_kernels
+                scaled, metadata.top_k, metadata.top_p, uniforms, self.kernels
             )
         if metadata.all_random:
             return random_ids
@@ -96,7 +97,7 @@ def sample_filtered(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     uniforms: torch.Tensor,
-    use_kernels: bool = False,
+    kernels: KernelSelection = TORCH_KERNELS,
 ) -> torch.Tensor:
     """One token per row from softmax(logits) restricted by top-k then top-p."""
     num_rows, vocab_size = logits.shape
@@ -107,7 +108,7 @@ def sample_filtered(
     plain = (~filtered).nonzero().squeeze(1)
     if len(plain):
         ones = torch.ones(len(plain), device=logits.device)
-        token_ids[plain] = sample_plain(logits[plain], ones, uniforms[plain], use_kernels)
+        token_ids[plain] = sample_plain(logits[plain], ones, uniforms[plain], kernels)
     rows = filtered.nonzero().squeeze(1)
     if len(rows):
         token_ids[rows] = sample_candidates(logits[rows], k[rows], p[rows], uniforms[rows])

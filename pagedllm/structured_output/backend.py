@@ -1,4 +1,5 @@
-"""The structured-output backend interface, and the registry that picks a backend by name.
+"""The structured-output backend interface (the registry that picks one by name is
+`registry.py`; applying a filled bitmask to logits is `sample/grammar_bitmask.py`).
 
 A backend compiles a spec into a grammar once (compiled grammars are shared), and makes a
 per-request matcher from it: it accepts the tokens the request samples, fills that request's
@@ -8,14 +9,21 @@ grammar is complete.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from pagedllm.sample.grammar_bitmask import apply_bitmask, bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
+
+# Still importable from here for callers not yet moved to sample/grammar_bitmask.py.
+__all__ = [
+    "GrammarMatcher",
+    "StructuredOutputBackend",
+    "apply_bitmask",
+    "bitmask_words",
+]
 
 
 class GrammarMatcher(ABC):
@@ -47,49 +55,3 @@ class StructuredOutputBackend(ABC):
     @abstractmethod
     def validate(self, spec: StructuredOutputsParams) -> None:
         """Check a spec without a tokenizer (cheap): ValueError saying what is wrong."""
-
-
-def create_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
-    if name == "xgrammar":
-        from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
-
-        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids)
-    raise ValueError(f"structured output backend {name!r} is unknown; known: xgrammar")
-
-
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-@functools.cache
-def _native_apply() -> Callable[..., None] | None:
-    """xgrammar's C++ kernel for the same bitmask layout (30x faster than unpacking the bits
-    in torch on the CPU), when xgrammar is installed."""
-    try:
-        import xgrammar
-    except ImportError:
-        return None
-    return xgrammar.apply_token_bitmask_inplace
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Set to -inf the logits of tokens `bitmask` forbids, for logits rows `rows` (in place;
-    bitmask row i applies to logits row rows[i])."""
-    native = _native_apply()
-    if native is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
-        # The kernel pairs logits row r with bitmask row r: align the rows first.
-        aligned = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-        aligned[rows] = bitmask
-        native(logits, aligned, indices=rows.tolist())
-        return
-    apply_bitmask_torch(logits, bitmask, rows)
-
-
-def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """`apply_bitmask` in plain torch (any device or dtype)."""
-    vocab_size = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
-    selected = logits[rows]
-    selected.masked_fill_(~allowed, float("-inf"))
-    logits[rows] = selected

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.sample.grammar_bitmask import bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import GrammarMatcher, bitmask_words, create_backend
+from pagedllm.structured_output.backend import GrammarMatcher
+from pagedllm.structured_output.registry import create_backend
 
 logger = logging.getLogger("pagedllm")
 

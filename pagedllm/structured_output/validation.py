@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
 
 

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from pagedllm.ops import fused
-from pagedllm.ops.attention import AttentionMetadata
-from pagedllm.ops.extension import cache_root
+from pagedllm.ops.attention import AttentionBackend, AttentionLayout, AttentionMetadata
+from pagedllm.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class CompiledDecode:
         torch.fx.experimental._config.use_duck_shape = False
         # Nor may a size of 1 be specialized: one graph then serves every batch size.
         torch.fx.experimental._config.backed_size_oblivious = True
+        self._attention_backend: AttentionBackend = model.attention_backend
         self._forward: Callable[..., torch.Tensor] = torch.compile(
             model.forward, dynamic=True, fullgraph=True
         )
@@ -85,7 +86,7 @@ class CompiledDecode:
     def warm_up(self, device: torch.device) -> float:
         """Compile now, on a dummy decode of two requests; returns the seconds it took."""
         started = time.perf_counter()
-        self(*_dummy_decode(2, device))
+        self(*_dummy_decode(2, device, self._attention_backend))
         elapsed = time.perf_counter() - started
         logger.info(
             "Compiled the decode step (batches of 1 to %d) in %.1f s", self.max_batch_size, elapsed
@@ -94,22 +95,17 @@ class CompiledDecode:
 
 
 def _dummy_decode(
-    batch_size: int, device: torch.device
+    batch_size: int, device: torch.device, backend: AttentionBackend
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Requests of one token at position 0 in the null block (block 0, never handed out)."""
 
     def zeros() -> torch.Tensor:  # a new tensor each: the graph guards on aliasing
         return torch.zeros(batch_size, dtype=torch.int64, device=device)
 
-    rows = torch.arange(batch_size, dtype=torch.int64, device=device)
-    metadata = AttentionMetadata(
-        slot_mapping=zeros(),
-        block_tables=torch.zeros((batch_size, 1), dtype=torch.int64, device=device),
-        query_start_loc=list(range(batch_size + 1)),
-        seq_lens=[1] * batch_size,
-        decode_req_indices=rows,
-        decode_token_indices=rows.clone(),
-        decode_seq_lens=torch.ones(batch_size, dtype=torch.int64, device=device),
-        prefill_req_indices=[],
+    layout = AttentionLayout(
+        slot_mapping=np.zeros(batch_size, dtype=np.int64),
+        block_tables=np.zeros((batch_size, 1), dtype=np.int64),
+        query_start_loc=np.arange(batch_size + 1, dtype=np.int64),
+        seq_lens=np.ones(batch_size, dtype=np.int64),
     )
-    return zeros(), zeros(), metadata
+    return zeros(), zeros(), backend.build_metadata(layout, device)

@@ -21,11 +21,14 @@ from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
 from pagedllm.model.registry import resolve_model_class
-from pagedllm.ops.attention import AttentionMetadata, get_attention_backend
+from pagedllm.ops.attention import AttentionLayout
+from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.kernel_selection import select_kernels
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.structured_output.backend import apply_bitmask
+from pagedllm.utils import cdiv
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
@@ -51,11 +54,11 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
         max_blocks = -(-model_config.max_model_len // self.block_size)
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
-        self.sampler = Sampler(use_kernels=self.use_kernels)
+        self.sampler = Sampler(self.kernels)
         self.compiled_decode = self._compile_decode() if config.compile else None
 
     def _compile_decode(self) -> CompiledDecode | None:
-        if not self.use_kernels:
+        if not self.attention_backend.traceable:
             # The torch backend reads the step's layout from Python lists, on which a
             # compiled graph would specialize and recompile step after step.
             logger.warning(
@@ -75,12 +78,23 @@ class ModelRunner:
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
         model_config = self.config.model_config
         model_class = resolve_model_class(model_config.hf_config.architectures)
-        backend = get_attention_backend(self.config.attention_backend)
-        # The fused kernels come from the extension the "cpu" backend loaded.
-        self.use_kernels = backend.name == "cpu" and self.device.type == "cpu"
+        # The one decision of which kernels run; the model's layers and the sampler keep it.
+        self.kernels = select_kernels(
+            self.device,
+            model_config.dtype,
+            self.config.attention_backend,
+            head_dim=model_config.head_dim,
+            cache_dtype=self.config.cache_config.cache_dtype,
+        )
+        logger.debug("kernels: %s", self.kernels.describe())
+        self.attention_backend = get_attention_backend(self.kernels.attention)
         with torch.device(self.device):
             model = model_class(
-                model_config.hf_config, backend, model_config.dtype, model_config.max_model_len
+                model_config.hf_config,
+                self.attention_backend,
+                model_config.dtype,
+                model_config.max_model_len,
+                kernels=self.kernels,
             )
         model.load_weights(iter_weights(source, model_config.hf_config))
         if model_config.quantization is not None:
@@ -326,19 +340,15 @@ class ModelRunner:
             + positions % self.block_size
         )
         seq_lens = num_computed + num_scheduled
-        max_blocks = -(-int(seq_lens.max()) // self.block_size)
         sample_mask = seq_lens >= batch.num_tokens[rows]
-        is_decode = num_scheduled == 1
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
-            block_tables=self._tensor(batch.block_table[rows, :max_blocks]),
-            query_start_loc=query_start_loc.tolist(),
-            seq_lens=seq_lens.tolist(),
-            decode_req_indices=self._tensor(np.flatnonzero(is_decode)),
-            decode_token_indices=self._tensor(query_start_loc[:-1][is_decode]),
-            decode_seq_lens=self._tensor(seq_lens[is_decode]),
-            prefill_req_indices=np.flatnonzero(~is_decode).tolist(),
+        layout = AttentionLayout(
+            slot_mapping=slot_mapping,
+            block_tables=batch.block_table[rows, : cdiv(int(seq_lens.max()), self.block_size)],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
         )
+        # The backend builds only the metadata its forward reads.
+        metadata = self.attention_backend.build_metadata(layout, self.device)
         logits_indices = self._tensor(query_start_loc[1:][sample_mask] - 1)
         return (
             self._tensor(input_ids),

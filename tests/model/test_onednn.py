@@ -11,6 +11,10 @@ from model_utils import model_runner, small_engine
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.linear import Linear
 from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import KernelSelection
+
+# What select_kernels gives an fp32 model on an AVX2 CPU.
+KERNELS = KernelSelection(attention="cpu", fused_ops=True, sampler_draw=True)
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch built without oneDNN")
 
@@ -19,7 +23,7 @@ pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch built with
 def test_packed_linear_equals_torch(rows):
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(129, 200), torch.randn(129), torch.randn(rows, 200)
-    out = fused.linear(x, weight, bias, use_kernels=True, packed=onednn.pack(weight))
+    out = fused.linear(x, weight, bias, kernels=KERNELS, packed=onednn.pack(weight))
     expected = torch.nn.functional.linear(x, weight, bias)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
@@ -32,7 +36,7 @@ def test_fewest_rows_keep_the_skinny_kernel(monkeypatch):
     monkeypatch.setattr(fused, "load", lambda: calls.append(1) or ops)  # the skinny path's
     for rows in (fused.PACKED_MIN_ROWS - 1, fused.PACKED_MIN_ROWS):
         x = torch.randn(rows, 40)
-        out = fused.linear(x, weight, use_kernels=True, packed=packed)
+        out = fused.linear(x, weight, kernels=KERNELS, packed=packed)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
     assert calls == [1]  # only the smaller batch went to the skinny kernel
 

@@ -5,23 +5,21 @@ and mixed prefill; and greedy engine output is the same with either backend."""
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.ops import cpu_attention, extension
-from pagedllm.ops.attention import (
-    AttentionMetadata,
-    TorchAttentionBackend,
-    get_attention_backend,
-    write_kv_cache,
-)
-from pagedllm.ops.cpu_attention import CpuAttentionBackend
+from pagedllm.ops import extension
+from pagedllm.ops.attention import AttentionLayout, write_kv_cache
+from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.cpu_attention import CpuAttentionBackend, CpuAttentionMetadata, kernel_covers
+from pagedllm.ops.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
+from pagedllm.utils import cdiv
 
 pytestmark = pytest.mark.skipif(
     torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
@@ -38,7 +36,7 @@ class Batch:
     k: torch.Tensor
     v: torch.Tensor
     kv_cache: tuple[torch.Tensor, torch.Tensor]
-    metadata: AttentionMetadata
+    layout: AttentionLayout
     scale: float
 
 
@@ -59,7 +57,7 @@ def make_batch(
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [cached + scheduled for cached, scheduled in requests]
-    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    blocks_needed = [cdiv(n, block_size) for n in seq_lens]
     num_blocks = 1 + sum(blocks_needed) + 8  # block 0 is the null block of padded tables
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -73,7 +71,7 @@ def make_batch(
         table += [free.pop() for _ in range(needed - len(table))]
         tables.append(table)
     width = max(blocks_needed)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    block_tables = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
@@ -90,25 +88,21 @@ def make_batch(
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(dtype)
 
     query_lens = [scheduled for _, scheduled in requests]
-    query_start_loc = [0, *itertools.accumulate(query_lens)]
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
+    layout = AttentionLayout(
+        slot_mapping=np.array(slots, dtype=np.int64),
         block_tables=block_tables,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        decode_req_indices=torch.tensor(decodes, dtype=torch.int64),
-        decode_token_indices=torch.tensor([query_start_loc[i] for i in decodes], dtype=torch.int64),
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64),
-        prefill_req_indices=[i for i, n in enumerate(query_lens) if n > 1],
+        query_start_loc=np.array([0, *itertools.accumulate(query_lens)], dtype=np.int64),
+        seq_lens=np.array(seq_lens, dtype=np.int64),
     )
-    return Batch(q, k, v, (key_cache, value_cache), metadata, head_dim**-0.5)
+    return Batch(q, k, v, (key_cache, value_cache), layout, head_dim**-0.5)
 
 
 def run_backend(backend, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Output and the cache after the step, on a private copy of the cache."""
+    """Output and the cache after the step, on a private copy of the cache; the backend
+    builds its own metadata from the batch's layout."""
     kv_cache = tuple(c.clone() for c in batch.kv_cache)
-    out = backend.forward(batch.q, batch.k, batch.v, kv_cache, batch.metadata, batch.scale)
+    metadata = backend.build_metadata(batch.layout, torch.device("cpu"))
+    out = backend.forward(batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale)
     return out, kv_cache
 
 
@@ -215,8 +209,8 @@ def test_never_reads_past_a_sequence(cpu_backend, block_size):
     )
     expected, _ = run_backend(TorchAttentionBackend(), batch)
     poisoned = tuple(torch.full_like(c, math.nan) for c in batch.kv_cache)
-    tables, block_size = batch.metadata.block_tables, poisoned[0].shape[1]
-    for req, seq_len in enumerate(batch.metadata.seq_lens):
+    tables, block_size = batch.layout.block_tables, poisoned[0].shape[1]
+    for req, seq_len in enumerate(batch.layout.seq_lens.tolist()):
         for position in range(seq_len):
             block = int(tables[req, position // block_size])
             for source, target in zip(batch.kv_cache, poisoned, strict=True):
@@ -243,7 +237,7 @@ def test_half_precision_caches(cpu_backend, dtype):
         batch.k.float(),
         batch.v.float(),
         tuple(c.float() for c in batch.kv_cache),
-        batch.metadata,
+        batch.layout,
         batch.scale,
     )
     expected, _ = run_backend(TorchAttentionBackend(), widened)
@@ -271,25 +265,30 @@ def test_kv_write_rejects_a_slot_outside_the_cache(cpu_backend):
         torch.ops.pagedllm.write_kv_cache(key_cache, value_cache, batch.k, batch.v, slots)
 
 
-def test_unsupported_head_dim_falls_back_to_torch(cpu_backend):
-    batch = make_batch([(10, 1), (0, 5)], block_size=16, num_heads=2, num_kv_heads=1, head_dim=24)
-    assert_matches_torch(cpu_backend, batch, rtol=0, atol=0)
+def test_kernel_covers_its_head_dims_and_cache_dtypes():
+    assert kernel_covers(64, torch.float32) and kernel_covers(128, torch.bfloat16)
+    assert not kernel_covers(24, torch.float32)
+    assert not kernel_covers(64, torch.float64)
+
+
+def test_each_backend_builds_only_its_own_metadata(cpu_backend):
+    batch = make_batch([(10, 1), (0, 5), (3, 1)], block_size=16, num_heads=2, num_kv_heads=1)
+    cpu = cpu_backend.build_metadata(batch.layout, torch.device("cpu"))
+    assert type(cpu) is CpuAttentionMetadata
+    assert all(isinstance(value, torch.Tensor) for value in vars(cpu).values())
+    assert cpu.block_tables.dtype == cpu.seq_lens.dtype == torch.int32
+    assert cpu.block_tables.shape == (3, 2)  # padded to two columns for torch.compile
+    reference = TorchAttentionBackend().build_metadata(batch.layout, torch.device("cpu"))
+    assert type(reference) is TorchAttentionMetadata
+    assert reference.decode_req_indices.tolist() == [0, 2]
+    assert reference.decode_token_indices.tolist() == [0, 6]
+    assert reference.prefill_req_indices == [1]
+    assert reference.seq_lens == [11, 5, 4]
 
 
 def test_backend_is_registered_by_name():
     assert isinstance(get_attention_backend("cpu"), CpuAttentionBackend)
-
-
-def test_build_failure_falls_back_to_torch_with_an_error(monkeypatch, caplog):
-    def broken() -> None:
-        raise RuntimeError("the 'cpu' attention extension is unavailable: no compiler")
-
-    monkeypatch.setattr(cpu_attention, "load", broken)
-    monkeypatch.setattr(cpu_attention, "_fallback_logged", False)
-    with caplog.at_level(logging.ERROR, logger=cpu_attention.__name__):
-        backend = get_attention_backend("cpu")
-    assert isinstance(backend, TorchAttentionBackend)
-    assert "no compiler" in caplog.text and "falling back" in caplog.text
+    assert isinstance(get_attention_backend("torch"), TorchAttentionBackend)
 
 
 def test_cache_dir_follows_pagedllm_cache_dir(monkeypatch, tmp_path):
@@ -340,11 +339,11 @@ def test_fp32_keys_and_values_go_into_a_16_bit_cache(cpu_backend, dtype):
     does, and both backends then read the same rounded cache in fp32."""
     batch = make_batch([(20, 1), (0, 25), (9, 6)], block_size=16, num_heads=9, num_kv_heads=3)
     batch.kv_cache = tuple(c.to(dtype) for c in batch.kv_cache)
-    slots = batch.metadata.slot_mapping
+    slots = torch.from_numpy(batch.layout.slot_mapping)
     reference = tuple(c.clone() for c in batch.kv_cache)
     write_kv_cache(batch.k, batch.v, reference, slots)
     kernel = tuple(c.clone() for c in batch.kv_cache)
-    torch.ops.pagedllm.write_kv_cache(kernel[0], kernel[1], batch.k, batch.v, slots.to(torch.int64))
+    torch.ops.pagedllm.write_kv_cache(kernel[0], kernel[1], batch.k, batch.v, slots)
     for got, want in zip(kernel, reference, strict=True):
         assert torch.equal(got, want)
     assert_matches_torch(cpu_backend, batch)

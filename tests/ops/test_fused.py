@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from pagedllm.ops import extension, fused
+from pagedllm.ops.kernel_selection import KernelSelection
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+
+# What select_kernels gives an fp32 model on an AVX2 CPU.
+KERNELS = KernelSelection(attention="cpu", fused_ops=True, sampler_draw=True)
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
 
@@ -14,8 +18,8 @@ pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compi
 def test_rms_norm_matches_reference():
     torch.manual_seed(0)
     x, weight = torch.randn(37, 100), torch.randn(100)
-    out, residual = fused.rms_norm(x, weight, 1e-5, use_kernels=True)
-    expected, _ = fused.rms_norm(x, weight, 1e-5, use_kernels=False)
+    out, residual = fused.rms_norm(x, weight, 1e-5, kernels=KERNELS)
+    expected, _ = fused.rms_norm(x, weight, 1e-5)
     assert residual is None
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
@@ -25,7 +29,7 @@ def test_fused_add_rms_norm_updates_both_in_place():
     x, residual, weight = torch.randn(20, 64), torch.randn(20, 64), torch.randn(64)
     expected_out, expected_residual = fused.rms_norm(x.clone(), weight, 1e-6, residual.clone())
     x_in, residual_in = x.clone(), residual.clone()
-    out, new_residual = fused.rms_norm(x_in, weight, 1e-6, residual_in, use_kernels=True)
+    out, new_residual = fused.rms_norm(x_in, weight, 1e-6, residual_in, kernels=KERNELS)
     assert out.data_ptr() == x_in.data_ptr() and new_residual.data_ptr() == residual_in.data_ptr()
     torch.testing.assert_close(new_residual, x + residual)
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
@@ -36,7 +40,7 @@ def test_fused_add_rms_norm_updates_both_in_place():
 def test_silu_and_mul_matches_reference(width):
     torch.manual_seed(2)
     x = torch.randn(9, 2 * width) * 6  # large |x|: exp's clamping must not show
-    out = fused.silu_and_mul(x, use_kernels=True)
+    out = fused.silu_and_mul(x, kernels=KERNELS)
     torch.testing.assert_close(out, fused.silu_and_mul(x), rtol=1e-5, atol=1e-6)
 
 
@@ -51,7 +55,7 @@ def test_skinny_linear_matches_torch(rows, in_features, out_features):
     torch.manual_seed(rows)
     x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
     bias = torch.randn(out_features)
-    out = fused.linear(x, weight, bias, use_kernels=True)
+    out = fused.linear(x, weight, bias, kernels=KERNELS)
     # Only the summation order differs: sums of ~1,500 unit-sized products (|y| ~ 40)
     # differ by a few 1e-5 between orders.
     expected = torch.nn.functional.linear(x, weight, bias)
@@ -63,11 +67,11 @@ def test_skinny_linear_reads_strided_rows_and_leaves_larger_batches_to_torch(mon
     weight = torch.randn(64, 40)
     x = torch.randn(4, 80)[:, :40]  # rows 80 apart
     torch.testing.assert_close(
-        fused.linear(x, weight, use_kernels=True), torch.nn.functional.linear(x, weight)
+        fused.linear(x, weight, kernels=KERNELS), torch.nn.functional.linear(x, weight)
     )
     calls = []
     monkeypatch.setattr(fused, "load", lambda: calls.append(1))
-    fused.linear(torch.randn(fused.SKINNY_MAX_ROWS + 1, 40), weight, use_kernels=True)
+    fused.linear(torch.randn(fused.SKINNY_MAX_ROWS + 1, 40), weight, kernels=KERNELS)
     assert calls == []
 
 
@@ -81,7 +85,7 @@ def test_rotary_rotates_strided_views_in_place():
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     positions = torch.randint(0, max_pos, (tokens,))
     expected_q, expected_k = fused.rotary_embedding(positions, q.clone(), k.clone(), cos, sin)
-    out_q, out_k = fused.rotary_embedding(positions, q, k, cos, sin, use_kernels=True)
+    out_q, out_k = fused.rotary_embedding(positions, q, k, cos, sin, kernels=KERNELS)
     assert out_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
     torch.testing.assert_close(out_q, expected_q, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_k, expected_k, rtol=1e-5, atol=1e-6)
@@ -91,7 +95,7 @@ def test_rotary_refuses_positions_outside_the_cache():
     q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
     cos = sin = torch.ones(4, 16)
     with pytest.raises(RuntimeError, match="outside"):
-        fused.rotary_embedding(torch.tensor([4]), q, k, cos, sin, use_kernels=True)
+        fused.rotary_embedding(torch.tensor([4]), q, k, cos, sin, kernels=KERNELS)
 
 
 def test_sample_plain_equals_the_reference_draw():
@@ -101,7 +105,7 @@ def test_sample_plain_equals_the_reference_draw():
     logits = torch.randn(2000, 1000) * 3
     inv_temperature = torch.rand(2000) + 0.5
     uniforms = torch.rand(2000)
-    kernel = fused.sample_plain(logits, inv_temperature, uniforms, use_kernels=True)
+    kernel = fused.sample_plain(logits, inv_temperature, uniforms, kernels=KERNELS)
     reference = fused.sample_plain(logits, inv_temperature, uniforms)
     assert (kernel != reference).sum() == 0
 
@@ -111,7 +115,7 @@ def test_sample_plain_never_draws_masked_tokens():
     logits[:, 7], logits[:, 299] = 0.0, -50.0
     uniforms = torch.linspace(0, 0.999999, 64)
     uniforms[-1] = 1.0 - 2**-24  # the largest uniform torch.rand can return
-    tokens = fused.sample_plain(logits, torch.ones(64), uniforms, use_kernels=True)
+    tokens = fused.sample_plain(logits, torch.ones(64), uniforms, kernels=KERNELS)
     assert set(tokens.tolist()) <= {7, 299}
 
 
@@ -132,6 +136,6 @@ def test_sampler_with_kernels_draws_the_softmax_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     rows = 40_000
     logits = (probs.log() * 0.5).expand(rows, 4).contiguous()  # temperature 0.5 undoes * 0.5
-    tokens = Sampler(use_kernels=True)(logits, _metadata(rows, 0.5), compute_logprobs=False)
+    tokens = Sampler(KERNELS)(logits, _metadata(rows, 0.5), compute_logprobs=False)
     frequencies = torch.bincount(tokens.token_ids, minlength=4).float() / rows
     torch.testing.assert_close(frequencies, probs, atol=0.01, rtol=0)

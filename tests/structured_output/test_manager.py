@@ -16,13 +16,9 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.engine.request import Request
+from pagedllm.sample.grammar_bitmask import apply_bitmask, apply_bitmask_torch
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output.backend import (
-    GrammarMatcher,
-    StructuredOutputBackend,
-    apply_bitmask,
-    apply_bitmask_torch,
-)
+from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 VOCAB = 40

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.model.layers.linear import SplitOutputs
 from pagedllm.ops.extension import load
+from pagedllm.utils import round_up
 
 BLOCK = 32
 TILE_COLS = 8
@@ -70,7 +71,7 @@ def pack_weights(
     """The kernel's layout: columns in tiles of 8; per tile and block, groups of 4
     consecutive k for the tile's 8 columns (two groups per byte when 4-bit)."""
     rows, k = q.shape
-    padded = -(-rows // TILE_COLS) * TILE_COLS
+    padded = round_up(rows, TILE_COLS)
     if padded != rows:  # zero columns, never written out
         q = torch.cat([q, q.new_zeros(padded - rows, k)])
         d = torch.cat([d, d.new_zeros(padded - rows, d.shape[1])])

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -26,7 +27,14 @@ def set_weight_loader(param: nn.Parameter, loader) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x W^T (+ b); weight shaped [output_size, input_size] as in Hugging Face checkpoints."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        kernels: KernelSelection = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
         self.weight = set_weight_loader(
             nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False),
@@ -38,7 +46,7 @@ class Linear(nn.Module):
                 nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
                 self.weight_loader,
             )
-        self.use_kernels = False  # set by the model when the CPU extension serves it
+        self.kernels = kernels
         self.packed_weight: torch.Tensor | None = None  # set by model/layers/onednn.py
 
     def weight_loader(
@@ -47,7 +55,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.linear(x, self.weight, self.bias, self.use_kernels, self.packed_weight)
+        return fused.linear(x, self.weight, self.bias, self.kernels, self.packed_weight)
 
 
 class SplitOutputs:
@@ -73,8 +81,9 @@ class MergedLinear(SplitOutputs, Linear):
         shard_ids: Sequence[str],
         bias: bool,
         dtype: torch.dtype,
+        kernels: KernelSelection = TORCH_KERNELS,
     ) -> None:
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, kernels)
         self.output_sizes = list(output_sizes)
         offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
         self.shard_slices = {

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -56,18 +57,22 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to flattened q [T, H, D] and k [T, Hkv, D] at the given positions."""
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        kernels: KernelSelection = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
-        self.use_kernels = False  # set by the model when the CPU extension serves it
+        self.kernels = kernels
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused.rotary_embedding(
-            positions, q, k, self.cos_cache, self.sin_cache, self.use_kernels
-        )
+        return fused.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.kernels)

@@ -13,6 +13,7 @@ from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionBackend, AttentionMetadata
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 # Checkpoint projection name -> (fused parameter name, shard id).
 _FUSED_SHARDS = {
@@ -42,7 +43,9 @@ def _biases(config: Any) -> tuple[bool, bool]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, dtype: torch.dtype, kernels: KernelSelection
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = _num_kv_heads(config)
@@ -51,9 +54,14 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = _biases(config)
         self.qkv_proj = MergedLinear(
-            config.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"], qkv_bias, dtype
+            config.hidden_size,
+            [q_size, kv_size, kv_size],
+            ["q", "k", "v"],
+            qkv_bias,
+            dtype,
+            kernels,
         )
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias, dtype)
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias, dtype, kernels)
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -75,29 +83,32 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, kernels: KernelSelection) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(
-            config.hidden_size, [size, size], ["gate", "up"], bias, dtype
+            config.hidden_size, [size, size], ["gate", "up"], bias, dtype, kernels
         )
-        self.down_proj = Linear(size, config.hidden_size, bias, dtype)
-        self.use_kernels = False  # set by LlamaForCausalLM when the CPU extension serves it
+        self.down_proj = Linear(size, config.hidden_size, bias, dtype, kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.use_kernels))
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, backend: AttentionBackend, dtype: torch.dtype, kernels: KernelSelection
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        hidden_size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype, kernels)
+        self.self_attn = LlamaAttention(config, backend, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype, kernels)
+        self.mlp = LlamaMLP(config, dtype, kernels)
 
     def forward(self, x, residual, positions, rotary, metadata):
         """(this layer's output, the residual stream before it): the stream's add is left to
@@ -112,16 +123,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype, max_len: int):
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        max_len: int,
+        kernels: KernelSelection,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_tokens.weight.weight_loader = default_weight_loader
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, dtype, kernels)
+            for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+        self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config), kernels)
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -131,26 +150,32 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
 
-    def __init__(self, config: Any, backend: AttentionBackend, dtype: torch.dtype, max_len: int):
+    `kernels` (the engine's one `KernelSelection`) is handed to every layer at construction;
+    `backend` must be the attention backend it names.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        max_len: int,
+        kernels: KernelSelection = TORCH_KERNELS,
+    ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, dtype, max_len)
+        self.kernels = kernels
+        self.attention_backend = backend
+        self.model = LlamaModel(config, backend, dtype, max_len, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, kernels)
         if self.tie_word_embeddings:
             # One parameter under two names: the head is a plain Linear to everything that
             # walks Linear modules (oneDNN packing, int8 and gguf layers), and the checkpoint
             # fills it through the embedding (named_parameters lists it once, there).
             self.lm_head.weight = self.model.embed_tokens.weight
-        # The fused CPU kernels serve the model where the CPU attention backend does: both
-        # come from the same extension, which loaded if that backend is in use.
-        use_kernels = backend.name == "cpu"
-        self.use_kernels = use_kernels
-        for module in self.modules():
-            if hasattr(module, "use_kernels"):
-                module.use_kernels = use_kernels
 
     def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, metadata)
