@@ -1,0 +1,111 @@
+"""The one decision of which kernels run: torch's references wherever the C++ kernels do not
+apply (another device, no AVX2/FMA, no extension, non-fp32 fused ops, attention_backend
+"torch"), the kernels exactly where they ran before; and everything in the engine (layers,
+attention backend, sampler) follows the same decision object."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from model_utils import model_runner
+
+from pagedllm import LLM
+from pagedllm.ops import extension, fused, kernel_selection
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection, select_kernels
+
+needs_kernels = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
+
+
+def select(device="cpu", dtype=torch.float32, backend="cpu", head_dim=64, cache=None):
+    return select_kernels(device, dtype, backend, head_dim=head_dim, cache_dtype=cache or dtype)
+
+
+@pytest.fixture
+def fresh_log(monkeypatch):
+    monkeypatch.setattr(kernel_selection, "_unavailable_logged", False)
+
+
+def test_torch_backend_asks_for_the_references_everywhere():
+    assert select(backend="torch") is TORCH_KERNELS
+
+
+@pytest.mark.parametrize("device", ["cuda", "meta", torch.device("cuda", 1)])
+def test_other_devices_run_the_references(device):
+    assert select(device=device) is TORCH_KERNELS
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="attention_backend 'flash' is unknown"):
+        select(backend="flash")
+
+
+@needs_kernels
+def test_fp32_model_on_this_cpu_runs_every_kernel():
+    assert select() == KernelSelection(attention="cpu", fused_ops=True, sampler_draw=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_keeps_attention_and_draw_kernels(dtype):
+    # The fused kernels take fp32 only; the sampler upcasts logits, so its draw stays.
+    assert select(dtype=dtype) == KernelSelection("cpu", fused_ops=False, sampler_draw=True)
+
+
+@needs_kernels
+def test_16_bit_cache_under_fp32_model_keeps_the_attention_kernel():
+    assert select(cache=torch.bfloat16).attention == "cpu"
+
+
+@needs_kernels
+def test_head_dim_outside_the_kernel_runs_torch_attention_only():
+    assert select(head_dim=24) == KernelSelection("torch", fused_ops=True, sampler_draw=True)
+
+
+def test_cpu_without_avx2_runs_the_references(monkeypatch, caplog, fresh_log):
+    monkeypatch.setattr(kernel_selection, "kernel_isa_missing", lambda: "the CPU lacks AVX2")
+    with caplog.at_level(logging.ERROR, logger=kernel_selection.__name__):
+        assert select() is TORCH_KERNELS
+        assert select() is TORCH_KERNELS
+    assert caplog.text.count("the CPU lacks AVX2") == 1 and "falling back" in caplog.text
+
+
+def test_build_failure_runs_the_references(monkeypatch, caplog, fresh_log):
+    def broken() -> None:
+        raise RuntimeError("the CPU extension is unavailable: no compiler")
+
+    monkeypatch.setattr(kernel_selection, "kernel_isa_missing", lambda: None)
+    monkeypatch.setattr(extension, "load", broken)
+    with caplog.at_level(logging.ERROR, logger=kernel_selection.__name__):
+        assert select() is TORCH_KERNELS
+    assert "no compiler" in caplog.text and "falling back" in caplog.text
+
+
+def test_fused_ops_never_touch_the_extension_under_torch_kernels(monkeypatch):
+    def unavailable() -> None:
+        raise AssertionError("the extension was asked for")
+
+    monkeypatch.setattr(fused, "load", unavailable)
+    x, weight = torch.randn(3, 16), torch.randn(16)
+    fused.rms_norm(x, weight, 1e-6, kernels=TORCH_KERNELS)
+    fused.linear(x, torch.randn(8, 16), kernels=TORCH_KERNELS)
+    fused.silu_and_mul(x, kernels=TORCH_KERNELS)
+    fused.sample_plain(x, torch.ones(3), torch.rand(3), kernels=TORCH_KERNELS)
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_the_engine_shares_one_decision(tiny_llama, backend):
+    llm = LLM(str(tiny_llama), max_model_len=64, attention_backend=backend)
+    runner = model_runner(llm)
+    expected = select(backend=backend, head_dim=runner.config.model_config.head_dim)
+    assert runner.kernels == expected
+    model = runner.model
+    holders = [m for m in model.modules() if hasattr(m, "kernels")]
+    assert len(holders) > 1 and all(m.kernels is runner.kernels for m in holders)
+    assert runner.sampler.kernels is runner.kernels
+    assert runner.attention_backend.name == expected.attention
+    assert {m.backend for m in model.modules() if hasattr(m, "backend")} == {
+        runner.attention_backend
+    }
