@@ -26,7 +26,7 @@ from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limi
 
 def capture_decode(llm: LLM, batch: int) -> tuple:
     """(input_ids, positions, metadata) of a decode step of `batch` requests."""
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     steps = []
     inner = runner._run_model
 
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(dtype="float32", max_num_seqs=max(batches), disable_log_stats=True)
-    model = llm.llm_engine.engine_core.model_runner.model
+    model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
     limit = compiled_batch_limit(model)
     compiled = CompiledDecode(model, limit)
     with torch.inference_mode():

@@ -39,6 +39,7 @@ from benchmarks.ceiling import (
 )
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.datasets import DatasetConfig, random_dataset
+from pagedllm.utils import round_up
 from pagedllm.worker.huge_pages import madvise
 from pagedllm.worker.kv_prefault import MADV_POPULATE_WRITE
 
@@ -50,7 +51,7 @@ class StepTimer:
 
     def __init__(self, llm: LLM) -> None:
         core = llm.llm_engine.engine_core
-        runner = core.model_runner
+        runner = core.model_executor.driver_worker.model_runner
         self.current: dict[str, float] = defaultdict(float)
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
@@ -153,9 +154,9 @@ def populate_kv_cache(llm: LLM) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     started = time.perf_counter()
     total = 0
-    for cache in llm.llm_engine.engine_core.model_runner.kv_caches:
+    for cache in llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.kv_caches:
         for tensor in cache:
-            begin = -(-tensor.data_ptr() // page) * page
+            begin = round_up(tensor.data_ptr(), page)
             end = (tensor.data_ptr() + tensor.nbytes) // page * page
             error = madvise(begin, end - begin, MADV_POPULATE_WRITE)
             if error:

@@ -21,8 +21,8 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sample.grammar_bitmask import apply_bitmask, bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import apply_bitmask, bitmask_words
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
 # The test suite's person schema and its largest schema (an order with a $ref'd item array,

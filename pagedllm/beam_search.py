@@ -10,6 +10,7 @@ Finished beams (EOS unless `ignore_eos`, or `max_tokens`) are ranked by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,11 @@ from tqdm.auto import tqdm
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.llm import LLM
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.outputs import RequestOutput
+
+# `LLM.generate`: the beams of a step go through the engine as ordinary requests.
+Generate = Callable[..., list["RequestOutput"]]
 
 
 @dataclass(frozen=True)
@@ -62,16 +67,19 @@ class BeamSearchOutput:
 
 
 def beam_search(
-    llm: LLM, prompts: list[Any], params: BeamSearchParams, use_tqdm: bool = True
+    engine: LLMEngine,
+    generate: Generate,
+    prompts: list[Any],
+    params: BeamSearchParams,
+    use_tqdm: bool = True,
 ) -> list[BeamSearchOutput]:
-    engine = llm.llm_engine
     width = params.beam_width
     if 2 * width > engine.model_config.max_logprobs:
         raise ValueError(
             f"beam_width={width} needs 2 * beam_width logprobs, above max_logprobs="
             f"{engine.model_config.max_logprobs} (an engine argument)"
         )
-    prompt_ids = [engine.process_prompt(prompt)[1] for prompt in prompts]
+    prompt_ids = [engine.input_processor.process_prompt(prompt)[1] for prompt in prompts]
     live = [[BeamSearchSequence([])] for _ in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     step_params = SamplingParams(
@@ -88,7 +96,7 @@ def beam_search(
         if not beams:
             break
         requests = [{"prompt_token_ids": prompt_ids[i] + beam.tokens} for i, beam in beams]
-        outputs = llm.generate(requests, step_params, use_tqdm=False)
+        outputs = generate(requests, step_params, use_tqdm=False)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), output in zip(beams, outputs, strict=True):
             for token_id, logprob in output.outputs[0].logprobs[0].items():
@@ -102,7 +110,7 @@ def beam_search(
                     candidates[i].append(extended)
         live = [sorted(c, key=lambda b: -b.cumulative_logprob)[:width] for c in candidates]
     return [
-        _best(prompt_ids[i], done[i] + live[i], params, llm.get_tokenizer())
+        _best(prompt_ids[i], done[i] + live[i], params, engine.tokenizer)
         for i in range(len(prompts))
     ]
 

@@ -146,6 +146,30 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
+QUANTIZATION_METHODS = ("int8", "gguf")
+# int8 runs on PyTorch's fbgemm kernels (x86 CPUs).
+INT8_ENGINE = "fbgemm"
+
+
+def verify_quantization(method: str | None) -> None:
+    """Raise a ValueError naming the choices unless `method` is None or a known method."""
+    if method is None:
+        return
+    if method not in QUANTIZATION_METHODS:
+        choices = ", ".join(repr(m) for m in (None, *QUANTIZATION_METHODS))
+        raise ValueError(f"quantization {method!r} is not supported; choose one of {choices}")
+    if method == "int8" and INT8_ENGINE not in torch.backends.quantized.supported_engines:
+        raise ValueError(
+            f"quantization={method!r} needs PyTorch's {INT8_ENGINE} kernels (x86 CPUs); this "
+            f"build has {torch.backends.quantized.supported_engines}"
+        )
+
+
+# How the engine core runs its workers (`pagedllm.executor.registry` maps each name to its
+# executor): "uni" is one worker in the core's own process.
+EXECUTOR_BACKENDS = ("uni",)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -155,6 +179,7 @@ class EngineConfig:
     device: str = "cpu"
     # Decode-only steps run a torch.compile'd forward (EngineArgs.compile).
     compile: bool = False
+    distributed_executor_backend: str = "uni"
 
 
 @dataclass
@@ -185,6 +210,7 @@ class EngineArgs:
     # refuses compile.
     compile: bool = False
     enforce_eager: bool = False
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -211,6 +237,11 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "
@@ -218,8 +249,6 @@ class EngineArgs:
             )
 
     def _check_quantization(self) -> None:
-        from pagedllm.model.layers.quantization import verify_quantization
-
         verify_quantization(self.quantization)
         if self.quantization is None:
             return

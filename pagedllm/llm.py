@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType, prompt_cache_salt, render_chat
+from pagedllm.engine.processor import PromptType, render_chat
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -61,21 +61,12 @@ class LLM:
         ]
         # Tokenize and validate everything first so bad input leaves nothing half-queued.
         processed = [
-            engine.process_prompt(p, params)
-            for p, params in zip(prompt_list, params_list, strict=True)
+            engine.process_inputs(str(next(self._request_counter)), prompt, params, value)
+            for prompt, params, value in zip(prompt_list, params_list, priorities, strict=True)
         ]
-        salts = [prompt_cache_salt(p) for p in prompt_list]
-        for value in priorities:
-            engine.check_priority(value)
-        for params in params_list:
-            engine.check_sampling_params(params)
-        request_ids = []
-        for (text, token_ids), params, value, salt in zip(
-            processed, params_list, priorities, salts, strict=True
-        ):
-            request_id = str(next(self._request_counter))
-            engine.add_tokenized_request(request_id, text, token_ids, params, value, salt)
-            request_ids.append(request_id)
+        for prompt_text, request in processed:
+            engine.add_processed_request(prompt_text, request)
+        request_ids = [request.request_id for _, request in processed]
         return self._run_engine(request_ids, use_tqdm)
 
     def beam_search(
@@ -86,14 +77,14 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """The best `params.beam_width` continuations of each prompt (see beam_search.py)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        return beam_search(self, prompt_list, params, use_tqdm)
+        return beam_search(self.llm_engine, self.generate, prompt_list, params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (refused while requests run)."""
-        return self.llm_engine.engine_core.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        return self.llm_engine.engine_core.get_stats()
+        return self.llm_engine.get_stats()
 
     def chat(
         self,

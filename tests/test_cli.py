@@ -97,7 +97,7 @@ def test_dtype_reaches_weights_and_cache(tiny_llama, dtype):
     from pagedllm import SamplingParams
 
     llm = LLM(str(tiny_llama), dtype=dtype, max_model_len=64)
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     expected = getattr(torch, dtype)
     assert runner.kv_caches[0][0].dtype == expected
     assert all(p.dtype == expected for p in runner.model.parameters())

@@ -27,34 +27,38 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.bench.*",
             "pagedllm.llm",
             "pagedllm.beam_search",
+            "pagedllm.engine.llm_engine",
+            "pagedllm.engine.async_llm",
             "pagedllm.engine.processor",
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
             "pagedllm.metrics.prometheus",
         ],
     ),
-    (
-        "engine client",
-        [
-            "pagedllm.engine.llm_engine",
-            "pagedllm.engine.async_llm",
-            "pagedllm.engine.client",
-            "pagedllm.engine.engine_config",
-            "pagedllm.metrics.logger",
-        ],
-    ),
+    ("engine client", ["pagedllm.engine.client"]),
     (
         "core",
         [
             "pagedllm.engine.core",
             "pagedllm.engine.core_proc",
+            "pagedllm.engine.engine_config",
+            "pagedllm.metrics.logger",
             "pagedllm.core.*",
             "pagedllm.structured_output.*",
         ],
     ),
     ("executor", ["pagedllm.executor.*"]),
     ("worker", ["pagedllm.worker.*"]),
-    ("model runner", ["pagedllm.worker.model_runner", "pagedllm.worker.input_batch"]),
+    (
+        "model runner",
+        [
+            "pagedllm.worker.model_runner",
+            "pagedllm.worker.input_batch",
+            "pagedllm.worker.compiled_forward",
+            "pagedllm.worker.huge_pages",
+            "pagedllm.worker.kv_prefault",
+        ],
+    ),
     ("model/ops", ["pagedllm.model.*", "pagedllm.ops.*", "pagedllm.sample.*"]),
 ]
 
@@ -66,9 +70,9 @@ SHARED: list[str] = [
     "pagedllm.errors",
     "pagedllm.logger",
     "pagedllm.utils",
-    "pagedllm.request",
+    # What crosses a boundary: client <-> core, core <-> runner.
     "pagedllm.core.request",
-    "pagedllm.core.request",
+    "pagedllm.core.scheduler_output",
     "pagedllm.engine.messages",
     "pagedllm.metrics.stats",
     # Packages' own (empty or docstring-only) __init__ modules.

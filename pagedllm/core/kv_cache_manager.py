@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.core import hashing
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
+from pagedllm.utils import cdiv
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass
+class KVAllocation:
+    """What `allocate_slots` took for a request's next tokens.
+
+    `block_copy` is set when the request was about to write into a partly filled block that
+    other requests share (parallel samples): the request got a copy of it (copy-on-write),
+    the runner must copy (source, destination) before the forward, and the request's block
+    table changed in place, so it is sent whole.
+    """
+
+    new_blocks: list[KVCacheBlock] = field(default_factory=list)
+    block_copy: tuple[int, int] | None = None
+
+    @property
+    def new_block_ids(self) -> list[int]:
+        return [block.block_id for block in self.new_blocks]
 
 
 @dataclass
@@ -36,10 +51,6 @@ class KVCacheManager:
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
-        # Copy-on-write: (source, destination) block copies the runner must make before the
-        # next forward, and the requests whose block tables changed other than by appending.
-        self.pending_copies: list[tuple[int, int]] = []
-        self.rewritten_tables: set[str] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,10 +94,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVAllocation | None:
         """Take prefix-cache hits and fresh blocks for `num_new_tokens` more tokens.
 
-        Returns the fresh blocks, or None (and takes nothing) if too few are free.
+        Returns the fresh blocks (and the copy-on-write made, if any), or None (and takes
+        nothing) if too few are free.
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
@@ -102,8 +114,7 @@ class KVCacheManager:
         num_copies = 0 if shared_index is None else 1
         if num_new_blocks + num_copies > self.block_pool.num_free_blocks - num_free_hits:
             return None
-        if shared_index is not None:
-            self._copy_on_write(request.request_id, blocks, shared_index)
+        block_copy = None if shared_index is None else self._copy_on_write(blocks, shared_index)
         self.block_pool.touch(computed)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
@@ -111,7 +122,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
-        return new_blocks
+        return KVAllocation(new_blocks, block_copy)
 
     def _shared_partial_block(self, request: Request, blocks: list[KVCacheBlock]) -> int | None:
         """Index of the block the next token lands in, if it is partly filled and shared."""
@@ -120,14 +131,13 @@ class KVCacheManager:
             return index
         return None
 
-    def _copy_on_write(self, request_id: str, blocks: list[KVCacheBlock], index: int) -> None:
+    def _copy_on_write(self, blocks: list[KVCacheBlock], index: int) -> tuple[int, int]:
         """Give the request its own copy of a shared block before it writes into it."""
         (copy,) = self.block_pool.get_new_blocks(1)
         shared = blocks[index]
         blocks[index] = copy
         self.block_pool.free_blocks([shared])
-        self.pending_copies.append((shared.block_id, copy.block_id))
-        self.rewritten_tables.add(request_id)
+        return shared.block_id, copy.block_id
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (one more reference each)."""
@@ -138,10 +148,6 @@ class KVCacheManager:
         self.num_cached_blocks[child.request_id] = min(
             self.num_cached_blocks.get(parent.request_id, 0), num_prompt_blocks
         )
-
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_hits: int, num_tokens: int
@@ -176,7 +182,6 @@ class KVCacheManager:
         """Return every block of `request`. Tail blocks go first so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.rewritten_tables.discard(request.request_id)
         self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 
 
 class RequestQueue(ABC):

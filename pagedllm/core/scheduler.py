@@ -4,40 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVAllocation, KVCacheManager
+from pagedllm.core.request import Request, RequestStatus, child_request_id
 from pagedllm.core.request_queue import create_request_queue, priority_key
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TokenLogprob,
 )
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.messages import EngineCoreOutput
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    cumulative_logprob: float | None = None
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    new_logprobs: list[TokenLogprob] | None = None
-    new_prompt_logprobs: dict[int, TokenLogprob] | None = None
-    # When the request was first scheduled (time.monotonic): its queue time for metrics.
-    first_scheduled_time: float | None = None
 
 
 class Scheduler:
@@ -58,23 +40,16 @@ class Scheduler:
         self._seen_by_runner: set[str] = set()
         self._resumed: set[str] = set()
         self._finished_req_ids: set[str] = set()
+        self._forked_samples: list[Request] = []
         self.num_preemptions = 0
         # Prompt tokens actually run through the model (prefix-cache hits excluded).
         self.num_computed_prompt_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; `InputProcessor` has checked it against the engine's limits."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(
-                f"n={request.sampling_params.n} is above max_num_seqs={self.config.max_num_seqs}"
-            )
-        if request.priority != 0 and self.config.policy == "fcfs":
-            raise ValueError(
-                f"priority: {request.priority} given, but scheduling_policy is 'fcfs'; "
-                "start the engine with scheduling_policy='priority'"
-            )
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output is None:
                 raise ValueError("structured_outputs: this engine has no structured output")
@@ -121,15 +96,16 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens)
-            if new_block_ids is None:
+            allocation = self._allocate_or_preempt(request, num_new_tokens)
+            if allocation is None:
                 break
-            self._schedule(output, request, num_new_tokens, new_block_ids)
+            self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
             index += 1
+        self._run_forked_samples()
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(output, token_budget)
-        output.blocks_to_copy = self.kv_cache_manager.take_pending_copies()
+            self._run_forked_samples()
         self._add_grammar_bitmask(output)
         return output
 
@@ -162,12 +138,12 @@ class Scheduler:
             return True
         return False
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Block ids for the request's next tokens, preempting the newest requests as needed."""
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> KVAllocation | None:
+        """Blocks for the request's next tokens, preempting the newest requests as needed."""
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            if new_blocks is not None:
-                return [block.block_id for block in new_blocks]
+            allocation = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if allocation is not None:
+                return allocation
             victim = self.running.pop()
             self._preempt(victim)
             if victim is request:
@@ -198,8 +174,8 @@ class Scheduler:
                 break
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            new_blocks = kv.allocate_slots(request, num_new_tokens, hits)
-            if new_blocks is None:
+            allocation = kv.allocate_slots(request, num_new_tokens, hits)
+            if allocation is None:
                 break
             kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.pop()
@@ -210,9 +186,9 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
-            num_seats += 1 + request.num_unforked_samples
-            block_ids = [block.block_id for block in hits + new_blocks]
-            self._schedule(output, request, num_new_tokens, block_ids)
+            num_seats += 1 + request.num_unforked_samples  # before _schedule forks them
+            allocation.new_blocks[:0] = hits  # a new request's table: hits, then fresh blocks
+            self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back at the head, in their order
             self.waiting.add_preempted(request)
@@ -222,31 +198,26 @@ class Scheduler:
         output: SchedulerOutput,
         request: Request,
         num_new_tokens: int,
-        new_block_ids: list[int],
+        allocation: KVAllocation,
     ) -> None:
         request_id = request.request_id
         if request_id not in self._seen_by_runner:
             self._seen_by_runner.add(request_id)
-            output.scheduled_new_reqs.append(
-                NewRequestData(
-                    request_id=request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling_params=request.sampling_params,
-                    block_ids=new_block_ids,
-                    num_computed_tokens=request.num_computed_tokens,
-                    eos_token_ids=request.eos_token_ids,
-                    bad_words_token_ids=request.bad_words_token_ids,
-                )
-            )
+            output.scheduled_new_reqs.append(self._new_request_data(request, allocation))
         else:
-            kv = self.kv_cache_manager
-            rewritten = request_id in self._resumed or request_id in kv.rewritten_tables
+            # A table changed in place (resumed, or copied on write) is sent whole.
+            rewritten = request_id in self._resumed or allocation.block_copy is not None
             self._resumed.discard(request_id)
-            kv.rewritten_tables.discard(request_id)
+            if allocation.block_copy is not None:
+                output.blocks_to_copy.append(allocation.block_copy)
             output.scheduled_cached_reqs.append(
                 CachedRequestData(
                     request_id=request_id,
-                    new_block_ids=kv.get_block_ids(request_id) if rewritten else new_block_ids,
+                    new_block_ids=(
+                        self.kv_cache_manager.get_block_ids(request_id)
+                        if rewritten
+                        else allocation.new_block_ids
+                    ),
                     num_computed_tokens=request.num_computed_tokens,
                     resumed_from_preemption=rewritten,
                 )
@@ -257,6 +228,66 @@ class Scheduler:
             0, min(request.num_prompt_tokens, computed + num_new_tokens) - computed
         )
         request.num_computed_tokens += num_new_tokens
+        if request.num_unforked_samples and request.num_computed_tokens == request.num_tokens:
+            self._fork_samples(output, request)
+
+    @staticmethod
+    def _new_request_data(request: Request, allocation: KVAllocation) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=allocation.new_block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
+        )
+
+    def _fork_samples(self, output: SchedulerOutput, parent: Request) -> None:
+        """Parallel sampling (n > 1): in the step that computes the parent's last prompt token,
+        its other n - 1 samples become requests of their own that share every block of the
+        parent (copy-on-write of the partial one, when each first writes into it) and draw
+        their first token from the parent's logits this step."""
+        params = parent.sampling_params
+        children = []
+        for index in range(1, params.n):
+            child = Request(
+                child_request_id(parent.request_id, index),
+                parent.prompt_token_ids,
+                dataclasses.replace(
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + index,
+                    prompt_logprobs=None,  # reported once, with the parent
+                ),
+                parent.eos_token_ids,
+                arrival_time=parent.arrival_time,
+                priority=parent.priority,
+                cache_salt=parent.cache_salt,
+                bad_words_token_ids=parent.bad_words_token_ids,
+            )
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.block_hashes = list(parent.block_hashes)
+            self.kv_cache_manager.fork(parent, child)
+            if self.structured_output is not None and parent.structured_output is not None:
+                self.structured_output.fork(parent, child)
+            self.requests[child.request_id] = child
+            self._forked_samples.append(child)
+            self._seen_by_runner.add(child.request_id)
+            table = KVAllocation(self.kv_cache_manager.req_to_blocks[child.request_id])
+            output.scheduled_new_reqs.append(self._new_request_data(child, table))
+            children.append(child.request_id)
+        parent.samples_forked = True
+        output.forked_samples[parent.request_id] = children
+
+    def _run_forked_samples(self) -> None:
+        """Forked samples join `running` after the loop that forked them: they have nothing to
+        compute this step and must not be preempted before they draw their first token."""
+        self.running.extend(self._forked_samples)
+        self._forked_samples.clear()
 
     # ---- after the model ran ----------------------------------------------------------
     def update_from_output(
@@ -270,11 +301,6 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             if request is None or (token_id is None and prompt_logprobs is None):
                 continue  # aborted while the step ran, or a prefill chunk with nothing to say
-            # Children share the parent's blocks before the parent may finish and free them.
-            children = [
-                self._fork(request, child_id, index + 1)
-                for index, child_id in enumerate(runner_output.forked.get(request_id, ()))
-            ]
             output = EngineCoreOutput(
                 request_id,
                 [],
@@ -285,39 +311,15 @@ class Scheduler:
             if token_id is not None:
                 self._append_token(request, token_id, runner_output, output)
             outputs.append(output)
-            for child in children:
-                child_output = EngineCoreOutput(child.request_id, [], False)
-                child_token = runner_output.sampled_token_ids[child.request_id]
+            for child_id in scheduler_output.forked_samples.get(request_id, ()):
+                child = self.requests.get(child_id)
+                if child is None:
+                    continue
+                child_output = EngineCoreOutput(child_id, [], False)
+                child_token = runner_output.sampled_token_ids[child_id]
                 self._append_token(child, child_token, runner_output, child_output)
                 outputs.append(child_output)
         return outputs
-
-    def _fork(self, parent: Request, child_id: str, index: int) -> Request:
-        """A parallel-sampling child: the parent's prompt and blocks, its own seed."""
-        params = parent.sampling_params
-        seed = None if params.seed is None else params.seed + index
-        child = Request(
-            child_id,
-            parent.prompt_token_ids,
-            dataclasses.replace(params, n=1, seed=seed),
-            parent.eos_token_ids,
-            arrival_time=parent.arrival_time,
-            priority=parent.priority,
-            cache_salt=parent.cache_salt,
-            bad_words_token_ids=parent.bad_words_token_ids,
-        )
-        child.status = RequestStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        block_size = self.kv_cache_manager.block_size
-        child.block_hashes = parent.block_hashes[: parent.num_prompt_tokens // block_size]
-        self.kv_cache_manager.fork(parent, child)
-        if self.structured_output is not None:
-            self.structured_output.fork(parent, child)
-        self.requests[child_id] = child
-        self.running.append(child)
-        self._seen_by_runner.add(child_id)
-        return child
 
     def _append_token(
         self,

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # requests that sample this step, and each one's row.
     grammar_bitmask: Any = None
     grammar_rows: dict[str, int] = field(default_factory=dict)
+    # Parallel sampling: parent id -> the samples forked this step (new requests that are
+    # not scheduled; each draws its first token from its parent's logits, with its own seed).
+    forked_samples: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -70,5 +73,3 @@ class ModelRunnerOutput:
     # For requests that asked for prompt_logprobs: prompt index -> logprob of that prompt
     # token given the tokens before it, for the positions this step computed.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
-    # Parallel sampling (n > 1): parent id -> the child ids forked at its first token.
-    forked: dict[str, list[str]] = field(default_factory=dict)

@@ -1,9 +1,10 @@
 """`AsyncLLM`: the server's engine — the API-process half of a two-process engine.
 
-It owns what runs next to HTTP: the tokenizer, validation (`InputProcessor`), and output
-processing (detokenization, stop strings, logprob text). The scheduler and the model run in
-the engine-core process behind `MPClient`. Each request gets an asyncio queue; one task reads
-the core's events and fans them out, so the event loop never waits on the model.
+It owns what runs next to HTTP: the tokenizer, validation (`InputProcessor`, which builds
+the `EngineCoreRequest`), and output processing (detokenization, stop strings, logprob
+text). The scheduler and the model run in the engine-core process behind `MPClient`. Each
+request gets an asyncio queue; one task reads the core's events and fans them out, so the
+event loop never waits on the model.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.scheduler import EngineCoreOutput
-from pagedllm.engine.client import EngineDeadError, MPClient
+from pagedllm.engine.client import MPClient
 from pagedllm.engine.engine_config import load_engine_config
-from pagedllm.engine.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+)
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import InputProcessor, InvalidRequestError
+from pagedllm.engine.processor import InputProcessor, PromptType
+from pagedllm.errors import EngineDeadError, InvalidRequestError
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -54,7 +60,6 @@ class AsyncLLM:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.observers: list[StepObserver] = []
-        self.latest_stats: EngineStats | None = None
         self.dead_error: EngineDeadError | None = None
         self.on_dead: list[Callable[[], None]] = []  # called once the engine process is gone
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -69,10 +74,6 @@ class AsyncLLM:
         self._output_task = asyncio.create_task(self._handle_events())
 
     @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._queues)
-
-    @property
     def num_queued_requests(self) -> int:
         return len(self._awaiting_first_token)
 
@@ -80,40 +81,37 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.dead_error is not None
 
+    def process_inputs(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and check one request (`InvalidRequestError` naming the field at fault);
+        call it before answering, so bad input is refused before any output is streamed."""
+        return self.input_processor.process_inputs(request_id, prompt, params, priority)
+
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        self, prompt_text: str | None, request: EngineCoreRequest
     ) -> AsyncIterator[RequestOutput]:
-        """Run one validated request; yields its outputs (per `params.output_kind`).
+        """Run one request `process_inputs` built; yields its outputs (per its output_kind).
 
         A consumer that stops early (a client disconnect cancels it) aborts the request in
         the core at once, which frees its KV blocks.
         """
         if self.dead_error is not None:
             raise self.dead_error
+        request_id = request.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        arrival_time = time.monotonic()
-        self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, params, arrival_time
-        )
+        self.output_processor.add_request(request, prompt_text)
         self._awaiting_first_token.add(request_id)
         for observer in self.observers:
-            observer.on_request_added(request_id, arrival_time, len(prompt_token_ids))
+            observer.on_request_added(
+                request_id, request.arrival_time, len(request.prompt_token_ids)
+            )
         finished = False
         try:
-            await self.client.send(
-                self._core_request(
-                    request_id, prompt_token_ids, params, arrival_time, priority, cache_salt
-                )
-            )
+            await self.client.send(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -127,18 +125,6 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
-
-    def _core_request(self, request_id, token_ids, params, arrival_time, priority, cache_salt):
-        return EngineCoreRequest(
-            request_id,
-            token_ids,
-            params,
-            sorted(self.model_config.eos_token_ids),
-            arrival_time,
-            priority,
-            cache_salt,
-            self.input_processor.bad_words_token_ids(params),
-        )
 
     def abort(self, request_id: str) -> None:
         """Forget the request here and tell the core to drop it (and its n > 1 samples)."""
@@ -179,7 +165,6 @@ class AsyncLLM:
                 self._awaiting_first_token.discard(core_output.request_id)
         if stopped:  # finished by a stop string: the core must let go of them now
             self._send_in_background(AbortRequests(stopped))
-        self.latest_stats = event.stats
         for observer in self.observers:
             observer.on_step(event.outputs, stopped, event.stats, now)
 

@@ -1,9 +1,10 @@
-"""`MPClient`: the API process's handle on an engine-core process (start, send, receive, stop).
+"""Clients of the engine core: `InprocClient` (the core in this process, for `LLMEngine`) and
+`MPClient` (the core in a process of its own, for the server's `AsyncLLM`).
 
-The client binds two IPC sockets (requests out, events in) and spawns the core, which
-connects to them. Sends go through an asyncio ZMQ socket, so the event loop never blocks on
-the engine; `events()` yields what the core reports and raises `EngineDeadError` when the
-process is gone.
+Both send `EngineCoreRequest`s and aborts in and get `EngineCoreOutputs` back. `MPClient`
+binds two IPC sockets (requests out, events in) and spawns the core, which connects to them.
+Sends go through an asyncio ZMQ socket, so the event loop never blocks on the engine;
+`events()` yields what the core reports and raises `EngineDeadError` when the process is gone.
 """
 
 from __future__ import annotations
@@ -16,26 +17,59 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import run_engine_core
 from pagedllm.engine.messages import (
     EngineCoreEvent,
     EngineCoreInput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
     EngineReady,
     Shutdown,
     event_decoder,
     input_encoder,
 )
 from pagedllm.errors import EngineDeadError
+from pagedllm.metrics.stats import EngineStats
 
 logger = logging.getLogger("pagedllm")
 
 # How often a waiting receiver checks that the engine process is alive.
 LIVENESS_POLL_MS = 200
+
+
+class InprocClient:
+    """The engine core in this process: each `get_output` runs one step."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.engine_core = EngineCore(config, tokenizer)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
 
 class MPClient:

@@ -1,4 +1,8 @@
-"""`EngineCore`: the scheduler and the model runner stepping together, with no I/O of its own."""
+"""`EngineCore`: the scheduler and the executor stepping together, with no I/O of its own.
+
+`EngineCoreRequest`s go in (`add_request`), `EngineCoreOutputs` come out (`step`); the
+in-process client and the engine-core process both drive this one class.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.scheduler import EngineCoreOutput, Scheduler
-from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.registry import executor_class
 from pagedllm.metrics.stats import EngineStats
-from pagedllm.model.loader import ModelSource
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -28,12 +33,20 @@ def debug_checks_enabled() -> bool:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any = None,
+        executor: type[Executor] | None = None,
+    ) -> None:
         self.config = config
-        self.model_runner = ModelRunner(config, source)
+        executor = executor or executor_class(config.distributed_executor_backend)
+        self.model_executor = executor(config)
+        num_blocks = self._initialize_kv_cache()
+        self.model_executor.load_model()
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         model_config = config.model_config
         self.structured_output = StructuredOutputManager(
@@ -44,8 +57,32 @@ class EngineCore:
         )
         self.debug_checks = debug_checks_enabled()
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def _initialize_kv_cache(self) -> int:
+        """Size the pool from what every worker can give it; the pool is built before the
+        weights load (see worker.py). Returns the number of blocks."""
+        cache_config = self.config.cache_config
+        available = self.model_executor.determine_available_memory()
+        if available < cache_config.kv_cache_memory:
+            raise ValueError(
+                f"kv_cache_memory={cache_config.kv_cache_memory} bytes, but the workers can "
+                f"give the KV cache only {available} bytes; lower kv_cache_memory"
+            )
+        self.model_executor.initialize_kv_cache(cache_config.num_blocks)
+        return cache_config.num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                frozenset(request.eos_token_ids),
+                arrival_time=request.arrival_time,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                bad_words_token_ids=request.bad_words_token_ids,
+            )
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -54,16 +91,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         """Schedule, run the model once, and report the tokens it produced."""
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # only grammars compiling: do not spin
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.model_executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.debug_checks:
             self.check_integrity()
-        return outputs
+        return EngineCoreOutputs(outputs, self.get_stats())
 
     def check_integrity(self) -> None:
         """Every block is free, held or cached-free, ref counts match; and when idle, all free."""
@@ -93,3 +130,6 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
         )
+
+    def shutdown(self) -> None:
+        self.model_executor.shutdown()

@@ -27,8 +27,6 @@ from pagedllm.engine.messages import (
     EngineCoreRequest,
     EngineReady,
     Shutdown,
-    UtilityCall,
-    UtilityResult,
     event_encoder,
     input_decoder,
 )
@@ -48,8 +46,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
-        source, tokenizer, config = load_engine_config(args)
-        core = EngineCore(config, source, tokenizer)
+        _, tokenizer, config = load_engine_config(args)
+        core = EngineCore(config, tokenizer)
         log_stats = not args.disable_log_stats
         EngineCoreProc(core, input_address, output_address, log_stats, parent_pid).run()
     except Exception:
@@ -100,9 +98,8 @@ class EngineCoreProc:
     def _step(self) -> None:
         outputs = self.core.step()
         if self.stat_logger is not None:
-            num_generated = sum(len(o.new_token_ids) for o in outputs)
-            self.stat_logger.record(num_generated, self.core.get_stats)
-        self.output_queue.put(EngineCoreOutputs(outputs, self.core.get_stats()))
+            self.stat_logger.record(outputs)
+        self.output_queue.put(outputs)
 
     def _drain_inputs(self, block: bool) -> bool:
         """Apply every waiting message (waiting for one when idle); False on shutdown."""
@@ -129,11 +126,8 @@ class EngineCoreProc:
     def _apply(self, message: Any) -> int:
         """Apply one input; returns how many requests it aborted."""
         if isinstance(message, EngineCoreRequest):
-            self.core.add_request(message.to_request())
+            self.core.add_request(message)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
             return len(message.request_ids)
-        elif isinstance(message, UtilityCall):
-            result = getattr(self.core, message.method)()
-            self.output_queue.put(UtilityResult(message.call_id, result))
         return 0

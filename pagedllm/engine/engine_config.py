@@ -21,6 +21,7 @@ from pagedllm.config import (
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
+from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
 
@@ -96,6 +97,7 @@ def build_engine_config(
         args.attention_backend,
         args.device,
         compile=args.compile and not args.enforce_eager,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 
@@ -108,7 +110,7 @@ def _cache_config(args: EngineArgs, model_config: ModelConfig, log: bool) -> Cac
     max_len = model_config.max_model_len
     if args.kv_cache_memory is None:
         # Enough for every sequence at full length, capped: most traffic is far shorter.
-        blocks_wanted = args.max_num_seqs * -(-max_len // block_size) + 1
+        blocks_wanted = args.max_num_seqs * cdiv(max_len, block_size) + 1
         memory = min(DEFAULT_KV_CACHE_MEMORY, blocks_wanted * bytes_per_block)
     else:
         memory = parse_memory_size(args.kv_cache_memory)

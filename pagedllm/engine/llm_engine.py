@@ -1,5 +1,9 @@
 """`LLMEngine`: the synchronous engine behind `LLM` — prompts in, `RequestOutput`s out.
 
+It is the in-process client of the engine core: `InputProcessor` turns each prompt into an
+`EngineCoreRequest`, `InprocClient` runs the core in this process, and `OutputProcessor`
+turns the core's `EngineCoreOutputs` into `RequestOutput`s.
+
 Also the engine-level streaming API: `stream()` (a sync iterator) and `astream()` (an async
 one) yield one request's outputs as the engine steps, while other requests go on.
 """
@@ -15,12 +19,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
 from pagedllm.config import EngineArgs
+from pagedllm.engine.client import InprocClient
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import load_engine_config
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.processor import InputProcessor, PromptType, prompt_cache_salt
-from pagedllm.engine.request import Request
+from pagedllm.engine.processor import InputProcessor, PromptType
 from pagedllm.metrics.logger import StatLogger
+from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,7 +39,7 @@ class LLMEngine:
         source, self.tokenizer, self.config = load_engine_config(args)
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.engine_core = EngineCore(self.config, source, self.tokenizer)
+        self.engine_core_client = InprocClient(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = None if args.disable_log_stats else StatLogger()
         # Outputs waiting for a stream() / astream() consumer, per request id.
@@ -49,61 +55,46 @@ class LLMEngine:
             time.monotonic() - started,
         )
 
+    @property
+    def engine_core(self) -> EngineCore:
+        """The core this engine runs in-process (its scheduler and KV cache, for inspection)."""
+        return self.engine_core_client.engine_core
+
     # ---- requests in ----------------------------------------------------------------------
-    def process_prompt(
-        self, prompt: PromptType, params: SamplingParams | None = None
-    ) -> tuple[str | None, list[int]]:
-        return self.input_processor.process_prompt(prompt, params)
-
-    def check_sampling_params(self, params: SamplingParams) -> None:
-        self.input_processor.check_sampling_params(params)
-
-    def check_priority(self, priority: int) -> None:
-        self.input_processor.check_priority(priority)
+    def process_inputs(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and check one request (ValueError naming the field at fault)."""
+        return self.input_processor.process_inputs(request_id, prompt, params, priority)
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> None:
         """Validate, tokenize and queue one request (raises ValueError on bad input)."""
-        text, token_ids = self.process_prompt(prompt, params)
-        self.check_priority(priority)
-        self.check_sampling_params(params)
-        with self._lock:
-            self.add_tokenized_request(
-                request_id, text, token_ids, params, priority, prompt_cache_salt(prompt)
-            )
+        self.add_processed_request(*self.process_inputs(request_id, prompt, params, priority))
 
-    def add_tokenized_request(
-        self,
-        request_id: str,
-        text: str | None,
-        token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> None:
-        request = Request(
-            request_id,
-            token_ids,
-            params,
-            self.model_config.eos_token_ids,
-            priority=priority,
-            cache_salt=cache_salt,
-            bad_words_token_ids=self.input_processor.bad_words_token_ids(params),
-        )
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request_id, text, token_ids, params, request.arrival_time)
+    def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
+        """Queue a request `process_inputs` built."""
+        with self._lock:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core_client.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         with self._lock:
             for request_id in request_ids:
-                self.engine_core.abort_requests(self.output_processor.family(request_id))
+                self.engine_core_client.abort_requests(self.output_processor.family(request_id))
                 final = self.output_processor.abort(request_id)
                 if final is not None and request_id in self._stream_queues:
                     self._stream_queues[request_id].append(final)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        return self.engine_core_client.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine_core_client.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core_client.reset_prefix_cache()
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -112,13 +103,12 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        core_outputs = self.engine_core_client.get_output()
         if self.stat_logger is not None:
-            num_generated = sum(len(o.new_token_ids) for o in core_outputs)
-            self.stat_logger.record(num_generated, self.engine_core.get_stats)
-        outputs, stopped = self.output_processor.process(core_outputs)
+            self.stat_logger.record(core_outputs)
+        outputs, stopped = self.output_processor.process(core_outputs.outputs)
         if stopped:  # finished by a stop string: the core must let go of them now
-            self.engine_core.abort_requests(stopped)
+            self.engine_core_client.abort_requests(stopped)
         for output in outputs:
             queue = self._stream_queues.get(output.request_id)
             if queue is not None:

@@ -1,22 +1,22 @@
-"""What crosses the boundary between the API process and the engine-core process.
+"""What crosses into and out of the engine core: the one request type, the one output type.
 
-Every message is a msgspec struct encoded as MessagePack: requests and aborts flow in,
-per-step outputs (with an engine stats snapshot) flow out. Tagged unions let each side
-decode whatever arrives with one decoder.
+`EngineCoreRequest` is the only thing that enters the core and `EngineCoreOutputs` the only
+thing that leaves it, whether the core runs in this process (`InprocClient`) or in its own
+(`MPClient`). They are msgspec structs so the multiprocess client sends them as MessagePack;
+tagged unions let each side decode whatever arrives with one decoder.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from pagedllm.core.scheduler import EngineCoreOutput
-from pagedllm.engine.request import Request
+from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
-    """A tokenized, validated request; the core turns it into a scheduler `Request`."""
+    """A tokenized request that passed every check at the edge; built by `InputProcessor`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -27,35 +27,21 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] | None = None
 
-    def to_request(self) -> Request:
-        return Request(
-            self.request_id,
-            self.prompt_token_ids,
-            self.sampling_params,
-            frozenset(self.eos_token_ids),
-            arrival_time=self.arrival_time,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-            bad_words_token_ids=self.bad_words_token_ids,
-        )
 
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """What one step produced for one request."""
 
-class AbortRequests(msgspec.Struct, tag=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag=True):
-    """Ask the core to run one of its maintenance methods (e.g. reset_prefix_cache)."""
-
-    call_id: int
-    method: str
-
-
-class Shutdown(msgspec.Struct, tag=True):
-    pass
-
-
-EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    new_prompt_logprobs: dict[int, TokenLogprob] | None = None
+    # When the request was first scheduled (time.monotonic): its queue time for metrics.
+    first_scheduled_time: float | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):
@@ -65,16 +51,20 @@ class EngineCoreOutputs(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
 class EngineReady(msgspec.Struct, tag=True):
     pid: int
 
 
-class UtilityResult(msgspec.Struct, tag=True):
-    call_id: int
-    result: bool | None = None
-
-
-EngineCoreEvent = EngineCoreOutputs | EngineReady | UtilityResult
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+EngineCoreEvent = EngineCoreOutputs | EngineReady
 
 input_encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)

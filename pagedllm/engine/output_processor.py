@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.core.request import child_request_id
 from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.request import child_request_id
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -69,14 +69,10 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.groups: dict[str, SampleGroup] = {}  # by parent id, until all n finish
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float,
-    ) -> None:
+    def add_request(self, request: EngineCoreRequest, prompt: str | None) -> None:
+        """Track a request the core was sent (with n > 1, its n samples under one id)."""
+        request_id, params = request.request_id, request.sampling_params
+        prompt_token_ids, arrival_time = request.prompt_token_ids, request.arrival_time
         metrics = RequestMetrics(arrival_time)
         member_ids = [child_request_id(request_id, i) for i in range(params.n)]
         states = [

@@ -1,10 +1,16 @@
-"""Turn user prompts into validated token ids (the checks every entry point shares)."""
+"""The edge of the engine: user prompts and options -> one checked `EngineCoreRequest`.
+
+`InputProcessor.process_inputs` is the only way a request is built, for the offline engine
+and the server alike, so both refuse the same input the same way.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
 
@@ -96,6 +102,32 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
 
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """(prompt text if known, the request for the core); ValueError naming the field at
+        fault. `prompt` is a string or a dict with `prompt_token_ids` (or `prompt`), and
+        optionally the prompt's text under `prompt` and a `cache_salt`."""
+        text, token_ids = self.process_prompt(prompt, params)
+        self.check_priority(priority)
+        self.check_sampling_params(params)
+        request = EngineCoreRequest(
+            request_id,
+            token_ids,
+            params,
+            sorted(self.config.model_config.eos_token_ids),
+            time.monotonic() if arrival_time is None else arrival_time,
+            priority,
+            prompt_cache_salt(prompt),
+            bad_words_token_ids(params.bad_words, self.tokenizer),
+        )
+        return text, request
+
     def process_prompt(
         self, prompt: PromptType, params: SamplingParams | None = None
     ) -> tuple[str | None, list[int]]:
@@ -148,6 +180,3 @@ class InputProcessor:
                 "use scheduling_policy='priority'",
                 "priority",
             )
-
-    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]] | None:
-        return bad_words_token_ids(params.bad_words, self.tokenizer)

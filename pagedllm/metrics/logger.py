@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
-from pagedllm.metrics.stats import EngineStats
+from pagedllm.engine.messages import EngineCoreOutputs
 
 logger = logging.getLogger("pagedllm")
 
@@ -19,18 +18,18 @@ class StatLogger:
     def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
         self.interval_s = interval_s
         self._last_time = time.monotonic()
-        self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_prompt_tokens_total = 0
 
-    def record(self, num_generated_tokens: int, get_stats: Callable[[], EngineStats]) -> None:
-        """Count one step's tokens; when the interval has passed, take a stats snapshot and log."""
+    def record(self, outputs: EngineCoreOutputs) -> None:
+        """Count one step's tokens; when the interval has passed, log the step's stats."""
+        num_generated_tokens = sum(len(output.new_token_ids) for output in outputs.outputs)
         self._num_generation_tokens += num_generated_tokens
         now = time.monotonic()
         elapsed = now - self._last_time
         if elapsed < self.interval_s:
             return
-        stats = get_stats()
+        stats = outputs.stats
         prompt_tokens = stats.num_computed_prompt_tokens - self._last_prompt_tokens_total
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "

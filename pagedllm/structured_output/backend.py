@@ -14,16 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.sample.grammar_bitmask import apply_bitmask, bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
-
-# Still importable from here for callers not yet moved to sample/grammar_bitmask.py.
-__all__ = [
-    "GrammarMatcher",
-    "StructuredOutputBackend",
-    "apply_bitmask",
-    "bitmask_words",
-]
 
 
 class GrammarMatcher(ABC):

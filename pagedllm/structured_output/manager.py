@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sample.grammar_bitmask import bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarMatcher

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from pagedllm.utils import round_up
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 * 2**20
@@ -43,7 +45,7 @@ def place_weights_on_huge_pages(model: torch.nn.Module) -> int:
     offsets, total = [], 0
     for tensor in tensors:
         offsets.append(total)
-        total += -(-tensor.nbytes // _TENSOR_ALIGN) * _TENSOR_ALIGN
+        total += round_up(tensor.nbytes, _TENSOR_ALIGN)
     arena = _advised_arena(total)
     if arena is None:
         return 0
@@ -90,7 +92,7 @@ def madvise(address: int, length: int, advice: int) -> int:
 def _advised_arena(num_bytes: int) -> np.ndarray | None:
     """`num_bytes` of zeroed memory starting on a huge-page boundary and advised
     MADV_HUGEPAGE before its first touch, or None where the advice cannot be given."""
-    length = -(-num_bytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    length = round_up(num_bytes, HUGE_PAGE_BYTES)
     # calloc of a large block maps fresh pages without touching them
     raw = np.zeros(length + HUGE_PAGE_BYTES, dtype=np.uint8)
     skip = -raw.ctypes.data % HUGE_PAGE_BYTES

@@ -6,8 +6,6 @@ new requests, new blocks, the token sampled last step.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
 
@@ -43,9 +41,6 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # Only rows with penalties, biases, bans or min_tokens have one.
         self.logits_states: dict[int, LogitsProcessorState] = {}
-        self.seeds: dict[int, int] = {}
-        # Rows of requests with n > 1 that have not sampled yet: row -> n.
-        self.pending_forks: dict[int, int] = {}
         self.req_id_to_row: dict[str, int] = {}
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
@@ -82,10 +77,7 @@ class InputBatch:
         )
         self.num_prompt_tokens[row] = len(token_ids)
         if params.seed is not None:
-            self.seeds[row] = params.seed
             self.generators[row] = torch.Generator(device=self.device).manual_seed(params.seed)
-        if params.n > 1:
-            self.pending_forks[row] = params.n
         state = LogitsProcessorState(
             prompt_token_ids=list(token_ids),
             repetition_penalty=params.repetition_penalty,
@@ -102,31 +94,11 @@ class InputBatch:
             self.logits_states[row] = state
         return row
 
-    def fork_row(self, parent_row: int, child_id: str, index: int) -> int:
-        """A row for parallel sample `index` of the parent's request: same tokens, blocks and
-        sampling options, its own seed (seed + index), no prompt logprobs (the parent's)."""
-        if not self._free_rows:
-            self._grow()
-        row = self._free_rows.pop()
-        self.req_id_to_row[child_id] = row
-        for array in vars(self).values():
-            if isinstance(array, np.ndarray):
-                array[row] = array[parent_row]
-        self.num_prompt_logprobs[row] = -1
-        if parent_row in self.seeds:
-            self.seeds[row] = self.seeds[parent_row] + index
-            self.generators[row] = torch.Generator(device=self.device).manual_seed(self.seeds[row])
-        if parent_row in self.logits_states:
-            self.logits_states[row] = copy.deepcopy(self.logits_states[parent_row])
-        return row
-
     def remove_request(self, request_id: str) -> None:
         row = self.req_id_to_row.pop(request_id, None)
         if row is not None:
             self.generators.pop(row, None)
             self.logits_states.pop(row, None)
-            self.seeds.pop(row, None)
-            self.pending_forks.pop(row, None)
             self._free_rows.append(row)
 
     def set_blocks(self, row: int, block_ids: list[int], replace: bool) -> None:

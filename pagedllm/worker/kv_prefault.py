@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from pagedllm.model.layers.onednn import available_memory_bytes
+from pagedllm.utils import round_up
 from pagedllm.worker.huge_pages import madvise
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def _page_down(address: int) -> int:
 
 
 def _page_up(address: int) -> int:
-    return -(-address // _PAGE_BYTES) * _PAGE_BYTES
+    return round_up(address, _PAGE_BYTES)
 
 
 class KVCachePrefaulter:

@@ -16,7 +16,6 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.engine.request import child_request_id
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
@@ -24,13 +23,12 @@ from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
 from pagedllm.ops.kernel_selection import select_kernels
+from pagedllm.sample.grammar_bitmask import apply_bitmask
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
-from pagedllm.structured_output.backend import apply_bitmask
 from pagedllm.utils import cdiv
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
-from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
@@ -39,23 +37,30 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    """Built in stages by its `Worker`: `initialize_kv_cache`, then `load_model`."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
-        model_config, cache_config = config.model_config, config.cache_config
-        self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            tune_malloc()
-        self.block_size = cache_config.block_size
+        model_config = config.model_config
+        self.device = device
+        self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
-        # The pool first, so its pages fault in on the idle core while the model loads.
-        self.kv_caches = self._allocate_kv_cache()
+        max_blocks = cdiv(model_config.max_model_len, self.block_size)
+        self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._prefaulter: KVCachePrefaulter | None = None
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
         self._prefaulter = self._start_prefault()
+
+    def load_model(self, source: ModelSource) -> None:
+        """Load the weights, bind the KV cache, and compile the decode step when asked."""
         self.model = self._load_model(source)
         self.model.bind_kv_cache(self.kv_caches)
-        max_blocks = -(-model_config.max_model_len // self.block_size)
-        self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
         self.sampler = Sampler(self.kernels)
-        self.compiled_decode = self._compile_decode() if config.compile else None
+        self.compiled_decode = self._compile_decode() if self.config.compile else None
 
     def _compile_decode(self) -> CompiledDecode | None:
         if not self.attention_backend.traceable:
@@ -107,10 +112,10 @@ class ModelRunner:
             place_weights_on_huge_pages(model)
         return model.eval()
 
-    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         model_config, cache_config = self.config.model_config, self.config.cache_config
         shape = (
-            cache_config.num_blocks,
+            num_blocks,
             self.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
@@ -176,10 +181,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden_states[logits_indices])
         sample_rows = rows[sample_mask]
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
-        if self.input_batch.pending_forks:
-            logits, sample_rows = self._fork(output, logits, sample_rows, sample_req_ids)
+        if scheduler_output.forked_samples:
+            logits, sample_rows = self._add_forked_samples(
+                scheduler_output.forked_samples, logits, sample_rows, sample_req_ids
+            )
         processed = self._apply_logits_processors(logits, sample_rows)
-        processed = self._apply_grammar(scheduler_output, output, processed, logits, sample_req_ids)
+        processed = self._apply_grammar(scheduler_output, processed, logits, sample_req_ids)
         wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
         sampled = self.sampler(
             processed,
@@ -207,27 +214,21 @@ class ModelRunner:
             return self.compiled_decode(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
-    def _fork(self, output, logits, sample_rows, sample_req_ids):
-        """Parallel sampling: a request with n > 1 samples n first tokens from its one set of
-        logits; each extra sample becomes a child row (its blocks are shared by the scheduler).
+    def _add_forked_samples(self, forked_samples, logits, sample_rows, sample_req_ids):
+        """Parallel sampling: the samples the scheduler forked this step draw their first token
+        from their parent's logits row, each in a row of its own (own seed, own penalties).
         Extends `sample_req_ids` in place; returns the widened logits and rows."""
         batch = self.input_batch
-        extra_index, extra_rows = [], []
-        for index, (request_id, row) in enumerate(
-            zip(list(sample_req_ids), sample_rows.tolist(), strict=True)
-        ):
-            n = batch.pending_forks.pop(row, 0)
-            children = [child_request_id(request_id, i) for i in range(1, n)]
-            for child_index, child_id in enumerate(children, start=1):
-                extra_rows.append(batch.fork_row(row, child_id, child_index))
-                extra_index.append(index)
+        parent_index, child_rows = [], []
+        for index, request_id in enumerate(list(sample_req_ids)):
+            for child_id in forked_samples.get(request_id, ()):
+                parent_index.append(index)
+                child_rows.append(batch.row(child_id))
                 sample_req_ids.append(child_id)
-            if children:
-                output.forked[request_id] = children
-        if not extra_rows:
+        if not child_rows:
             return logits, sample_rows
-        widened = torch.cat([logits, logits[self._tensor(np.array(extra_index))]])
-        return widened, np.concatenate([sample_rows, np.array(extra_rows, dtype=np.int64)])
+        widened = torch.cat([logits, logits[self._tensor(np.array(parent_index))]])
+        return widened, np.concatenate([sample_rows, np.array(child_rows, dtype=np.int64)])
 
     def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """Penalties, biases and bans on a copy: logprobs are reported from the raw logits."""
@@ -239,7 +240,7 @@ class ModelRunner:
             return logits
         return apply_logits_processors(logits.to(torch.float32).clone(), row_states)
 
-    def _apply_grammar(self, scheduler_output, output, processed, raw_logits, sample_req_ids):
+    def _apply_grammar(self, scheduler_output, processed, raw_logits, sample_req_ids):
         """Structured output: forbid the tokens each constrained row's grammar does not allow
         (on a copy when no processor made one: logprobs are reported from the raw logits)."""
         bitmask = scheduler_output.grammar_bitmask
@@ -247,7 +248,11 @@ class ModelRunner:
             return processed
         grammar_rows = scheduler_output.grammar_rows
         # A sample forked this step starts from its parent's grammar state.
-        parent_of = {child: parent for parent, kids in output.forked.items() for child in kids}
+        parent_of = {
+            child: parent
+            for parent, children in scheduler_output.forked_samples.items()
+            for child in children
+        }
         logits_rows, mask_rows = [], []
         for index, request_id in enumerate(sample_req_ids):
             row = grammar_rows.get(parent_of.get(request_id, request_id))

@@ -3,7 +3,7 @@
 import pytest
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def manager():
 
 def test_allocate_rounds_up_to_whole_blocks(manager):
     request = make_request("a", 10)
-    blocks = manager.allocate_slots(request, 10)
+    blocks = manager.allocate_slots(request, 10).new_blocks
     assert [b.block_id for b in blocks] == [1, 2, 3]
     manager.free(request)
 
@@ -31,11 +31,11 @@ def test_allocate_only_what_the_next_tokens_need(manager):
     request = make_request("a", 6)
     manager.allocate_slots(request, 6)
     request.num_computed_tokens = 6
-    assert manager.allocate_slots(request, 1) == []  # slot 7 of block 2 is free
+    assert manager.allocate_slots(request, 1).new_blocks == []  # slot 7 of block 2 is free
     request.num_computed_tokens = 7
-    assert manager.allocate_slots(request, 1) == []
+    assert manager.allocate_slots(request, 1).new_blocks == []
     request.num_computed_tokens = 8
-    assert [b.block_id for b in manager.allocate_slots(request, 1)] == [3]
+    assert [b.block_id for b in manager.allocate_slots(request, 1).new_blocks] == [3]
     assert manager.get_block_ids("a") == [1, 2, 3]
     manager.free(request)
 
@@ -51,7 +51,7 @@ def test_chunked_allocation_extends_the_table(manager):
 
 def test_shortage_returns_none_and_takes_nothing(manager):
     big, small = make_request("big", 28), make_request("small", 8)
-    assert len(manager.allocate_slots(big, 28)) == 7
+    assert len(manager.allocate_slots(big, 28).new_blocks) == 7
     assert manager.allocate_slots(small, 8) is None
     assert manager.num_free_blocks == 1
     assert manager.get_block_ids("small") == []
@@ -68,7 +68,7 @@ def test_free_returns_tail_first_and_blocks_are_reused(manager):
     assert queue == [4, 5, 6, 7, 8, 2, 1]
     manager.check_integrity()
     c = make_request("c", 24)
-    assert [blk.block_id for blk in manager.allocate_slots(c, 24)] == [4, 5, 6, 7, 8, 2]
+    assert [blk.block_id for blk in manager.allocate_slots(c, 24).new_blocks] == [4, 5, 6, 7, 8, 2]
     manager.free(b)
     manager.free(c)
 

@@ -6,7 +6,7 @@ from pagedllm.core import hashing
 from pagedllm.core.block_pool import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.prefix_cache import PrefixCache
-from pagedllm.engine.request import Request
+from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

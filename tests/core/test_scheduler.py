@@ -6,9 +6,9 @@ import pytest
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 99
@@ -214,9 +214,3 @@ def test_priority_policy_admits_by_priority_then_arrival():
         add(scheduler, name, 2, max_tokens=1, priority=priority)
     order = [next(iter(step(scheduler).num_scheduled_tokens)) for _ in range(4)]
     assert order == ["z", "x", "w", "y"]
-
-
-def test_fcfs_refuses_a_priority():
-    scheduler = make_scheduler()
-    with pytest.raises(ValueError, match="priority"):
-        add(scheduler, "a", 2, priority=1)

@@ -8,14 +8,14 @@ import pytest
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.engine_config import load_engine_config
-from pagedllm.ops import attention
+from pagedllm.ops import attention_registry
 
 
 def test_config_does_not_build_the_backend(tiny_llama, monkeypatch):
     def refuse():
         raise AssertionError("the backend was built while only the configuration was")
 
-    monkeypatch.setitem(attention._BACKENDS, "cpu", refuse)
+    monkeypatch.setitem(attention_registry._BACKENDS, "cpu", refuse)
     _, _, config = load_engine_config(
         EngineArgs(model=str(tiny_llama), attention_backend="cpu", max_model_len=64), log=False
     )

@@ -9,6 +9,7 @@ from model_utils import compare_greedy, hf_greedy
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.utils import cdiv
 
 PROMPT_LENGTHS = (1, 5, 17, 33, 64, 100, 150, 310)  # block size 7 divides none of them
 MAX_NEW_TOKENS = 40
@@ -64,5 +65,5 @@ def _bytes_for_tokens(directory, num_tokens: int, block_size: int) -> int:
     config = AutoConfig.from_pretrained(directory)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
-    num_blocks = -(-num_tokens // block_size) + 1
+    num_blocks = cdiv(num_tokens, block_size) + 1
     return num_blocks * block_size * per_token

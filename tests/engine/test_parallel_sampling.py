@@ -6,7 +6,7 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.request import child_request_id
+from pagedllm.core.request import child_request_id
 
 PROMPT = {"prompt_token_ids": [(7 * i) % 500 + 3 for i in range(21)]}  # 21: a partial block
 

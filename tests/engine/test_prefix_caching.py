@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core import hashing
-from pagedllm.engine.request import RequestStatus
+from pagedllm.core.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -159,7 +159,7 @@ def test_abort_frees_every_block(tiny_llama, state):
     while engine.has_unfinished_requests():
         assert all(o.request_id != request.request_id for o in engine.step())
     core.check_integrity()
-    runner_rows = core.model_runner.input_batch.req_id_to_row
+    runner_rows = core.model_executor.driver_worker.model_runner.input_batch.req_id_to_row
     engine.step()  # the runner drops finished requests' rows on the next step
     assert request.request_id not in runner_rows
 

@@ -17,14 +17,19 @@ from pagedllm.model.layers.quantization import (
     Int8MergedLinear,
     quantize_model,
     quantize_weight,
+    reduce_range,
 )
 
+# fbgemm on a CPU without VNNI quantizes activations to 7 bits (reduce_range): a step twice
+# as coarse, so error bounds derived from the 8-bit step double there.
+ACTIVATION_STEP_SCALE = 2 if reduce_range() else 1
 # Measured on the tiny random Llama below (16 prompts x 40 greedy tokens): int8 picks fp32's
-# token at 98.4% of positions when fed fp32's sequence, and 80.3% of positions match when it
-# runs free (one early divergence changes the rest of a sequence). Deterministic: fixed seeds,
+# token at 98.4% of positions when fed fp32's sequence (98.0% with 7-bit activations), and
+# 80.3% of positions match when it runs free (66.9% with 7-bit activations, on an AVX2-only
+# EPYC); one early divergence changes the rest of a sequence. Deterministic: fixed seeds,
 # greedy, and fbgemm accumulates in int32.
 MIN_TEACHER_FORCED_AGREEMENT = 0.97
-MIN_FREE_RUNNING_AGREEMENT = 0.75
+MIN_FREE_RUNNING_AGREEMENT = 0.6 if reduce_range() else 0.75
 NUM_PROMPTS, MAX_TOKENS = 16, 40
 
 
@@ -87,8 +92,8 @@ def test_a_loud_row_does_not_coarsen_the_others():
     loud = torch.cat([x[:1] * 300, x])  # as the first token's activations often are
     exact = F.linear(x, weight, bias)
     in_batch, alone = layer(loud)[1:], layer(x)
-    assert _relative_error(in_batch, exact) < 0.015
-    assert _relative_error(in_batch, alone) < 0.015
+    assert _relative_error(in_batch, exact) < 0.015 * ACTIVATION_STEP_SCALE
+    assert _relative_error(in_batch, alone) < 0.015 * ACTIVATION_STEP_SCALE
 
 
 def test_fused_layer_splits_like_separate_layers():
@@ -108,7 +113,7 @@ def _engine(directory, quantization=None) -> LLM:
 
 
 def _model(llm: LLM) -> torch.nn.Module:
-    return llm.llm_engine.engine_core.model_runner.model
+    return llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
 
 
 @pytest.fixture(scope="module")

@@ -326,7 +326,7 @@ def test_greedy_tokens_equal_torch_backend(tiny_llama):
             max_num_batched_tokens=48,
             attention_backend=backend,
         )
-        model = llm.llm_engine.engine_core.model_runner.model
+        model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
         assert {type(m.backend) for m in model.modules() if hasattr(m, "backend")} == {backend_type}
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outputs[backend] = [r.outputs[0].token_ids for r in results]

@@ -13,9 +13,9 @@ import torch
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
-from pagedllm.engine.request import Request
 from pagedllm.sample.grammar_bitmask import apply_bitmask, apply_bitmask_torch
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend

@@ -22,7 +22,7 @@ def test_cache_is_zero_and_costs_ram_only_where_written(tiny_llama, monkeypatch)
     monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "0")
     before = resident_bytes()
     llm = LLM(str(tiny_llama), max_model_len=64, kv_cache_memory="2GiB")
-    runner = llm.llm_engine.engine_core.model_runner
+    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
     cache_bytes = sum(2 * k.numel() * k.element_size() for k, _ in runner.kv_caches)
     assert cache_bytes > 1.9 * 2**30
     assert resident_bytes() - before < 2**30 / 4

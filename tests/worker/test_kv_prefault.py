@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.utils import round_up
 from pagedllm.worker import kv_prefault
 from pagedllm.worker.kv_prefault import KVCachePrefaulter, block_major_ranges
 from tests.model_utils import model_runner, small_engine
@@ -34,7 +35,7 @@ def _pool_tensor(num_blocks: int, block_floats: int) -> torch.Tensor:
 def _resident_pages(tensor: torch.Tensor) -> tuple[int, int]:
     """(resident, all) pages of the mapping under `tensor`, by mincore(2)."""
     begin = tensor.data_ptr() // PAGE * PAGE
-    end = -(-(tensor.data_ptr() + tensor.nbytes) // PAGE) * PAGE
+    end = round_up(tensor.data_ptr() + tensor.nbytes, PAGE)
     pages = (end - begin) // PAGE
     vector = (ctypes.c_ubyte * pages)()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -64,7 +65,7 @@ def test_ranges_are_block_major_and_cover_every_page_once():
         assert last_address + last_length >= tensor.data_ptr() + tensor.nbytes
         assert last_address + last_length - (tensor.data_ptr() + tensor.nbytes) < PAGE
         # A boundary falls where a chunk of blocks ends, rounded up to a page.
-        assert mine[1][0] == -(-(tensor.data_ptr() + 4 * 12_000) // PAGE) * PAGE
+        assert mine[1][0] == round_up(tensor.data_ptr() + 4 * 12_000, PAGE)
 
 
 @linux_only

@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.client import EngineDeadError
-from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.errors import EngineDeadError, InvalidRequestError
 
 logger = logging.getLogger("pagedllm")
 

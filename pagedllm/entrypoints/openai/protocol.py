@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # OpenAI fields that only describe the caller: accepted, never used for generation.

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.processor import InvalidRequestError
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -117,10 +117,6 @@ class OpenAIServing:
         self.engine.input_processor.check_structured_outputs(params, field_name)
         return params
 
-    def check_params(self, params: SamplingParams, priority: int) -> None:
-        self.engine.input_processor.check_sampling_params(params)
-        self.engine.input_processor.check_priority(priority)
-
     def max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None):
         """The request's max_tokens, checked against what the context window leaves."""
         room = self.max_model_len - num_prompt_tokens
@@ -183,18 +179,22 @@ class OpenAIServing:
         params: list[SamplingParams],
         request: SamplingRequest,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [
-            self.engine.generate(
+        """Every prompt's engine request is built and checked before any is started, so a bad
+        one refuses the whole HTTP request before anything streams."""
+        processed = [
+            self.engine.process_inputs(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                prompt.text,
-                prompt.token_ids,
+                {
+                    "prompt_token_ids": prompt.token_ids,
+                    "prompt": prompt.text,
+                    **({} if request.cache_salt is None else {"cache_salt": request.cache_salt}),
+                },
                 prompt_params,
                 request.priority,
-                request.cache_salt,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
-        return merge_streams(streams)
+        return merge_streams([self.engine.generate(*each) for each in processed])
 
 
 async def merge_streams(

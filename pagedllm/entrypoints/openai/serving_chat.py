@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.processor import InvalidRequestError, render_chat
+from pagedllm.engine.processor import render_chat
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
     hermes_system_prompt,
     plan_tools,
 )
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -47,7 +48,6 @@ class OpenAIServingChat(OpenAIServing):
         tool_constraint = plan.constraint()
         extra = [("tool_choice", tool_constraint)] if tool_constraint is not None else []
         params = self.with_structured_output(params, request, extra)
-        self.check_params(params, request.priority)
         request_id = self.request_id(raw, request, "chatcmpl")
         self.log_request(request_id, [prompt], params)
         results = self.generations(request_id, [prompt], [params], request)

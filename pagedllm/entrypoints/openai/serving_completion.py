@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.processor import InvalidRequestError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
@@ -19,6 +18,7 @@ from pagedllm.entrypoints.openai.serving import (
     stream_with_errors,
     usage,
 )
+from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,8 +31,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request(request, request.refused_fields())
         prompts = await self._prompts(request)
         params = [self._params(request, len(prompt.token_ids)) for prompt in prompts]
-        for each in params:
-            self.check_params(each, request.priority)
         request_id = self.request_id(raw, request, "cmpl")
         self.log_request(request_id, prompts, params[0])
         results = self.generations(request_id, prompts, params, request)

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.engine.processor import InvalidRequestError
+from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)

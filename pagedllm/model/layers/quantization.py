@@ -27,27 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.config import INT8_ENGINE, verify_quantization
 from pagedllm.model.layers.linear import Linear, MergedLinear, SplitOutputs
 
 logger = logging.getLogger("pagedllm")
 
-QUANTIZATION_METHODS = ("int8", "gguf")
-
-_ENGINE = "fbgemm"
-
-
-def verify_quantization(method: str | None) -> None:
-    """Raise a ValueError naming the choices unless `method` is None or a known method."""
-    if method is None:
-        return
-    if method not in QUANTIZATION_METHODS:
-        choices = ", ".join(repr(m) for m in (None, *QUANTIZATION_METHODS))
-        raise ValueError(f"quantization {method!r} is not supported; choose one of {choices}")
-    if method == "int8" and _ENGINE not in torch.backends.quantized.supported_engines:
-        raise ValueError(
-            f"quantization={method!r} needs PyTorch's {_ENGINE} kernels (x86 CPUs); this "
-            f"build has {torch.backends.quantized.supported_engines}"
-        )
+_ENGINE = INT8_ENGINE
 
 
 def reduce_range() -> bool:

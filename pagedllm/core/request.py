@@ -74,13 +74,13 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Grammar state when sampling_params.structured_outputs is set (the manager owns it).
     structured_output: Any = None
+    # n > 1: whether the scheduler has made the other samples their own requests yet.
+    samples_forked: bool = False
 
     @property
     def num_unforked_samples(self) -> int:
         """Parallel samples (n > 1) still to be forked: they run once the first token is due."""
-        if self.num_output_tokens:
-            return 0
-        return self.sampling_params.n - 1
+        return 0 if self.samples_forked else self.sampling_params.n - 1
 
     @property
     def num_prompt_tokens(self) -> int:
