@@ -19,19 +19,23 @@ import random
 import statistics
 import time
 
+import numpy as np
 import torch
 
-from pagedllm.ops import cpu_attention, extension
-from pagedllm.ops.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pagedllm.ops import extension
+from pagedllm.ops.attention import AttentionBackend, AttentionLayout
+from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.utils import cdiv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
 
 def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float32):
-    """(q, k, v, kv_cache, metadata) for [(tokens cached, tokens scheduled)] per request."""
+    """(q, k, v, kv_cache, layout) for [(tokens cached, tokens scheduled)] per request; each
+    backend builds its own metadata from the layout."""
     rng = random.Random(seed)
     seq_lens = [cached + scheduled for cached, scheduled in requests]
-    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    needed = [cdiv(n, BLOCK_SIZE) for n in seq_lens]
     num_blocks = 1 + sum(needed)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -48,28 +52,24 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float3
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    decodes = [i for i, n in enumerate(query_lens) if n == 1]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_start_loc=starts,
-        seq_lens=seq_lens,
-        decode_req_indices=torch.tensor(decodes, dtype=torch.int64),
-        decode_token_indices=torch.tensor([starts[i] for i in decodes], dtype=torch.int64),
-        decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], dtype=torch.int64),
-        prefill_req_indices=[i for i, n in enumerate(query_lens) if n > 1],
+    layout = AttentionLayout(
+        slot_mapping=np.array(slots, dtype=np.int64),
+        block_tables=np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64),
+        query_start_loc=np.array(starts, dtype=np.int64),
+        seq_lens=np.array(seq_lens, dtype=np.int64),
     )
     num_tokens = len(slots)
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
     k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    return q, k, v, kv_cache, metadata
+    return q, k, v, kv_cache, layout
 
 
 def time_call(backend: AttentionBackend, step, repeats: int) -> tuple[float, float]:
-    """(median, min) ms per forward (the metadata's int32 forms, built once per step for all
-    layers, are not timed)."""
-    q, k, v, kv_cache, metadata = step
+    """(median, min) ms per forward (the backend's metadata, built once per step for all
+    layers, is not timed)."""
+    q, k, v, kv_cache, layout = step
+    metadata = backend.build_metadata(layout, torch.device("cpu"))
     scale = HEAD_DIM**-0.5
     backend.forward(q, k, v, kv_cache, metadata, scale)  # warm-up: page faults, buffers
     times = []
@@ -108,7 +108,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     extension.build()
-    backends = {"torch": TorchAttentionBackend(), "cpu": cpu_attention.CpuAttentionBackend()}
+    backends = {name: get_attention_backend(name) for name in ("torch", "cpu")}
     print(
         f"threads={torch.get_num_threads()}  repeats={args.repeats}  "
         f"cache {args.kv_cache_dtype}  (one layer, ms/call)"

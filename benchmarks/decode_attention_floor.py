@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import numpy as np
 import torch
 
 from benchmarks.attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
 from benchmarks.timing import median_seconds
-from pagedllm.ops import cpu_attention, extension
+from pagedllm.ops import extension
+from pagedllm.ops.attention_registry import get_attention_backend
 
 
 def main() -> None:
@@ -49,20 +51,23 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.kv_cache_dtype)
     extension.build()
-    backend = cpu_attention.CpuAttentionBackend()
-    q, k, v, kv_cache, metadata = make_step([(args.context - 1, 1)] * args.batch, dtype=dtype)
+    backend = get_attention_backend("cpu")
+    q, k, v, kv_cache, layout = make_step([(args.context - 1, 1)] * args.batch, dtype=dtype)
     scale = HEAD_DIM**-0.5
+
+    def metadata_for(block_tables):
+        # Built once per variant, outside the timed calls (as the runner does once per step).
+        replaced = dataclasses.replace(layout, block_tables=block_tables)
+        return backend.build_metadata(replaced, torch.device("cpu"))
+
+    metadata = metadata_for(layout.block_tables)
 
     def served(meta=metadata):
         backend.forward(q, k, v, kv_cache, meta, scale)
 
-    one_block = dataclasses.replace(
-        metadata, block_tables=torch.full_like(metadata.block_tables, 1)
-    )
-    batch, width = metadata.block_tables.shape
-    in_order = dataclasses.replace(
-        metadata, block_tables=torch.arange(1, 1 + batch * width).view(batch, width)
-    )
+    one_block = metadata_for(np.full_like(layout.block_tables, 1))
+    batch, width = layout.block_tables.shape
+    in_order = metadata_for(np.arange(1, 1 + batch * width).reshape(batch, width))
     bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     stream = torch.ones(bytes_read // 4)
     results = {

@@ -24,34 +24,11 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sample.grammar_bitmask import apply_bitmask, bitmask_words
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+from tests.structured_output.schemas import PERSON, SCHEMAS
 
-# The test suite's person schema and its largest schema (an order with a $ref'd item array,
-# enums, bounded numbers and a pattern), restated so that the benchmark needs no test code.
-SHORT = {"type": "string", "maxLength": 24}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    },
-    "required": ["name", "age"],
-}
-LARGEST = {
-    "type": "object",
-    "$defs": {"item": {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
-        "qty": {"type": "integer", "minimum": 1, "maximum": 50},
-        "price": {"type": "number", "minimum": 0, "maximum": 1000}},
-        "required": ["sku", "qty", "price"]}},
-    "properties": {
-        "order_id": {"type": "integer", "minimum": 1, "maximum": 99999},
-        "status": {"enum": ["new", "paid", "shipped"]},
-        "items": {"type": "array", "items": {"$ref": "#/$defs/item"},
-                  "minItems": 1, "maxItems": 3},
-        "note": SHORT,
-    },
-    "required": ["order_id", "status", "items"],
-}  # fmt: skip
+# The structured-output tests' person schema and their largest one (an order with a $ref'd
+# item array, enums, bounded numbers and a pattern).
+LARGEST = SCHEMAS[-1]
 
 
 def parse_args() -> argparse.Namespace:
