@@ -1,8 +1,13 @@
 """n = 4 parallel sampling against 4 separate requests with the same prompt, on the default
 model (fp32), in one run: total time and prompt tokens computed.
 
+The engine forks a request's n samples in the scheduler once its prompt is computed; the
+separate requests are what fanning n requests out in the frontend would send (child j of
+seed i seeded i + j, so both make the same tokens), served by prefix caching unless
+`--no-prefix-caching`.
+
     .venv/bin/python -m benchmarks.parallel_sampling [--prompts 16 --input-len 256 --output-len 64
-        --rounds 2]
+        --rounds 2 --no-prefix-caching]
 """
 
 from __future__ import annotations
@@ -31,13 +36,18 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="run the engine with enable_prefix_caching=False",
+    )
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(100, 49152) for _ in range(args.input_len)]}
         for _ in range(args.prompts)
     ]
-    llm = LLM()
+    llm = LLM(enable_prefix_caching=not args.no_prefix_caching)
 
     def params(n: int, seed: int) -> SamplingParams:
         return SamplingParams(

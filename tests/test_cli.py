@@ -1,5 +1,6 @@
 """`pagedllm generate` end to end on a tiny model, and its flags mapping to engine arguments."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -70,6 +71,23 @@ def test_engine_flags_use_vllm_names():
         max_model_len=1024,
         skip_tokenizer_init=True,
     )
+
+
+def test_every_engine_flag_has_help():
+    engine = next(g for g in build_parser()._subparsers._group_actions[0].choices["serve"]
+                  ._action_groups if g.title == "engine")  # fmt: skip
+    helps = {action.dest: action.help for action in engine._group_actions}
+    assert set(helps) == {field.name for field in dataclasses.fields(EngineArgs)}
+    assert all(helps.values()), [name for name, text in helps.items() if not text]
+
+
+def test_distributed_executor_backend_is_checked():
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--distributed-executor-backend", "uni"]
+    )
+    assert engine_args_from(args).distributed_executor_backend == "uni"
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        EngineArgs(distributed_executor_backend="ray")
 
 
 def test_bad_flag_value_is_a_clear_error(tiny_llama, capsys):

@@ -5,7 +5,34 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from pagedllm.config import EngineArgs
+from pagedllm.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
+
+# One line of help per EngineArgs field (tests/test_cli.py checks every field has one).
+ENGINE_ARG_HELP = {
+    "model": "Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer directory, if not the model's own",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs are ids only",
+    "dtype": "weights' and activations' dtype: auto (the checkpoint's), float32 or bfloat16",
+    "max_model_len": "context window in tokens (default: the model's)",
+    "block_size": "tokens per KV cache block",
+    "kv_cache_memory": "memory for the paged KV cache, e.g. 4GiB (default: enough for "
+    "max_num_seqs sequences at max_model_len, at most 4 GiB)",
+    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes)",
+    "max_num_seqs": "most requests running at once",
+    "enable_prefix_caching": "share the KV of equal prompt prefixes between requests",
+    "scheduling_policy": "fcfs (arrival order) or priority (lowest priority value first)",
+    "max_logprobs": "most logprobs / prompt_logprobs a request may ask for",
+    "disable_log_stats": "no periodic throughput / KV usage log line",
+    "seed": "random seed of the engine's unseeded sampling",
+    "attention_backend": "cpu (the C++ paged-attention kernel) or torch (the reference)",
+    "device": "torch device the model runs on",
+    "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)} (default: none)",
+    "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
+    "compile": "run decode steps through one torch.compile graph, compiled at start-up",
+    "enforce_eager": "never compile: every step runs eagerly (the default)",
+    "distributed_executor_backend": "how the engine core runs its workers: "
+    f"{', '.join(EXECUTOR_BACKENDS)} (uni: one worker in the core's process)",
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,17 +42,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if field.name == "model":
             continue
         flag = "--" + field.name.replace("_", "-")
+        help_text = ENGINE_ARG_HELP[field.name]
         if field.type in ("bool", bool):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+            )
         elif field.type in ("int", int) or field.name in ("max_model_len",):
-            group.add_argument(flag, type=int, default=field.default)
+            group.add_argument(flag, type=int, default=field.default, help=help_text)
         else:
-            group.add_argument(flag, default=field.default)
-    group.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)",
-    )
+            group.add_argument(flag, default=field.default, help=help_text)
+    group.add_argument("--model", default=None, help=ENGINE_ARG_HELP["model"])
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

@@ -43,7 +43,7 @@ class CpuAttentionMetadata(AttentionMetadata):
 class CpuAttentionBackend(AttentionBackend):
     """Decodes and prefill chunks of any length run in the C++ kernel, straight from the
     paged blocks (it beats gather + SDPA at every chunk length measured, 2048 included:
-    benchmarks/attention_kernel.py).
+    benchmarks.attention_kernel).
 
     Serves fp32 / bf16 / fp16 caches and the kernel's head sizes (16, 32, 64, 80, 96, 128,
     256) on the CPU, which `kernel_covers` checks once, when the kernels are chosen; bf16 /

@@ -50,11 +50,11 @@ def rms_norm(
 
 # Up to this many rows the skinny kernel (one pass over the weight on every thread) beats
 # torch's sgemm, which runs the fewest rows on one thread and blocks for larger problems
-# (the two met between 96 and 128 rows): benchmarks/RESULTS.md, "Skinny linear".
+# (the two met between 96 and 128 rows): benchmarks/results/matmul.md.
 SKINNY_MAX_ROWS = 96
 # From this many rows on, a weight prepacked for oneDNN (`packed`) beats the skinny kernel
 # (the default model's projections: 18.7 against 19.4 ms at four rows, 22.2 against 17.9 at
-# one): benchmarks/RESULTS.md, "oneDNN with prepacked weights".
+# one): benchmarks/results/matmul.md.
 PACKED_MIN_ROWS = 4
 
 

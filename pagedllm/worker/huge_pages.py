@@ -3,7 +3,8 @@
 A decode step of a few sequences streams every weight once, so its matmuls run at memory
 bandwidth. On 4 KB pages that stream needs a new TLB entry every 4 KB; on 2 MB pages the
 default model's 121 projections took 10.7 ms instead of 11.2 at one row and 17.1 instead of
-19.2 at four (RESULTS.md, "Single-stream, paired round by round, weights on huge pages").
+19.2 at four (benchmarks/results/matmul.md; single-stream decode paired against it in
+benchmarks/results/single_stream.md).
 The kernel's THP setting here is `madvise`, so memory gets huge pages only where asked:
 the large weights are copied into one 2 MB-aligned arena advised with MADV_HUGEPAGE before
 its first write. Where the advice is refused (not Linux, THP off) or PAGEDLLM_HUGE_PAGES=0,

@@ -4,7 +4,7 @@ torch's `F.linear` runs MKL's sgemm, which repacks the weight on every call and,
 machine's AMD CPU, takes its AVX2 code path. oneDNN keeps the weight in its own blocked
 layout and uses AVX-512 where the CPU has it: the default model's projections at 2,048 rows
 ran at 217 GFLOP/s against sgemm's 155, and at 64 rows in 86 ms against the skinny kernel's
-125 (benchmarks/RESULTS.md, "oneDNN with prepacked weights"; docs/performance.md, "oneDNN").
+125 (benchmarks/results/matmul.md; docs/performance.md, "oneDNN").
 The packed copy sits beside the plain weight, which the skinny kernel still reads for one
 to three rows and the embedding lookup for the tied head, so fp32 weights take twice their
 memory.
