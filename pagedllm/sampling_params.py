@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPSILON = 1e-5
 _MAX_LOGIT_BIAS = 100.0
+# torch.Generator.manual_seed takes any 64-bit value; completion i of n uses seed + i.
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -148,8 +151,8 @@ class SamplingParams:
     def _validate_sampling(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
@@ -159,8 +162,17 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+            )
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not _MIN_SEED <= self.seed <= _MAX_SEED - self.n + 1
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] (with n={self.n}, "
+                f"seed + {self.n - 1} too), got {self.seed!r}"
+            )
         for token_id, bias in (self.logit_bias or {}).items():
             if token_id < 0 or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
                 raise ValueError(

@@ -151,11 +151,9 @@ class InputProcessor:
                     f"{name}={value} is above max_logprobs={limit} (an engine argument)", name
                 )
         vocab_size = self.config.model_config.vocab_size
-        ids = [*(params.logit_bias or {}), *(params.allowed_token_ids or ())]
-        if any(token_id >= vocab_size for token_id in ids):
-            raise InvalidRequestError(
-                f"logit_bias / allowed_token_ids: token ids must be < {vocab_size}", "logit_bias"
-            )
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            if any(token_id >= vocab_size for token_id in getattr(params, name) or ()):
+                raise InvalidRequestError(f"{name}: token ids must be < {vocab_size}", name)
         if params.bad_words and self.tokenizer is None:
             raise InvalidRequestError(
                 "bad_words need a tokenizer (skip_tokenizer_init is set)", "bad_words"

@@ -150,6 +150,13 @@ def test_corrupt_files(tmp_path, tiny_llama):
         ({"stop": ["x"], "detokenize": False}, "detokenize"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**64 - 2, "n": 3}, "seed"),  # completion 2 would be seeded 2**64
     ],
 )
 def test_bad_output_params(kwargs, field):
@@ -160,3 +167,14 @@ def test_bad_output_params(kwargs, field):
 def test_out_of_vocabulary_bias_is_refused(llm):
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate("a", SamplingParams(logit_bias={10_000: 1.0}), use_tqdm=False)
+
+
+def test_out_of_vocabulary_stop_token_is_refused_and_the_engine_goes_on(llm):
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    # With min_tokens the stop id indexes the logits: once an IndexError inside a step.
+    bad = SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[vocab_size])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("a", bad, use_tqdm=False)
+    top_seed = SamplingParams(n=2, seed=2**64 - 2, max_tokens=2, temperature=1.0)
+    (output,) = llm.generate("a", top_seed, use_tqdm=False)
+    assert [len(c.token_ids) for c in output.outputs] == [2, 2]

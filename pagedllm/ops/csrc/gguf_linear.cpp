@@ -173,8 +173,8 @@ PAGEDLLM_VNNI inline __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
 
 // One block's integer dots of the tile's 8 columns with a row's digits, in two chains of
 // four vpdpbusd (even and odd groups) so each waits on half as many: a layer's four
-// matmuls ran 0-5% faster than with one chain of eight (benchmarks.gguf_matmul,
-// benchmarks/results/matmul.md), never slower.
+// matmuls ran 0-5% faster than with one chain of eight (benchmarks/gguf_matmul.py,
+// RESULTS.md "sixth run"), never slower.
 PAGEDLLM_VNNI inline __m256i block_dot(const __m256i (&wv)[8], const int8_t* digits) {
   __m256i even = _mm256_setzero_si256(), odd = even;
   for (int g = 0; g < 8; g += 2) {

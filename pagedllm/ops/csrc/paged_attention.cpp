@@ -407,7 +407,7 @@ inline void for_each_block(const Problem<T>& p, const WorkItem& w, int kv_end, V
 // A decode item's rows one at a time against each block. Grouping its rows (three per kv
 // head here) measured 15-40% slower at 256 decodes: a decode's time is memory, not loads.
 // This loop is kept apart from the tiles' (below) because sharing one function with it
-// slowed it by 10-18% in A/B runs (benchmarks/results/attention.md).
+// slowed it by 10-18% in the A/B runs of RESULTS.md.
 template <int NV, typename T>
 void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
   const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * NV * 8;

@@ -5,7 +5,7 @@
 // half of what two cores draw), so a batch-1 decode of the default model took 45 ms in its
 // matmuls. Here each thread streams its own range of weight rows once and keeps the input
 // rows in L1; up to some 100 rows this also beats sgemm, whose blocking is made for larger
-// problems (benchmarks/results/matmul.md).
+// problems (benchmarks/RESULTS.md, "Skinny linear").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
