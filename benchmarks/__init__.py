@@ -33,7 +33,8 @@ Quantization
 
 Features' costs and gains
     prefix_caching      What does prefix caching save on a shared prefix and cost without one?
-    parallel_sampling   Is n = 4 cheaper than four separate requests?
+    parallel_sampling   Is n = 4 (forked in the scheduler) cheaper than four separate requests
+                        (a frontend fan-out), with and without prefix caching?
     sampler_cost        What share of a decode step does each kind of sampling take?
     structured_output   What does an enforced JSON schema cost, and how long do grammars take
                         to compile?
@@ -44,6 +45,8 @@ Shell entries (run by path, they call the modules above)
                         a worktree, beside vLLM and llama.cpp.
     w1_sitting.sh       W1 against vLLM in one sitting, beside the cores' peak and the matmul
                         rates (the current throughput figure).
+    ab_pairs.sh         Did a change move W1 or single-stream decode? Before and after in
+                        alternating pairs of processes (results/refactors.md).
 
 `timing` holds the shared timer.
 """
