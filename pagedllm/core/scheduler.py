@@ -187,7 +187,6 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             self.running.append(request)
             num_seats += 1 + request.num_unforked_samples  # before _schedule forks them
-            allocation.new_blocks[:0] = hits  # a new request's table: hits, then fresh blocks
             self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back at the head, in their order
@@ -203,7 +202,7 @@ class Scheduler:
         request_id = request.request_id
         if request_id not in self._seen_by_runner:
             self._seen_by_runner.add(request_id)
-            output.scheduled_new_reqs.append(self._new_request_data(request, allocation))
+            output.scheduled_new_reqs.append(self._new_request_data(request))
         else:
             # A table changed in place (resumed, or copied on write) is sent whole.
             rewritten = request_id in self._resumed or allocation.block_copy is not None
@@ -231,13 +230,14 @@ class Scheduler:
         if request.num_unforked_samples and request.num_computed_tokens == request.num_tokens:
             self._fork_samples(output, request)
 
-    @staticmethod
-    def _new_request_data(request: Request, allocation: KVAllocation) -> NewRequestData:
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        """A request the runner has not seen gets its whole block table (prefix-cache hits,
+        fresh blocks, or the parent's shared ones for a forked sample)."""
         return NewRequestData(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params,
-            block_ids=allocation.new_block_ids,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids,
@@ -277,8 +277,7 @@ class Scheduler:
             self.requests[child.request_id] = child
             self._forked_samples.append(child)
             self._seen_by_runner.add(child.request_id)
-            table = KVAllocation(self.kv_cache_manager.req_to_blocks[child.request_id])
-            output.scheduled_new_reqs.append(self._new_request_data(child, table))
+            output.scheduled_new_reqs.append(self._new_request_data(child))
             children.append(child.request_id)
         parent.samples_forked = True
         output.forked_samples[parent.request_id] = children
