@@ -39,6 +39,14 @@ Features' costs and gains
     structured_output   What does an enforced JSON schema cost, and how long do grammars take
                         to compile?
     kv_waste            How much of the KV cache is allocated but empty at peak?
+    fair_share          Does a tenant that floods the server delay another tenant's first
+                        token, under fcfs and under fair scheduling?
+
+Reliability
+    soak                Does the server stay up, answer every request and hold its memory and
+                        files over 30 minutes of mixed, partly hostile traffic?
+    rate_sweep          Up to what Poisson rate does p99 TTFT stay under 2 s, with two tenants,
+                        under fcfs and under fair scheduling?
 
 Shell entries (run by path, they call the modules above)
     cpu_perf.sh         The CPU targets in one run: the working tree against a base commit in
@@ -48,5 +56,5 @@ Shell entries (run by path, they call the modules above)
     ab_pairs.sh         Did a change move W1 or single-stream decode? Before and after in
                         alternating pairs of processes (results/refactors.md).
 
-`timing` holds the shared timer.
+`timing` holds the shared timer; `tenant_server` starts a server with two tenants' keys.
 """

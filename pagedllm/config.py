@@ -7,6 +7,7 @@ frozen configs each component reads.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -126,18 +127,83 @@ class CacheConfig:
             )
 
 
+# Scheduling policies (`core/request_queue.py` has one waiting queue per name): "fcfs"
+# (arrival), "priority" (lowest value first), "fair" (weighted fair share between tenants).
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+
+
+def check_scheduling_policy(policy: object) -> None:
+    if policy not in SCHEDULING_POLICIES:
+        choices = ", ".join(repr(name) for name in SCHEDULING_POLICIES)
+        raise ValueError(f"scheduling_policy must be one of {choices}, got {policy!r}")
+
+
+def parse_tenant_weights(value: str | dict[str, float] | None) -> dict[str, float]:
+    """Tenant weights for the "fair" policy from a dict or "name=weight,name=weight" (the
+    CLI's form); a tenant not named weighs 1. ValueError naming the bad entry."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        pairs: list[tuple[str, object]] = []
+        for item in value.split(","):
+            name, sep, weight = item.partition("=")
+            if not sep:
+                raise ValueError(f"tenant_weights: expected name=weight, got {item.strip()!r}")
+            try:
+                pairs.append((name.strip(), float(weight)))
+            except ValueError:
+                raise ValueError(
+                    f"tenant_weights: weight of {name.strip()!r} is not a number: {weight!r}"
+                ) from None
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        raise ValueError(f"tenant_weights must be a dict or a string, got {type(value).__name__}")
+    weights: dict[str, float] = {}
+    for name, weight in pairs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tenant_weights: tenant names are non-empty strings, got {name!r}")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise ValueError(
+                f"tenant_weights: weight of {name!r} must be a finite number > 0, got {weight!r}"
+            )
+        weights[name] = float(weight)
+    return weights
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits: the token budget and the number of running requests."""
+    """Per-step limits: the token budget and the number of running requests.
+
+    Under the "fair" policy, `tenant_weights` (name -> weight, others weigh 1; held as sorted
+    pairs so the config stays hashable) set each tenant's share, and `fair_quantum` is the
+    tokens a weight-1 tenant is credited per deficit-round-robin turn (default: an eighth of
+    the step's budget).
+    """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
     policy: str = "fcfs"
+    # Given as a dict or "name=weight,..." too; kept as sorted (name, weight) pairs.
+    tenant_weights: tuple[tuple[str, float], ...] | dict[str, float] | str = ()
+    fair_quantum: int | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        check_scheduling_policy(self.policy)
+        weights = self.tenant_weights
+        if not isinstance(weights, tuple):
+            weights = tuple(sorted(parse_tenant_weights(weights).items()))
+            object.__setattr__(self, "tenant_weights", weights)
+        if self.fair_quantum is None:
+            object.__setattr__(self, "fair_quantum", max(1, self.max_num_batched_tokens // 8))
+        elif not isinstance(self.fair_quantum, int) or self.fair_quantum < 1:
+            raise ValueError(f"fair_quantum must be a positive integer, got {self.fair_quantum!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
@@ -197,6 +263,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # "fair" policy: tenant name -> weight (a dict, or "a=2,b=1" from the CLI); others weigh 1.
+    tenant_weights: dict[str, float] | str | None = None
     max_logprobs: int = 20
     disable_log_stats: bool = False
     seed: int = 0
@@ -225,9 +293,12 @@ class EngineArgs:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len}")
         resolve_dtype(self.dtype)
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        check_scheduling_policy(self.scheduling_policy)
+        self.tenant_weights = parse_tenant_weights(self.tenant_weights)
+        if self.tenant_weights and self.scheduling_policy != "fair":
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+                "tenant_weights apply to scheduling_policy='fair' only, "
+                f"got scheduling_policy={self.scheduling_policy!r}"
             )
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)

@@ -47,6 +47,11 @@ class LLM:
         A prompt is a string or a dict with `prompt_token_ids` (or `prompt`) and an
         optional `cache_salt`; `priority` (one per prompt, lower first) needs
         scheduling_policy="priority".
+
+        A request that fails on its own in the engine (its logits processors, grammar,
+        parallel-sample fork or detokenization raised) does not raise here: it comes back
+        finished with `finish_reason="error"` and the message in its `CompletionOutput.error`
+        (`RequestOutput.error`), and every other request's output is what it would have been.
         """
         engine = self.llm_engine
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)

@@ -24,9 +24,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # None unless the request asked for logprobs
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "error" (it failed alone; see `error`) or None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     logprobs: list[PositionLogprobs] | None = None  # one per token, if asked for
+    error: str | None = None  # finish_reason "error": what failed for this sequence, in a line
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -57,3 +59,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # None for the first prompt token, then one dict per prompt token, if asked for.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def error(self) -> str | None:
+        """What failed, if a sequence here ended with finish_reason "error" (else None)."""
+        return next((c.error for c in self.outputs if c.error is not None), None)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.value_checks import INT64_MAX, check_float, check_int, check_text, short_repr
 
 _GREEDY_EPSILON = 1e-5
 _MAX_LOGIT_BIAS = 100.0
@@ -45,11 +47,27 @@ class StructuredOutputsParams:
                 f"json_object; got {len(given)}{': ' + ', '.join(given) if given else ''}"
             )
         if self.choice is not None and (
-            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise ValueError("structured_outputs.choice: must be a list of non-empty strings")
-        if self.max_whitespace is not None and self.max_whitespace < 0:
-            raise ValueError("structured_outputs.max_whitespace: must be >= 0 or None")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None:
+                check_text(f"structured_outputs.{name}", getattr(self, name))
+        for choice in self.choice or ():
+            check_text("structured_outputs.choice", choice)
+        if isinstance(self.json, str):
+            check_text("structured_outputs.json", self.json)
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json: must be a JSON schema (a dict or its text)")
+        if self.max_whitespace is not None:
+            try:
+                self.max_whitespace = check_int("max_whitespace", self.max_whitespace, 0)
+            except ValueError:
+                raise ValueError(
+                    "structured_outputs.max_whitespace: must be an integer >= 0 or None"
+                ) from None
 
     @property
     def kind(self) -> str:
@@ -140,78 +158,121 @@ class SamplingParams:
             self.top_k = -1
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self._validate_sampling()
         self._validate_stopping()
         self._validate_outputs()
 
     def _validate_sampling(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be a positive integer, got {self.n!r}")
-        if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(
-                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
-            )
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not _MIN_SEED <= self.seed <= _MAX_SEED - self.n + 1
-        ):
-            raise ValueError(
-                f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] (with n={self.n}, "
-                f"seed + {self.n - 1} too), got {self.seed!r}"
-            )
-        for token_id, bias in (self.logit_bias or {}).items():
-            if token_id < 0 or not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+        # Every number is checked for its type, range and finiteness here, and stored as a
+        # plain int or float: offline callers get the same refusals as the server, and
+        # nothing wider than the engine's int64 (or NaN) reaches a step.
+        self.n = check_int("n", self.n, 1)
+        self.temperature = check_float("temperature", self.temperature, 0.0)
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.top_k = check_int("top_k", self.top_k, -1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (disable) or at least 1, got 0")
+        self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2, 2)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2, 2)
+        self.repetition_penalty = check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, low_open=True
+        )
+        if self.seed is not None:
+            # Completion i is seeded seed + i: every one of them must fit 64 bits.
+            try:
+                self.seed = check_int("seed", self.seed, _MIN_SEED, _MAX_SEED - self.n + 1)
+            except ValueError:
                 raise ValueError(
-                    f"logit_bias: token {token_id} -> {bias}; ids must be >= 0 and biases "
-                    f"in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]"
-                )
-        if self.allowed_token_ids is not None and (
-            not self.allowed_token_ids or any(t < 0 for t in self.allowed_token_ids)
-        ):
-            raise ValueError("allowed_token_ids must be a non-empty list of non-negative ids")
+                    f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] (with n={self.n}, "
+                    f"seed + {self.n - 1} too), got {short_repr(self.seed)}"
+                ) from None
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids(
+                "allowed_token_ids", _as_list("allowed_token_ids", self.allowed_token_ids)
+            )
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative ids")
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", self.bad_words)
+            for word in self.bad_words:
+                check_text("bad_words", word)
 
     def _validate_stopping(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop}")
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop must hold non-empty strings, got {type(stop).__name__}")
+            check_text("stop", stop)
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
 
     def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ValueError(
-                f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}"
+            if value is not None:
+                setattr(self, name, check_int(name, value, 0))
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = check_int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens, 1
             )
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPSILON
+
+
+def _as_list(name: str, value: Any) -> list:
+    if value is None:
+        return []
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _token_ids(name: str, values: list) -> list[int]:
+    """Non-negative ids within int64 (the input processor checks them against the
+    vocabulary, which SamplingParams does not know)."""
+    if not values:
+        return values
+    plain = all(type(value) is int for value in values)
+    if plain and min(values) >= 0 and max(values) <= INT64_MAX:
+        return values  # the common case, in C loops
+    try:
+        return [check_int(name, value, 0) for value in values]
+    except ValueError:
+        raise ValueError(f"{name} must be non-negative ints below 2**63") from None
+
+
+def _logit_bias(logit_bias: Any) -> dict[int, float]:
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+    checked = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = check_int("logit_bias", int(key) if isinstance(key, str) else key, 0)
+            checked[token_id] = check_float("logit_bias", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+        except ValueError:
+            raise ValueError(
+                f"logit_bias: token {short_repr(key)} -> {short_repr(bias)}; ids must be token ids "
+                f"(ints >= 0) and biases finite numbers in "
+                f"[-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]"
+            ) from None
+    return checked

@@ -24,12 +24,17 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm",  # the package's __init__: the public API
             "pagedllm.__main__",
             "pagedllm.entrypoints.*",
+            # API keys, tenants and their limits; metrics.prometheus reads the tenant too.
+            "pagedllm.entrypoints.openai.tenants",
+            "pagedllm.entrypoints.openai.tenant_limits",
             "pagedllm.bench.*",
             "pagedllm.llm",
             "pagedllm.beam_search",
             "pagedllm.engine.llm_engine",
             "pagedllm.engine.async_llm",
+            "pagedllm.engine.admission",
             "pagedllm.engine.processor",
+            "pagedllm.engine.chat_template",  # bounded chat-template rendering (processor's)
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
             "pagedllm.metrics.prometheus",
@@ -68,6 +73,7 @@ SHARED: list[str] = [
     "pagedllm.sampling_params",
     "pagedllm.outputs",
     "pagedllm.errors",
+    "pagedllm.value_checks",  # checks of user values (ints, floats, text, JSON documents)
     "pagedllm.logger",
     "pagedllm.utils",
     # What crosses a boundary: client <-> core, core <-> runner.

@@ -108,11 +108,8 @@ class KVCacheManager:
         num_new_blocks = max(
             0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
         )
-        # Hits that sit in the free queue stop being free once taken.
-        num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
         shared_index = self._shared_partial_block(request, blocks)
-        num_copies = 0 if shared_index is None else 1
-        if num_new_blocks + num_copies > self.block_pool.num_free_blocks - num_free_hits:
+        if self.num_blocks_to_allocate(request, num_new_tokens, computed) > self.num_free_blocks:
             return None
         block_copy = None if shared_index is None else self._copy_on_write(blocks, shared_index)
         self.block_pool.touch(computed)
@@ -123,6 +120,26 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
         return KVAllocation(new_blocks, block_copy)
+
+    def num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> int:
+        """Free blocks `allocate_slots` would take for these tokens: fresh ones, a copy-on-write,
+        and prefix-cache hits that sit in the free queue (taking them makes them held)."""
+        computed = new_computed_blocks or []
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        )
+        num_new_blocks = max(
+            0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
+        )
+        num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        num_copies = 0 if self._shared_partial_block(request, blocks) is None else 1
+        return num_new_blocks + num_copies + num_free_hits
 
     def _shared_partial_block(self, request: Request, blocks: list[KVCacheBlock]) -> int | None:
         """Index of the block the next token lands in, if it is partly filled and shared."""

@@ -22,6 +22,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # Something raised for this request alone (fault isolation): it ends, the batch goes on.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -36,11 +38,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -60,6 +64,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first (under the "priority" scheduling policy)
     cache_salt: str | None = None  # requests share cached KV only with equal salts
+    tenant: str | None = None  # the "fair" policy shares the engine between tenants
     bad_words_token_ids: list[list[int]] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

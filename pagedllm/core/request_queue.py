@@ -2,6 +2,9 @@
 
 `fcfs`: arrival order; a preempted request goes back to the head.
 `priority`: lowest `priority` value first, ties by arrival time (vLLM's convention).
+`fair`: one arrival-order queue per tenant (a preempted request back at its tenant's head);
+the scheduler's fair step (`core/fair_scheduler.py`) chooses between tenants. Taken through
+`peek`/`pop` alone, tenants take turns.
 """
 
 from __future__ import annotations
@@ -94,7 +97,72 @@ class PriorityQueue(RequestQueue):
         return (entry[1] for entry in sorted(self._heap, key=lambda entry: entry[0]))
 
 
-SCHEDULING_POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue}
+class FairQueue(RequestQueue):
+    """Waiting requests per tenant (None is the default tenant), each tenant's in arrival
+    order; tenants are kept in the order they last became waiting."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str | None, deque[Request]] = {}
+        self._len = 0
+
+    def add(self, request: Request) -> None:
+        self._queues.setdefault(request.tenant, deque()).append(request)
+        self._len += 1
+
+    def add_preempted(self, request: Request) -> None:
+        self._queues.setdefault(request.tenant, deque()).appendleft(request)
+        self._len += 1
+
+    def tenants(self) -> list[str | None]:
+        """Tenants with waiting requests."""
+        return list(self._queues)
+
+    def tenant_queue(self, tenant: str | None) -> deque[Request]:
+        """A tenant's waiting requests, oldest first (empty if it has none); read-only."""
+        return self._queues.get(tenant) or deque()
+
+    def peek(self) -> Request:
+        return next(iter(self._queues.values()))[0]
+
+    def pop(self) -> Request:
+        """The first tenant's oldest request; that tenant then goes last (round-robin)."""
+        tenant, queue = next(iter(self._queues.items()))
+        request = queue.popleft()
+        del self._queues[tenant]
+        if queue:
+            self._queues[tenant] = queue
+        self._len -= 1
+        return request
+
+    def pop_tenant(self, tenant: str | None) -> Request:
+        """A tenant's oldest request."""
+        queue = self._queues[tenant]
+        request = queue.popleft()
+        if not queue:
+            del self._queues[tenant]
+        self._len -= 1
+        return request
+
+    def remove(self, request: Request) -> None:
+        queue = self._queues[request.tenant]
+        queue.remove(request)
+        if not queue:
+            del self._queues[request.tenant]
+        self._len -= 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        """In the order `pop` would give them: tenants in turn."""
+        queues = [list(queue) for queue in self._queues.values()]
+        for index in range(max(map(len, queues), default=0)):
+            for queue in queues:
+                if index < len(queue):
+                    yield queue[index]
+
+
+SCHEDULING_POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue, "fair": FairQueue}
 
 
 def create_request_queue(policy: str) -> RequestQueue:

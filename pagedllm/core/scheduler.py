@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.fair_scheduler import FairScheduling
+from pagedllm.core.fair_share import FairShare
 from pagedllm.core.kv_cache_manager import KVAllocation, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus, child_request_id
 from pagedllm.core.request_queue import create_request_queue, priority_key
@@ -17,12 +20,15 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.errors import describe_error
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
 
+logger = logging.getLogger("pagedllm")
 
-class Scheduler:
+
+class Scheduler(FairScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -34,9 +40,19 @@ class Scheduler:
         self.structured_output = structured_output
         # Outputs decided outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Fault isolation: requests whose own grammar raised while scheduling (id -> what
+        # raised); they run this step like the others and end in update_from_output.
+        self._failed: dict[str, str] = {}
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
+        # The "fair" policy's state kept across steps (weights, deficits, whose turn it is).
+        self.fair_share = FairShare(
+            config.tenant_weights,
+            config.fair_quantum,
+            config.max_num_seqs,
+            kv_cache_manager.block_pool.num_usable_blocks,
+        )
         self._seen_by_runner: set[str] = set()
         self._resumed: set[str] = set()
         self._finished_req_ids: set[str] = set()
@@ -86,8 +102,32 @@ class Scheduler:
         #    arrivals; priority: by priority, then arrival) while budget, max_num_seqs and
         #    free blocks allow; none in a step that preempted. Each first takes its longest
         #    prefix-cache hit and only the rest is computed.
+        # Under "fair" (core/fair_scheduler.py has the details), requests belong to tenants
+        # (None: the default one) and no tenant can starve another:
+        # 1. Seats and KV blocks by dominant share (the larger of a tenant's fractions of
+        #    max_num_seqs and of the pool, over its weight): the waiting tenant whose share
+        #    would be lowest claims a seat and blocks for its next request; if they are not
+        #    free, the newest running request of the tenant with the highest share is
+        #    preempted for it, as long as the claimant ends no higher than that tenant. Claims
+        #    are the claimant's alone for the step.
+        # 2. The token budget by weighted deficit round-robin: tenants take turns in a ring
+        #    that persists across steps; a turn credits quantum x weight tokens, and runs the
+        #    tenant's running requests (admission order) then admits its waiting ones (arrival
+        #    order) while its deficit covers each one's tokens this step. A running request
+        #    short of blocks preempts the newest unscheduled running request of the tenant
+        #    with the highest share (then only claimants admit in this step).
         output = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
+        if self.config.policy == "fair":
+            self._schedule_fair(output)
+        else:
+            self._schedule_in_order(output)
+        self._run_forked_samples()
+        self._add_grammar_bitmask(output)
+        return output
+
+    def _schedule_in_order(self, output: SchedulerOutput) -> None:
+        """The fcfs and priority policies' step (rule 1 and 2 above)."""
         token_budget = self.config.max_num_batched_tokens
         num_preemptions_before = self.num_preemptions
         if self.config.policy == "priority":
@@ -105,9 +145,6 @@ class Scheduler:
         self._run_forked_samples()
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(output, token_budget)
-            self._run_forked_samples()
-        self._add_grammar_bitmask(output)
-        return output
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         if self.structured_output is None:
@@ -117,23 +154,62 @@ class Scheduler:
             for request_id in output.num_scheduled_tokens
             if (request := self.requests[request_id]).num_computed_tokens == request.num_tokens
         ]
-        result = self.structured_output.bitmask(sampling)
+        result = self._grammar_bitmask(output, sampling)
         if result is not None:
             output.grammar_bitmask, output.grammar_rows = result
+
+    def _grammar_bitmask(self, output: SchedulerOutput, sampling: list[Request]):
+        """The step's bitmask; when filling it raises, each request is tried alone and those
+        whose matcher raises fail (with the samples they forked this step, which sample from
+        their row) and are left out; an error no single request reproduces raises."""
+        manager = self.structured_output
+        assert manager is not None
+        try:
+            return manager.bitmask(sampling)
+        except Exception:
+            healthy = []
+            for request in sampling:
+                try:
+                    manager.bitmask([request])
+                    healthy.append(request)
+                except Exception as error:
+                    logger.exception("Request %s: its grammar bitmask failed", request.request_id)
+                    message = f"structured_outputs: the grammar failed: {describe_error(error)}"
+                    for request_id in (
+                        request.request_id,
+                        *output.forked_samples.get(request.request_id, ()),
+                    ):
+                        self._failed[request_id] = message
+            if len(healthy) == len(sampling):
+                raise
+        return manager.bitmask(healthy)
 
     def _grammar_pending(self, request: Request) -> bool:
         """True while the request's grammar compiles; a failed one ends the request here."""
         manager = self.structured_output
         if manager is None or request.structured_output is None:
             return False
-        if not manager.is_ready(request):
+        try:
+            ready = manager.is_ready(request)
+        except Exception as error:  # building its matcher raised: this request's alone
+            logger.exception("Request %s: its grammar failed", request.request_id)
+            request.structured_output.error = describe_error(error)
+            ready = True
+        if not ready:
             return True
         if request.structured_output.error is not None:
             self.waiting.remove(request)
-            request.status = RequestStatus.FINISHED_ABORTED
+            request.status = RequestStatus.FINISHED_ERROR
             del self.requests[request.request_id]
             self._pending_outputs.append(
-                EngineCoreOutput(request.request_id, [], True, finish_reason="abort")
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    True,
+                    finish_reason="error",
+                    error=f"structured_outputs: the grammar failed: "
+                    f"{request.structured_output.error}",
+                )
             )
             return True
         return False
@@ -177,20 +253,24 @@ class Scheduler:
             allocation = kv.allocate_slots(request, num_new_tokens, hits)
             if allocation is None:
                 break
-            kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_hit_tokens
-            self.running.append(request)
+            self._start_running(request, num_hit_tokens)
             num_seats += 1 + request.num_unforked_samples  # before _schedule forks them
             self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
         for request in reversed(skipped):  # back at the head, in their order
             self.waiting.add_preempted(request)
+
+    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
+        """A waiting request just given its blocks joins `running`, its hits computed."""
+        self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
 
     def _schedule(
         self,
@@ -265,6 +345,7 @@ class Scheduler:
                 priority=parent.priority,
                 cache_salt=parent.cache_salt,
                 bad_words_token_ids=parent.bad_words_token_ids,
+                tenant=parent.tenant,
             )
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
@@ -273,7 +354,13 @@ class Scheduler:
             child.block_hashes = list(parent.block_hashes)
             self.kv_cache_manager.fork(parent, child)
             if self.structured_output is not None and parent.structured_output is not None:
-                self.structured_output.fork(parent, child)
+                try:
+                    self.structured_output.fork(parent, child)
+                except Exception as error:  # its matcher: this sample fails alone
+                    logger.exception("Request %s: its grammar failed", child.request_id)
+                    self._failed[child.request_id] = (
+                        f"structured_outputs: the grammar failed: {describe_error(error)}"
+                    )
             self.requests[child.request_id] = child
             self._forked_samples.append(child)
             self._seen_by_runner.add(child.request_id)
@@ -292,24 +379,32 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply token-level stops, free what finished."""
+        """Append sampled tokens, apply token-level stops, free what finished. A request that
+        failed this step (its stage in the runner, or its grammar here) ends alone with
+        finish_reason "error" and its blocks freed; the others go on as if it never ran."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        failed, self._failed = {**self._failed, **runner_output.failed_requests}, {}
+        for request_id, message in failed.items():
+            request = self.requests.get(request_id)
+            if request is not None:  # else aborted while the step ran
+                outputs.append(self._fail_request(request, message))
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             token_id = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
-            if request is None or (token_id is None and prompt_logprobs is None):
-                continue  # aborted while the step ran, or a prefill chunk with nothing to say
-            output = EngineCoreOutput(
-                request_id,
-                [],
-                False,
-                new_prompt_logprobs=prompt_logprobs,
-                first_scheduled_time=request.first_scheduled_time,
-            )
-            if token_id is not None:
-                self._append_token(request, token_id, runner_output, output)
-            outputs.append(output)
+            # None: aborted or failed while the step ran; or a prefill chunk with nothing to say.
+            if request is not None and (token_id is not None or prompt_logprobs is not None):
+                output = EngineCoreOutput(
+                    request_id,
+                    [],
+                    False,
+                    new_prompt_logprobs=prompt_logprobs,
+                    first_scheduled_time=request.first_scheduled_time,
+                )
+                if token_id is not None:
+                    self._append_token(request, token_id, runner_output, output)
+                outputs.append(output)
+            # A failed parent's samples go on: each drew from the parent's raw logits.
             for child_id in scheduler_output.forked_samples.get(request_id, ()):
                 child = self.requests.get(child_id)
                 if child is None:
@@ -331,7 +426,13 @@ class Scheduler:
         request.append_output_token(token_id, runner_output.logprobs.get(request_id))
         output.finished = self._check_stop(request)
         if request.structured_output is not None and self.structured_output is not None:
-            grammar_done = self.structured_output.accept(request, token_id)
+            try:
+                grammar_done = self.structured_output.accept(request, token_id)
+            except Exception as error:  # its grammar alone: it ends, the batch goes on
+                logger.exception("Request %s: its grammar failed", request_id)
+                request.status = RequestStatus.FINISHED_ERROR
+                output.error = f"structured_outputs: the grammar failed: {describe_error(error)}"
+                grammar_done = output.finished = True
             if grammar_done and not output.finished:
                 request.status = RequestStatus.FINISHED_STOPPED
                 output.finished = True
@@ -345,6 +446,20 @@ class Scheduler:
         output.stop_reason = request.stop_reason
         if request_id in runner_output.sample_logprobs:
             output.new_logprobs = [runner_output.sample_logprobs[request_id]]
+
+    def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
+        """End a request that failed on its own (fault isolation); its blocks are freed."""
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            True,
+            cumulative_logprob=request.cumulative_logprob,
+            num_cached_tokens=request.num_cached_tokens,
+            finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+            first_scheduled_time=request.first_scheduled_time,
+            error=message,
+        )
 
     def _check_stop(self, request: Request) -> bool:
         params = request.sampling_params

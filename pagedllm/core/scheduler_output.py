@@ -73,3 +73,6 @@ class ModelRunnerOutput:
     # For requests that asked for prompt_logprobs: prompt index -> logprob of that prompt
     # token given the tokens before it, for the positions this step computed.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    # Fault isolation: requests whose own stage raised this step (request id -> what raised,
+    # in one line). They sampled nothing; the scheduler ends them with finish_reason "error".
+    failed_requests: dict[str, str] = field(default_factory=dict)

@@ -5,17 +5,27 @@ the `EngineCoreRequest`), and output processing (detokenization, stop strings, l
 text). The scheduler and the model run in the engine-core process behind `MPClient`. Each
 request gets an asyncio queue; one task reads the core's events and fans them out, so the
 event loop never waits on the model.
+
+Supervision: a watchdog task reports a core that owes outputs (requests it has not finished)
+and sends none for `iteration_timeout_s` as stalled (`unavailable_reason`, `on_stalled`);
+a core that exits, or stalls, ends every request in flight with `EngineDeadError`. With
+`restart_on_failure` it is then killed and replaced by a new core (a new `MPClient`) and
+new requests are served again; without it the engine stays dead (`on_dead`), and a
+stalled core stays reported until it sends something again. `fail_all_requests` ends what
+is running with an error of the server's choosing (a drain that ran out of time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.config import EngineArgs
+from pagedllm.engine.admission import AdmissionQueue, Cost, QueueLimits, Reservation
 from pagedllm.engine.client import MPClient
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
@@ -26,12 +36,15 @@ from pagedllm.engine.messages import (
 )
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, PromptType
-from pagedllm.errors import EngineDeadError, InvalidRequestError
+from pagedllm.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
+
+# How often the watchdog looks for a stalled core.
+WATCHDOG_INTERVAL_S = 0.5
 
 
 class StepObserver(Protocol):
@@ -50,6 +63,7 @@ class AsyncLLM:
     def __init__(self, args: EngineArgs) -> None:
         # The core process loads its own config and the model while this one loads the
         # same config and the tokenizer: the two start-ups overlap.
+        self.args = args  # kept to start a new core after a failure
         self.client = MPClient(args)
         try:
             _, self.tokenizer, self.config = load_engine_config(args, log=False)
@@ -63,30 +77,86 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self.on_dead: list[Callable[[], None]] = []  # called once the engine process is gone
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # Requests that have not produced a token yet: the server's queue-depth limit.
-        self._awaiting_first_token: set[str] = set()
+        # Requests that have not produced a token yet: the server's admission limits.
+        self.admission = AdmissionQueue()
         self._background: set[asyncio.Task[Any]] = set()
         self._output_task: asyncio.Task[None] | None = None
+        # Supervision, set by the server. A core that owes outputs and sends nothing for
+        # this long is stalled (None: never); a failed core is replaced when asked to.
+        self.iteration_timeout_s: float | None = None
+        self.restart_on_failure = False
+        self.num_restarts = 0
+        self.stalled_since: float | None = None  # time.monotonic() of its last output
+        self.on_stalled: list[Callable[[bool], None]] = []  # True when stalled, False after
+        self.on_restarted: list[Callable[[], None]] = []  # after a new core is ready
+        self._last_progress = time.monotonic()
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._restart_task: asyncio.Task[None] | None = None
+        self._stopping = False  # shutting down: a failure is not repaired any more
+        self._refusal: Exception | None = None  # what new requests get after a drain
 
     async def start(self) -> None:
         """Wait for the engine core to load the model, then start reading its outputs."""
         await self.client.wait_ready()
+        self._start_tasks()
+
+    def _start_tasks(self) -> None:
+        self._last_progress = time.monotonic()
         self._output_task = asyncio.create_task(self._handle_events())
+        self._watchdog_task = asyncio.create_task(self._watch())
 
     @property
     def num_queued_requests(self) -> int:
-        return len(self._awaiting_first_token)
+        """Engine requests (each counting its n samples) waiting for their first token."""
+        return self.admission.num_requests
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens of the requests waiting for their first token."""
+        return self.admission.num_tokens
+
+    def admit(self, requests: list[EngineCoreRequest], limits: QueueLimits) -> Reservation:
+        """Queue all of one HTTP request's engine requests or none (`QueueFullError`); release
+        the reservation when their streams end."""
+        for request in requests:
+            request_id = request.request_id
+            if request_id in self._queues or request_id in self.admission:
+                raise InvalidRequestError(
+                    f"request_id {request_id!r} is already running", "request_id"
+                )
+        costs = {request.request_id: _cost(request) for request in requests}
+        return self.admission.admit(costs, limits)
 
     @property
     def is_dead(self) -> bool:
-        return self.dead_error is not None
+        """The engine cannot take requests now (`unavailable_reason` says why): the server
+        answers 503 on /health and to new requests."""
+        return self.unavailable_reason is not None
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self.dead_error is not None:
+            return f"the engine is not running: {self.dead_error}"
+        if self._restart_task is not None:
+            return "the engine is restarting after a failure"
+        if self.stalled_since is not None:
+            stalled_for = time.monotonic() - self.stalled_since
+            return f"the engine has made no progress for {stalled_for:.0f} s"
+        return None
 
     def process_inputs(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (`InvalidRequestError` naming the field at fault);
         call it before answering, so bad input is refused before any output is streamed."""
-        return self.input_processor.process_inputs(request_id, prompt, params, priority)
+        return self.input_processor.process_inputs(
+            request_id, prompt, params, priority, tenant=tenant
+        )
 
     async def generate(
         self, prompt_text: str | None, request: EngineCoreRequest
@@ -96,26 +166,35 @@ class AsyncLLM:
         A consumer that stops early (a client disconnect cancels it) aborts the request in
         the core at once, which frees its KV blocks.
         """
+        if self._restart_task is not None:  # admitted just before the core failed
+            await asyncio.shield(self._restart_task)
+        # Raised afresh each time: the traceback of one request must not pile onto another's.
+        if self._refusal is not None:
+            raise self._refusal.with_traceback(None)
         if self.dead_error is not None:
-            raise self.dead_error
+            raise self.dead_error.with_traceback(None)
         request_id = request.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request, prompt_text)
-        self._awaiting_first_token.add(request_id)
+        self.admission.add(request_id, _cost(request))
         for observer in self.observers:
             observer.on_request_added(
                 request_id, request.arrival_time, len(request.prompt_token_ids)
             )
-        finished = False
+        finished = core_lost = False
         try:
             await self.client.send(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # nothing left to abort
+                    # A request that failed in the engine was let go of already; one the
+                    # core lost (it died) is forgotten here alone; one the server ended (a
+                    # drain out of time) is aborted in the core too.
+                    finished = isinstance(item, RequestFailedError)
+                    core_lost = isinstance(item, EngineDeadError)
                     raise item
                 finished = item.finished
                 yield item
@@ -123,32 +202,43 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self.admission.release(request_id)
             if not finished:
-                self.abort(request_id)
+                self.abort(request_id, tell_core=not core_lost)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, tell_core: bool = True) -> None:
         """Forget the request here and tell the core to drop it (and its n > 1 samples)."""
         family = self.output_processor.family(request_id)
         self.output_processor.abort(request_id)
-        self._awaiting_first_token.discard(request_id)
+        self.admission.release(request_id)
         for observer in self.observers:
             observer.on_request_aborted(family, time.monotonic())
-        if not self.is_dead:
+        if tell_core and self.dead_error is None:
             self._send_in_background(AbortRequests(family))
 
     def _send_in_background(self, message: AbortRequests) -> None:
-        task = asyncio.get_running_loop().create_task(self.client.send(message))
+        task = asyncio.get_running_loop().create_task(self._send_quietly(message))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _send_quietly(self, message: AbortRequests) -> None:
+        # The core may be gone, or being replaced, by the time this runs: nothing to abort.
+        with contextlib.suppress(EngineDeadError):
+            await self.client.send(message)
 
     async def _handle_events(self) -> None:
         try:
             async for event in self.client.events():
+                self._last_progress = time.monotonic()
+                if self.stalled_since is not None:
+                    stalled_for = self._last_progress - self.stalled_since
+                    logger.warning("Engine core made progress again after %.1f s", stalled_for)
+                    self._set_stalled(None)
                 if isinstance(event, EngineCoreOutputs):
                     self._process_outputs(event)
         except EngineDeadError as error:
             logger.error("Engine core died: %s", error)
-            self._fail_all(error)
+            self._on_core_failure(error)
         except Exception as error:  # a bug here must not leave requests hanging
             logger.exception("Output handler failed")
             self._fail_all(EngineDeadError(f"output handler failed: {error}"))
@@ -156,26 +246,142 @@ class AsyncLLM:
     def _process_outputs(self, event: EngineCoreOutputs) -> None:
         now = time.monotonic()
         outputs, stopped = self.output_processor.process(event.outputs)
+        failed = []
         for output in outputs:
             queue = self._queues.get(output.request_id)
-            if queue is not None:
+            if output.error is not None:
+                # It failed alone in the engine (fault isolation): its consumer gets the error
+                # (a 500, or an error event in a stream); the core goes on with the others.
+                failed.append(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(RequestFailedError(output.request_id, output.error))
+            elif queue is not None:
                 queue.put_nowait(output)
         for core_output in event.outputs:
             if core_output.new_token_ids:
-                self._awaiting_first_token.discard(core_output.request_id)
+                self.admission.first_token(core_output.request_id)
+            elif core_output.finished:  # finished without a token (an error, say)
+                self.admission.release(core_output.request_id)
         if stopped:  # finished by a stop string: the core must let go of them now
             self._send_in_background(AbortRequests(stopped))
         for observer in self.observers:
             observer.on_step(event.outputs, stopped, event.stats, now)
+        for request_id in failed:  # its other samples (n > 1) stop; its queue slot is freed
+            self.abort(request_id)
+
+    # ---- supervision ------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """Report a core that owes outputs and has sent none for `iteration_timeout_s`."""
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            timeout = self.iteration_timeout_s
+            # The core owes outputs to every request it has not finished (a slow reader of a
+            # finished one does not count).
+            num_owed = len(self.output_processor.states)
+            if timeout is None or not num_owed:
+                self._last_progress = now
+                continue
+            if self.stalled_since is not None or now - self._last_progress <= timeout:
+                continue
+            # Outputs not read yet mean this event loop was busy, not the core. (Asked only
+            # here: reading the socket's state can delay the output task's next wake-up.)
+            if self.client.has_pending_events():
+                self._last_progress = now
+                continue
+            message = (
+                f"the engine core (pid {self.client.pid}) made no progress for "
+                f"{now - self._last_progress:.1f} s with {num_owed} request(s) unfinished"
+            )
+            logger.error("Engine core stalled: %s", message)
+            self._set_stalled(self._last_progress)
+            if self.restart_on_failure and not self._stopping:  # a drain deals with it
+                self._on_core_failure(EngineDeadError(message))
+
+    def _set_stalled(self, since: float | None) -> None:
+        self.stalled_since = since
+        for callback in self.on_stalled:
+            callback(since is not None)
+
+    def _on_core_failure(self, error: EngineDeadError) -> None:
+        """The core exited or stalled: restart it if asked to, else the engine is dead."""
+        if not self.restart_on_failure or self._stopping:
+            self._fail_all(error)
+        elif self._restart_task is None:
+            self._restart_task = asyncio.create_task(self._restart(error))
+
+    async def _restart(self, error: EngineDeadError) -> None:
+        """End what is in flight, kill the old core, start a new one and serve again."""
+        old, started = self.client, time.monotonic()
+        logger.error("Restarting the engine core (pid %s): %s", old.pid, error)
+        self._fail_requests(error)
+        # Forget them now, not when their handlers get to it: the new core owes them nothing.
+        for request_id in list(self._queues):
+            self.output_processor.abort(request_id)
+        for task in (self._output_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
+        await old.kill_now()
+        try:
+            self.client = MPClient(self.args)
+            await self.client.wait_ready()
+        except asyncio.CancelledError:  # shutdown while the new core loads
+            self.client.kill()
+            raise
+        except Exception as start_error:
+            logger.exception("Restarting the engine core failed")
+            self.client.kill()
+            self._restart_task = None
+            self._fail_all(EngineDeadError(f"restarting the engine failed: {start_error}"))
+            return
+        self.num_restarts += 1
+        if self.stalled_since is not None:
+            self._set_stalled(None)
+        self._restart_task = None
+        self._start_tasks()
+        logger.warning(
+            "Engine core restarted (pid %s, restart %d, in %.1f s)",
+            self.client.pid,
+            self.num_restarts,
+            time.monotonic() - started,
+        )
+        for callback in self.on_restarted:
+            callback()
+
+    def fail_all_requests(self, error: Exception) -> int:
+        """End every running request with `error` and refuse new ones with it (a drain that
+        ran out of time): each handler answers with it. Returns how many were running."""
+        self._stopping = True
+        self._refusal = error
+        return self._fail_requests(error)
+
+    def begin_shutdown(self) -> None:
+        """The server is draining: a core failure from now on is not repaired."""
+        self._stopping = True
+
+    def _fail_requests(self, error: BaseException) -> int:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        return len(self._queues)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead_error = error
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        self.admission.clear()
+        self._fail_requests(error)
         for callback in self.on_dead:
             callback()
 
     async def shutdown(self) -> None:
-        if self._output_task is not None:
-            self._output_task.cancel()
+        self._stopping = True
+        for task in (self._restart_task, self._watchdog_task, self._output_task):
+            if task is not None:
+                task.cancel()
+        if self._restart_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._restart_task
         await self.client.shutdown()
+
+
+def _cost(request: EngineCoreRequest) -> Cost:
+    # n samples fork after one prefill: each counts as a request, the prompt once.
+    return Cost(request.sampling_params.n, len(request.prompt_token_ids))

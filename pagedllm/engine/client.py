@@ -5,6 +5,8 @@ Both send `EngineCoreRequest`s and aborts in and get `EngineCoreOutputs` back. `
 binds two IPC sockets (requests out, events in) and spawns the core, which connects to them.
 Sends go through an asyncio ZMQ socket, so the event loop never blocks on the engine;
 `events()` yields what the core reports and raises `EngineDeadError` when the process is gone.
+An `MPClient` serves one core process: to restart the core, `AsyncLLM` kills it
+(`kill_now`) and builds a new client.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class MPClient:
         )
         self.process.start()
         self.dead = False
+        self.closed = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:
         started = time.monotonic()
@@ -100,7 +107,7 @@ class MPClient:
         logger.info("Engine core (pid %d) ready in %.1f s", event.pid, time.monotonic() - started)
 
     async def send(self, message: EngineCoreInput) -> None:
-        if self.dead:
+        if self.dead or self.closed:
             raise EngineDeadError("the engine process is not running")
         await self.input_socket.send(input_encoder.encode(message), copy=False)
 
@@ -122,12 +129,26 @@ class MPClient:
         while True:
             yield await self.recv()
 
+    def has_pending_events(self) -> bool:
+        """Whether the core sent something not read yet (without reading it)."""
+        if self.closed:
+            return False
+        return bool(self.output_socket.get(zmq.EVENTS) & zmq.POLLIN)
+
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit; kill it if it does not within `timeout_s`."""
-        if self.process.is_alive():
+        if self.process.is_alive() and not self.closed:
             with contextlib.suppress(EngineDeadError, TimeoutError):
                 await asyncio.wait_for(self.send(Shutdown()), timeout_s)
             await asyncio.to_thread(self.process.join, timeout_s)
+        self.kill()
+
+    async def kill_now(self) -> None:
+        """Kill the core (a dead or frozen one: SIGKILL ends a stopped process too) without
+        blocking the event loop while it is reaped, then release the sockets."""
+        if self.process.is_alive():
+            self.process.kill()
+            await asyncio.to_thread(self.process.join)
         self.kill()
 
     def kill(self) -> None:
@@ -135,5 +156,7 @@ class MPClient:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.context.destroy(linger=0)
-        self._socket_dir.cleanup()
+        if not self.closed:
+            self.closed = True
+            self.context.destroy(linger=0)
+            self._socket_dir.cleanup()

@@ -81,6 +81,7 @@ class EngineCore:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 bad_words_token_ids=request.bad_words_token_ids,
+                tenant=request.tenant,
             )
         )
 
@@ -92,7 +93,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model once, and report the tokens it produced."""
+        """Schedule, run the model once, and report the tokens it produced.
+
+        Fault isolation: a request whose own stage raises (its logits processors, grammar,
+        parallel-sample fork) is ended alone with finish_reason "error" and its blocks freed
+        (the runner and the scheduler find it), and the rest of the batch samples what it
+        would have. Any error not attributable to one request raises out of here and ends
+        the core (the engine-core process exits non-zero)."""
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # only grammars compiling: do not spin

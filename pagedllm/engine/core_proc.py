@@ -4,6 +4,11 @@ Two IO threads keep sockets off the loop: one decodes incoming messages into a q
 encodes outputs and sends them. The loop drains the input queue, steps while any request
 is unfinished, and blocks on the queue only when idle. It exits on a `Shutdown` message,
 when the API process that started it is gone, or (non-zero) when a step raises.
+
+Signals: the API process owns shutdown and key reloads, so SIGINT, SIGTERM and SIGHUP are
+ignored here. Ctrl-C, a terminal hang-up and systemd's `KillMode=control-group` signal the
+whole process group at once; a core that died on its SIGTERM would fail the requests the
+API process is still draining.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
     AbortRequests,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
@@ -30,6 +36,7 @@ from pagedllm.engine.messages import (
     event_encoder,
     input_decoder,
 )
+from pagedllm.errors import describe_error
 from pagedllm.logger import init_logger
 from pagedllm.metrics.logger import StatLogger
 
@@ -41,9 +48,11 @@ IDLE_POLL_S = 1.0
 
 def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
     """Entry point of the child process (started with the `spawn` method)."""
+    # Ctrl-C and a SIGTERM or SIGHUP (key reload) sent to the whole process group reach this
+    # process too; the API process decides what they mean (it sends Shutdown, or kills this).
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     init_logger()
-    # Ctrl-C reaches the whole process group; the API process decides how to shut down.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
     try:
         _, tokenizer, config = load_engine_config(args)
@@ -94,6 +103,10 @@ class EngineCoreProc:
                 return
             if self.core.has_unfinished_requests():
                 self._step()
+                # A busy core checks too: it ignores SIGTERM, so an API process killed
+                # outright must not leave it running out its queue.
+                if self._parent_gone():
+                    return
 
     def _step(self) -> None:
         outputs = self.core.step()
@@ -110,8 +123,7 @@ class EngineCoreProc:
             except queue.Empty:
                 if not block:
                     break
-                if os.getppid() != self.parent_pid:
-                    logger.warning("API process is gone; engine core exits")
+                if self._parent_gone():
                     return False
                 continue
             block = False
@@ -123,10 +135,27 @@ class EngineCoreProc:
             self.output_queue.put(EngineCoreOutputs([], self.core.get_stats()))
         return True
 
+    def _parent_gone(self) -> bool:
+        if os.getppid() == self.parent_pid:
+            return False
+        logger.warning("API process is gone; engine core exits")
+        return True
+
+    def _add_request(self, request: EngineCoreRequest) -> None:
+        """A request the core refuses (the edge should have) fails alone, not the core."""
+        try:
+            self.core.add_request(request)
+        except Exception as error:
+            logger.exception("Engine core refused request %s", request.request_id)
+            failed = EngineCoreOutput(
+                request.request_id, [], True, finish_reason="error", error=describe_error(error)
+            )
+            self.output_queue.put(EngineCoreOutputs([failed], self.core.get_stats()))
+
     def _apply(self, message: Any) -> int:
         """Apply one input; returns how many requests it aborted."""
         if isinstance(message, EngineCoreRequest):
-            self.core.add_request(message)
+            self._add_request(message)
         elif isinstance(message, AbortRequests):
             self.core.abort_requests(message.request_ids)
             return len(message.request_ids)

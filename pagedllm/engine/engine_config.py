@@ -88,6 +88,7 @@ def build_engine_config(
         max_num_seqs=args.max_num_seqs,
         max_model_len=model_config.max_model_len,
         policy=args.scheduling_policy,
+        tenant_weights=args.tenant_weights,
     )
     check_attention_backend(args.attention_backend)
     return EngineConfig(

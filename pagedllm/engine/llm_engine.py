@@ -62,16 +62,30 @@ class LLMEngine:
 
     # ---- requests in ----------------------------------------------------------------------
     def process_inputs(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (ValueError naming the field at fault)."""
-        return self.input_processor.process_inputs(request_id, prompt, params, priority)
+        return self.input_processor.process_inputs(
+            request_id, prompt, params, priority, tenant=tenant
+        )
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> None:
         """Validate, tokenize and queue one request (raises ValueError on bad input)."""
-        self.add_processed_request(*self.process_inputs(request_id, prompt, params, priority))
+        self.add_processed_request(
+            *self.process_inputs(request_id, prompt, params, priority, tenant=tenant)
+        )
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:
         """Queue a request `process_inputs` built."""

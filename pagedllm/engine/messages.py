@@ -26,6 +26,9 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # Who the request runs for (the server: the API key's tenant); the "fair" scheduling
+    # policy shares the engine between tenants. None: the one default tenant.
+    tenant: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
@@ -42,6 +45,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     new_prompt_logprobs: dict[int, TokenLogprob] | None = None
     # When the request was first scheduled (time.monotonic): its queue time for metrics.
     first_scheduled_time: float | None = None
+    # finish_reason "error": what failed for this request alone, in one line.
+    error: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

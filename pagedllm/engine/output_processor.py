@@ -3,10 +3,15 @@
 Owns, per request: detokenization and stop strings (a stop string ends the request here,
 and the engine aborts it in the core), logprobs with decoded tokens, first-token and
 finish times, and the shape of each output (cumulative, delta or final only).
+
+Fault isolation: a request the core failed (finish_reason "error") ends with its error on
+its `CompletionOutput`; one whose own detokenization raises here ends the same way, and the
+engine aborts it in the core. Other requests never see either.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +20,7 @@ from pagedllm.core.request import child_request_id
 from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.errors import describe_error
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -23,6 +29,8 @@ from pagedllm.outputs import (
     RequestOutput,
 )
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass
@@ -44,6 +52,7 @@ class RequestState:
     num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # finish_reason "error": what failed
     index: int = 0  # which of the request's n completions this is
     group: SampleGroup | None = None  # the request's n completions when n > 1
 
@@ -126,15 +135,22 @@ class OutputProcessor:
         return result
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(outputs to hand to users, ids that a stop string finished and the core must abort)."""
+        """(outputs to hand to users, ids finished here that the core must abort: by a stop
+        string, or by a failure of their own detokenization)."""
         results, stopped = [], []
         now = time.monotonic()
         for output in outputs:
             state = self.states.get(output.request_id)
             if state is None:
                 continue
-            finished = self._absorb(state, output, now)
-            if finished and not output.finished:  # a stop string; the core still runs it
+            try:
+                finished = self._absorb(state, output, now)
+            except Exception as error:  # this request's text alone: it ends, the rest go on
+                logger.exception("Request %s: detokenization failed", output.request_id)
+                finished = True
+                state.finish_reason, state.stop_reason = "error", None
+                state.error = f"detokenization failed: {describe_error(error)}"
+            if finished and not output.finished:  # the core still runs it
                 stopped.append(output.request_id)
             if finished:
                 state.metrics.finished_time = now
@@ -160,6 +176,7 @@ class OutputProcessor:
             state.num_cached_tokens = output.num_cached_tokens
         finished = output.finished
         state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
+        state.error = output.error
         detokenizer = state.detokenizer
         if detokenizer is not None and output.new_token_ids and not detokenizer.finished:
             stop_string = detokenizer.update(output.new_token_ids)
@@ -193,6 +210,7 @@ class OutputProcessor:
             finish_reason=state.finish_reason if finished else None,
             stop_reason=state.stop_reason if finished else None,
             logprobs=state.logprobs[start:] if state.params.logprobs is not None else None,
+            error=state.error if finished else None,
         )
         first_output = state.num_sent_tokens == 0
         state.num_sent_tokens = len(state.output_token_ids)
@@ -212,7 +230,8 @@ class OutputProcessor:
     def _group_output(
         self, state: RequestState, completion: CompletionOutput, finished: bool
     ) -> RequestOutput | None:
-        """n > 1: streamed kinds get the completion that moved; final-only gets all n at once."""
+        """n > 1: streamed kinds get the completion that moved; final-only gets all n at once,
+        and also early when one fails (so the server can fail the request without waiting)."""
         group = state.group
         assert group is not None
         group.latest[state.index] = completion
@@ -220,7 +239,7 @@ class OutputProcessor:
         if group.finished:
             self.groups.pop(group.parent.request_id, None)
         kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
+        if kind == RequestOutputKind.FINAL_ONLY and not group.finished and completion.error is None:
             return None
         parent = group.parent
         first_output = group.num_outputs == 0

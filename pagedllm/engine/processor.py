@@ -10,11 +10,17 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.chat_template import DEFAULT_MAX_OUTPUT_CHARS, apply_chat_template
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.value_checks import check_int, check_text, short_repr
 
 PromptType = str | dict[str, Any]
+# Template variables the renderer sets from the request's own fields.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message"}
+)
 
 
 def prompt_to_token_ids(
@@ -26,17 +32,53 @@ def prompt_to_token_ids(
             raise ValueError("prompt: empty prompt")
         if tokenizer is None:
             raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init is set)")
+        check_text("prompt", prompt)  # a lone surrogate: tokenizers raise TypeError
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        token_ids = list(prompt["prompt_token_ids"])
-        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt_token_ids: every id must be an int in [0, {vocab_size})")
-        return prompt.get("prompt"), token_ids
+        token_ids = check_token_ids(prompt["prompt_token_ids"], vocab_size, "prompt_token_ids")
+        text = prompt.get("prompt")
+        if text is not None:
+            check_text("prompt", text)
+        return text, token_ids
     if isinstance(prompt, dict) and "prompt" in prompt:
         return prompt_to_token_ids(prompt["prompt"], tokenizer, vocab_size)
     raise ValueError(
         f"prompt: expected a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
     )
+
+
+def check_token_ids(token_ids: Any, vocab_size: int, param: str) -> list[int]:
+    """`token_ids` as a list of ints each in [0, vocab_size); InvalidRequestError naming
+    `param` (the field that carried them) otherwise."""
+    if isinstance(token_ids, str | bytes | dict) or not hasattr(token_ids, "__iter__"):
+        raise InvalidRequestError(f"{param}: must be a list of token ids", param)
+    token_ids = list(token_ids)
+    if all(type(t) is int for t in token_ids) and (
+        not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
+    ):
+        return token_ids  # the common case, in C loops
+    for index, token_id in enumerate(token_ids):
+        try:
+            token_ids[index] = check_int(param, token_id, 0, vocab_size - 1)
+        except ValueError:
+            raise InvalidRequestError(
+                f"{param}: every id must be an int in [0, {vocab_size}); "
+                f"item {index} is {short_repr(token_id)}",
+                param,
+            ) from None
+    return token_ids
+
+
+def check_request_id(request_id: object) -> None:
+    """A non-empty string without "#": the scheduler names the samples it forks for n > 1
+    `<id>#<i>` (`core.request.child_request_id`), and an id equal to one of those would
+    collide with it inside the engine core."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("request_id: must be a non-empty string", "request_id")
+    if "#" in request_id:
+        raise InvalidRequestError(
+            "request_id: '#' is reserved for the engine's parallel samples", "request_id"
+        )
 
 
 def check_prompt_length(token_ids: list[int], max_model_len: int) -> None:
@@ -55,7 +97,21 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError("cache_salt: must be a non-empty string")
-    return salt
+    return salt if salt is None else check_text("cache_salt", salt)
+
+
+MAX_TENANT_LENGTH = 256
+
+
+def check_tenant(tenant: object) -> None:
+    """A tenant is None (the default tenant) or a non-empty name of bounded length."""
+    if tenant is None:
+        return
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LENGTH:
+        raise InvalidRequestError(
+            f"tenant: must be a non-empty string of at most {MAX_TENANT_LENGTH} characters",
+            "tenant",
+        )
 
 
 def bad_words_token_ids(bad_words: list[str] | None, tokenizer: Any) -> list[list[int]] | None:
@@ -78,19 +134,32 @@ def render_chat(
     continue_final_message: bool,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
 ) -> str:
-    """The conversation as the model's chat template writes it (text, special tokens included)."""
+    """The conversation as the model's chat template writes it (text, special tokens included),
+    rendered in the sandbox within a time and size bound (`engine/chat_template.py`)."""
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs: {reserved[0]!r} is set by the request itself",
+            "chat_template_kwargs",
+        )
+    # vLLM reads a template passed among the kwargs as the template (the argument wins).
+    kwargs_template = kwargs.pop("chat_template", None)
+    chat_template = kwargs_template if chat_template is None else chat_template
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "chat: the model has no chat template; pass chat_template=", "chat_template"
         )
-    return tokenizer.apply_chat_template(
+    return apply_chat_template(
+        tokenizer,
         conversation,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-        **(chat_template_kwargs or {}),
+        add_generation_prompt and not continue_final_message,
+        continue_final_message,
+        chat_template,
+        kwargs,
+        max_output_chars=max_output_chars,
     )
 
 
@@ -109,12 +178,16 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        tenant: str | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if known, the request for the core); ValueError naming the field at
         fault. `prompt` is a string or a dict with `prompt_token_ids` (or `prompt`), and
-        optionally the prompt's text under `prompt` and a `cache_salt`."""
+        optionally the prompt's text under `prompt` and a `cache_salt`. `tenant`: who the
+        request runs for (the "fair" policy shares the engine between tenants)."""
+        check_request_id(request_id)
         text, token_ids = self.process_prompt(prompt, params)
         self.check_priority(priority)
+        check_tenant(tenant)
         self.check_sampling_params(params)
         request = EngineCoreRequest(
             request_id,
@@ -125,6 +198,7 @@ class InputProcessor:
             priority,
             prompt_cache_salt(prompt),
             bad_words_token_ids(params.bad_words, self.tokenizer),
+            tenant=tenant,
         )
         return text, request
 
@@ -171,6 +245,7 @@ class InputProcessor:
         validate_structured_outputs(params.structured_outputs, param)
 
     def check_priority(self, priority: int) -> None:
+        priority = check_int("priority", priority)
         policy = self.config.scheduler_config.policy
         if priority != 0 and policy != "priority":
             raise InvalidRequestError(

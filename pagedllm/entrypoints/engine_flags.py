@@ -20,7 +20,11 @@ ENGINE_ARG_HELP = {
     "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes)",
     "max_num_seqs": "most requests running at once",
     "enable_prefix_caching": "share the KV of equal prompt prefixes between requests",
-    "scheduling_policy": "fcfs (arrival order) or priority (lowest priority value first)",
+    "scheduling_policy": "fcfs (arrival order), priority (lowest priority value first) or "
+    "fair (weighted fair share between tenants: deficit round-robin over the token budget, "
+    "seats and KV cache; a tenant that floods the queue cannot starve another)",
+    "tenant_weights": "fair policy: tenant weights as name=weight,name=weight (e.g. "
+    "gold=4,free=1); a tenant not named weighs 1",
     "max_logprobs": "most logprobs / prompt_logprobs a request may ask for",
     "disable_log_stats": "no periodic throughput / KV usage log line",
     "seed": "random seed of the engine's unseeded sampling",

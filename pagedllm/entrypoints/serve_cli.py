@@ -29,27 +29,44 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("PAGEDLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $PAGEDLLM_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health; repeat for "
+        "several keys, each its own tenant (key-1, key-2, ...) (default: $PAGEDLLM_API_KEY)",
     )
+    _add_tenant_args(parser)
     parser.add_argument("--served-model-name", nargs="+", default=None)
     parser.add_argument("--allowed-origins", type=_json_list, default=["*"])
     parser.add_argument("--allowed-methods", type=_json_list, default=["*"])
     parser.add_argument("--allowed-headers", type=_json_list, default=["*"])
     parser.add_argument("--allow-credentials", action="store_true")
-    parser.add_argument(
-        "--max-num-queued-requests",
-        type=int,
-        default=None,
-        help="answer 503 while this many requests wait for their first token",
-    )
+    _add_admission_args(parser)
     parser.add_argument(
         "--allow-unknown-fields",
         action="store_true",
         help="log unknown request fields instead of refusing the request",
     )
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for requests in flight to finish; the rest then end with "
+        "a 503 error (an error event and [DONE] in a stream)",
+    )
+    parser.add_argument(
+        "--engine-iteration-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine core may send nothing while it has unfinished requests "
+        "before it is reported stalled (/health 503, an error in the log, the "
+        "pagedllm:engine_stalled gauge); vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S",
+    )
+    parser.add_argument(
+        "--restart-on-engine-failure",
+        action="store_true",
+        help="when the engine core exits or stalls, end the requests in flight with an error, "
+        "start a new core and go on serving (default: the server exits 1)",
+    )
     parser.add_argument("--enable-log-requests", action="store_true")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
@@ -58,8 +75,159 @@ def add_serve_parser(subparsers) -> None:
         help='let tool_choice="auto" parse tool calls from free text (needs --tool-call-parser)',
     )
     parser.add_argument("--tool-call-parser", choices=["hermes"], default=None)
+    _add_template_and_tls_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def _add_tenant_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="API keys as 'name key [max_requests_per_minute=N ...]' lines, one tenant each "
+        "('#' comments); SIGHUP reloads it (a bad file keeps the old keys)",
+    )
+    parser.add_argument(
+        "--tenant-max-requests-per-minute",
+        type=int,
+        default=None,
+        help="each tenant's requests a minute (429 beyond); the keys file may override it",
+    )
+    parser.add_argument(
+        "--tenant-max-tokens-per-minute",
+        type=int,
+        default=None,
+        help="each tenant's prompt + generated tokens a minute (429 while overdrawn); "
+        "the keys file may override it",
+    )
+    parser.add_argument(
+        "--tenant-max-concurrent-requests",
+        type=int,
+        default=None,
+        help="each tenant's generation requests in flight (429 beyond); the keys file may "
+        "override it",
+    )
+    parser.add_argument(
+        "--share-prefix-cache-across-tenants",
+        action="store_true",
+        help="let tenants hit each other's cached prompt prefixes (by default each tenant's "
+        "cache is its own, so no tenant can time another's prompts)",
+    )
+
+
+def _add_admission_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-num-queued-requests",
+        type=int,
+        default=None,
+        help="engine requests (prompts x n) that may wait for their first token; an HTTP "
+        "request that would pass it is refused whole with a 503 and Retry-After",
+    )
+    parser.add_argument(
+        "--max-num-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens that may wait for their first token (each prompt once, whatever "
+        "its n); an HTTP request that would pass it is refused whole with a 503 and "
+        "Retry-After; a prompt longer than this is never admitted",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body, checked while it is read (413 beyond) (default: 64 bytes "
+        "a token times max_model_len, plus 1 MiB for messages, tools and schemas)",
+    )
+    parser.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request's headers before the connection "
+        "is closed",
+    )
+    parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take to send a request's body, counted from its headers "
+        "(408 beyond)",
+    )
+    parser.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=None,
+        help="bytes of request line and headers h11 buffers before refusing the request with "
+        "a 400 (default: h11's 16 KiB)",
+    )
+
+
+def _tenant_overrides(args: argparse.Namespace) -> dict:
+    from pagedllm.entrypoints.openai.tenant_limits import TenantLimits
+    from pagedllm.entrypoints.openai.tenants import load_tenants
+
+    env_key = os.environ.get("PAGEDLLM_API_KEY")
+    api_keys = tuple(args.api_key or ([env_key] if env_key else []))
+    limits = TenantLimits(
+        max_requests_per_minute=args.tenant_max_requests_per_minute,
+        max_tokens_per_minute=args.tenant_max_tokens_per_minute,
+        max_concurrent_requests=args.tenant_max_concurrent_requests,
+    )
+    # Read once here so a bad keys file fails before the model loads (the server reads it
+    # again when it starts, and on SIGHUP).
+    load_tenants(api_keys, args.api_keys_file, limits)
+    return {
+        "api_keys": api_keys,
+        "api_keys_file": args.api_keys_file,
+        "tenant_limits": limits,
+        "share_prefix_cache_across_tenants": args.share_prefix_cache_across_tenants,
+    }
+
+
+def _add_template_and_tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent in a request (chat completions, /tokenize); by "
+        "default such a request is refused with a 400 and only the model's template runs",
+    )
+    parser.add_argument(
+        "--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this private key"
+    )
+    parser.add_argument(
+        "--ssl-certfile",
+        default=None,
+        metavar="PATH",
+        help="serve HTTPS with this certificate (chain), together with --ssl-keyfile",
+    )
+    parser.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="PATH",
+        help="CA certificates to verify client certificates against",
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="client certificates: 0 not asked for, 1 checked if sent, 2 required "
+        "(Python's ssl.CERT_NONE/OPTIONAL/REQUIRED)",
+    )
+
+
+def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
+    from pagedllm.entrypoints.openai.server_config import check_tls
+
+    # Checked here so a missing or mismatched file fails before the model loads.
+    check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    return {
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -71,18 +239,26 @@ def run_serve(args: argparse.Namespace) -> int:
     overrides = {
         "host": args.host,
         "port": args.port,
-        "api_key": args.api_key or None,
+        **_tenant_overrides(args),
         "served_model_names": args.served_model_name,
         "allowed_origins": tuple(args.allowed_origins),
         "allowed_methods": tuple(args.allowed_methods),
         "allowed_headers": tuple(args.allowed_headers),
         "allow_credentials": args.allow_credentials,
         "max_num_queued_requests": args.max_num_queued_requests,
+        "max_num_queued_tokens": args.max_num_queued_tokens,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "request_header_timeout": args.request_header_timeout,
+        "request_body_timeout": args.request_body_timeout,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
         "allow_unknown_fields": args.allow_unknown_fields,
         "shutdown_timeout": args.shutdown_timeout,
+        "engine_iteration_timeout": args.engine_iteration_timeout,
+        "restart_on_engine_failure": args.restart_on_engine_failure,
         "enable_log_requests": args.enable_log_requests,
         "disable_uvicorn_access_log": args.disable_uvicorn_access_log,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        **_template_and_tls_overrides(args),
     }
     return run_server(engine_args, overrides)

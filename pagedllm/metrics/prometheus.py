@@ -4,6 +4,8 @@
 observer): engine gauges and counters come from each step's stats snapshot; per-sequence
 latencies (time to first token, inter-token, end-to-end, queue time) from the times the
 API process sees each sequence's tokens arrive. A request with n > 1 counts as n sequences.
+Per-sequence series carry a `tenant` label (the API key's tenant, `default` without keys), so
+their number is bounded by the configured tenants; engine-wide series do not.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client import (
 )
 
 from pagedllm.core.scheduler import EngineCoreOutput
+from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.metrics.stats import EngineStats
 
 # As vLLM: no `_created` series, which dashboards do not use and which double the output.
@@ -50,9 +53,25 @@ def token_buckets(max_model_len: int) -> list[int]:
 class _Sequence:
     arrival_time: float
     num_prompt_tokens: int
+    tenant: str
     first_token_time: float | None = None
     last_token_time: float = 0.0
     num_generation_tokens: int = 0
+
+
+@dataclass
+class _TenantSeries:
+    """One tenant's children of the per-tenant metrics (looked up once, not per token)."""
+
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
 
 
 class PrometheusMetrics:
@@ -79,33 +98,64 @@ class PrometheusMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens served from the cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started sequences.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._request_success = Counter(
-            PREFIX + "request_success",
-            "Finished sequences by finish reason.",
-            [*labels, "finished_reason"],
-            registry=self.registry,
+        self.engine_stalled = gauge(
+            "engine_stalled",
+            "1 while the engine core owes outputs and has sent none for "
+            "--engine-iteration-timeout seconds.",
+        )
+        self.engine_restarts = counter(
+            "engine_restarts", "Engine cores started after one failed (--restart-on-engine-failure)"
         )
         self._model_name = model_name
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
-        self.tpot = histogram(
-            "request_time_per_output_token_seconds", "Time per output token.", ITL_BUCKETS
-        )
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency.", LATENCY_BUCKETS)
-        self.queue_time = histogram(
-            "request_queue_time_seconds", "Time from arrival to first scheduling.", LATENCY_BUCKETS
-        )
+        self._by_tenant: dict[str, _TenantSeries] = {}
+        tenant_labels = [*labels, "tenant"]
+
+        def per_tenant_counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*tenant_labels, *extra], registry=self.registry)
+
+        def per_tenant_histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(
+                PREFIX + name, doc, tenant_labels, buckets=buckets, registry=self.registry
+            )
+
         lengths = token_buckets(max_model_len)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length.", lengths)
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated length.", lengths
+        self._per_tenant = {
+            "prompt_tokens": per_tenant_counter(
+                "prompt_tokens", "Prompt tokens of started sequences."
+            ),
+            "generation_tokens": per_tenant_counter("generation_tokens", "Generated tokens."),
+            "ttft": per_tenant_histogram(
+                "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+            ),
+            "itl": per_tenant_histogram(
+                "inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
+            ),
+            "tpot": per_tenant_histogram(
+                "request_time_per_output_token_seconds", "Time per output token.", ITL_BUCKETS
+            ),
+            "e2e": per_tenant_histogram(
+                "e2e_request_latency_seconds", "End-to-end latency.", LATENCY_BUCKETS
+            ),
+            "queue_time": per_tenant_histogram(
+                "request_queue_time_seconds",
+                "Time from arrival to first scheduling.",
+                LATENCY_BUCKETS,
+            ),
+            "request_prompt_tokens": per_tenant_histogram(
+                "request_prompt_tokens", "Prompt length.", lengths
+            ),
+            "request_generation_tokens": per_tenant_histogram(
+                "request_generation_tokens", "Generated length.", lengths
+            ),
+        }
+        self._request_success = per_tenant_counter(
+            "request_success", "Finished sequences by finish reason.", ("finished_reason",)
         )
 
     # ---- StepObserver -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
-        self._sequences[request_id] = _Sequence(arrival_time, num_prompt)
+        # Called while the request's HTTP handler runs, so its tenant is the current one.
+        self._sequences[request_id] = _Sequence(arrival_time, num_prompt, current_tenant_name())
 
     def on_step(
         self, outputs: list[EngineCoreOutput], stopped: list[str], stats: EngineStats, now: float
@@ -127,6 +177,15 @@ class PrometheusMetrics:
             if request_id in self._sequences:
                 self._finish(request_id, "abort", now)
 
+    # ---- engine supervision (AsyncLLM's on_stalled and on_restarted) ------------------------
+    def on_engine_stalled(self, stalled: bool) -> None:
+        self.engine_stalled.set(1 if stalled else 0)
+
+    def on_engine_restarted(self) -> None:
+        self.engine_restarts.inc()
+        # A new core counts from zero: its first snapshot is no delta of the old core's last.
+        self._last_stats = None
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -136,7 +195,7 @@ class PrometheusMetrics:
         if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
             parent = self._sequences.get(request_id.rsplit("#", 1)[0])
             if parent is not None:
-                sequence = _Sequence(parent.arrival_time, parent.num_prompt_tokens)
+                sequence = _Sequence(parent.arrival_time, parent.num_prompt_tokens, parent.tenant)
                 self._sequences[request_id] = sequence
         return sequence
 
@@ -154,30 +213,42 @@ class PrometheusMetrics:
         self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         self._last_stats = stats
 
+    def _series(self, tenant: str) -> _TenantSeries:
+        series = self._by_tenant.get(tenant)
+        if series is None:
+            children = {
+                name: metric.labels(self._model_name, tenant)
+                for name, metric in self._per_tenant.items()
+            }
+            series = self._by_tenant[tenant] = _TenantSeries(**children)
+        return series
+
     def _observe_tokens(self, sequence: _Sequence, output: EngineCoreOutput, now: float) -> None:
+        series = self._series(sequence.tenant)
         num_new = len(output.new_token_ids)
         if sequence.first_token_time is None:
             sequence.first_token_time = now
-            self.ttft.observe(now - sequence.arrival_time)
-            self.prompt_tokens.inc(sequence.num_prompt_tokens)
+            series.ttft.observe(now - sequence.arrival_time)
+            series.prompt_tokens.inc(sequence.num_prompt_tokens)
             if output.first_scheduled_time is not None:
-                self.queue_time.observe(
+                series.queue_time.observe(
                     max(0.0, output.first_scheduled_time - sequence.arrival_time)
                 )
         else:
             gap = (now - sequence.last_token_time) / num_new
             for _ in range(num_new):
-                self.itl.observe(gap)
+                series.itl.observe(gap)
         sequence.last_token_time = now
         sequence.num_generation_tokens += num_new
-        self.generation_tokens.inc(num_new)
+        series.generation_tokens.inc(num_new)
 
     def _finish(self, request_id: str, reason: str, now: float) -> None:
         sequence = self._sequences.pop(request_id)
-        self._request_success.labels(self._model_name, reason).inc()
-        self.e2e.observe(now - sequence.arrival_time)
-        self.request_prompt_tokens.observe(sequence.num_prompt_tokens)
-        self.request_generation_tokens.observe(sequence.num_generation_tokens)
+        series = self._series(sequence.tenant)
+        self._request_success.labels(self._model_name, sequence.tenant, reason).inc()
+        series.e2e.observe(now - sequence.arrival_time)
+        series.request_prompt_tokens.observe(sequence.num_prompt_tokens)
+        series.request_generation_tokens.observe(sequence.num_generation_tokens)
         if sequence.first_token_time is not None and sequence.num_generation_tokens > 1:
             decode_time = sequence.last_token_time - sequence.first_token_time
-            self.tpot.observe(decode_time / (sequence.num_generation_tokens - 1))
+            series.tpot.observe(decode_time / (sequence.num_generation_tokens - 1))

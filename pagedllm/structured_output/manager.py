@@ -1,10 +1,13 @@
 """`StructuredOutputManager`: the engine core's side of structured output.
 
 Grammars compile in a worker thread, once per distinct spec (an LRU of compiled grammars),
-so a request whose grammar is still compiling waits in the queue while others run. Each
-step the scheduler asks for one bitmask covering every constrained request that samples;
-after sampling, each such request's matcher accepts its token, and a completed grammar
-ends the request. Requests without a spec never touch any of this.
+so a request whose grammar is still compiling waits in the queue while others run. A
+compile may run `compile_timeout_s`; past that the requests waiting for it end with an
+error, and the compiles queued behind it move to a fresh thread (the spec's size and depth
+are bounded before it is queued, `validation.py`; its compile time only here). Each step
+the scheduler asks for one bitmask covering every constrained request that samples; after
+sampling, each such request's matcher accepts its token, and a completed grammar ends the
+request. Requests without a spec never touch any of this.
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
+import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +35,14 @@ from pagedllm.structured_output.registry import create_backend
 logger = logging.getLogger("pagedllm")
 
 MAX_CACHED_GRAMMARS = 256
+# How long one grammar may compile before the requests waiting for it end with an error.
+# Large legitimate schemas compile in a few seconds on a CPU.
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0
+# Compiles cannot be interrupted: one past its time limit keeps its thread until it ends,
+# and the compiles queued behind it move to a fresh thread. At most this many threads are
+# left behind at a time; beyond that compiles queue behind the stuck one, and a request
+# queued for longer than the time limit ends with the same error.
+MAX_ABANDONED_COMPILES = 2
 
 
 @dataclass
@@ -37,23 +52,97 @@ class RequestGrammar:
     future: Future
     matcher: GrammarMatcher | None = None
     error: str | None = None
+    # time.monotonic() past which the request stops waiting while its compile is queued
+    # behind a stuck one (once running, the compile's own start counts).
+    deadline: float = float("inf")
 
 
 def spec_key(spec: StructuredOutputsParams) -> str:
     return json.dumps(dataclasses.asdict(spec), sort_keys=True)
 
 
+class CompileFuture(Future):
+    """A compile's future, with when it started running (None while queued)."""
+
+    started_at: float | None = None
+
+
+class CompileThread:
+    """One daemon thread running compiles in order. Daemon, unlike a ThreadPoolExecutor's
+    threads (joined at exit), so a compile past its time limit never holds up the exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.current: CompileFuture | None = None  # the compile running now
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> CompileFuture:
+        future = CompileFuture()
+        self._put((future, fn, args))
+        return future
+
+    def _put(self, job: tuple[CompileFuture, Callable[..., Any], tuple]) -> None:
+        if self._thread is None:  # started at the first compile
+            self._thread = threading.Thread(target=self._run, name="grammar", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            future.started_at = time.monotonic()
+            self.current = future
+            try:
+                result = fn(*args)
+            except BaseException as error:  # delivered to the requests waiting on it
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+            self.current = None
+
+    def hand_over(self, successor: CompileThread) -> None:
+        """Move the queued compiles to `successor`; this thread ends after its current one."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            successor._put(job)
+        self._jobs.put(None)
+
+    def shutdown(self) -> None:
+        while True:
+            try:
+                future, _, _ = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        self._jobs.put(None)
+
+
 class StructuredOutputManager:
     def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int], backend: str = "xgrammar"
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        backend: str = "xgrammar",
+        compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S,
     ) -> None:
+        if not compile_timeout_s > 0:
+            raise ValueError(f"compile_timeout_s must be > 0, got {compile_timeout_s}")
+        self.compile_timeout_s = compile_timeout_s
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = eos_token_ids
         self._backend_name = backend
         self._backend = None  # built at the first constrained request (imports xgrammar)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self._compile_thread = CompileThread()
+        self._compiled: OrderedDict[str, CompileFuture] = OrderedDict()
+        # Compiles that ran past the time limit, each in a thread since replaced.
+        self._abandoned: list[CompileFuture] = []
 
     def _get_backend(self):
         if self._backend is None:
@@ -68,14 +157,15 @@ class StructuredOutputManager:
             return
         if self._tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (skip_tokenizer_init is set)")
-        request.structured_output = RequestGrammar(self._compile(spec))
+        deadline = time.monotonic() + self.compile_timeout_s
+        request.structured_output = RequestGrammar(self._compile(spec), deadline=deadline)
 
-    def _compile(self, spec: StructuredOutputsParams) -> Future:
+    def _compile(self, spec: StructuredOutputsParams) -> CompileFuture:
         key = spec_key(spec)
         future = self._compiled.get(key)
-        if future is None or (future.done() and future.exception() is not None):
+        if future is None or future.cancelled() or (future.done() and future.exception()):
             backend = self._get_backend()
-            future = self._executor.submit(backend.compile, spec)
+            future = self._compile_thread.submit(backend.compile, spec)
             self._compiled[key] = future
         self._compiled.move_to_end(key)
         while len(self._compiled) > MAX_CACHED_GRAMMARS:
@@ -88,7 +178,16 @@ class StructuredOutputManager:
         if state is None or state.matcher is not None or state.error is not None:
             return True
         if not state.future.done():
-            return False
+            now = time.monotonic()
+            self._leave_stuck_compile(now)
+            if not self._expired(state, now):
+                return False
+            state.error = (
+                f"structured_outputs: the grammar did not compile within the time limit of "
+                f"{self.compile_timeout_s:g} s"
+            )
+            logger.error("Request %s: %s", request.request_id, state.error)
+            return True
         error = state.future.exception()
         if error is not None:
             state.error = str(error)
@@ -96,6 +195,31 @@ class StructuredOutputManager:
         else:
             state.matcher = self._get_backend().matcher(state.future.result())
         return True
+
+    def _expired(self, state: RequestGrammar, now: float) -> bool:
+        started = getattr(state.future, "started_at", None)
+        if started is not None:
+            return now - started > self.compile_timeout_s
+        # Queued: it moves to a fresh thread when the compile ahead is left behind, unless
+        # too many already are.
+        return now > state.deadline and len(self._abandoned) >= MAX_ABANDONED_COMPILES
+
+    def _leave_stuck_compile(self, now: float) -> None:
+        """A compile past the time limit holds its thread until it ends: the compiles queued
+        behind it move to a fresh thread (while fewer than `MAX_ABANDONED_COMPILES` are left
+        behind)."""
+        self._abandoned = [future for future in self._abandoned if not future.done()]
+        running = self._compile_thread.current
+        if (
+            running is None
+            or running.started_at is None
+            or now - running.started_at <= self.compile_timeout_s
+            or len(self._abandoned) >= MAX_ABANDONED_COMPILES
+        ):
+            return
+        self._abandoned.append(running)
+        stuck, self._compile_thread = self._compile_thread, CompileThread()
+        stuck.hand_over(self._compile_thread)
 
     def fork(self, parent: Request, child: Request) -> None:
         """A parallel sample starts from the grammar's initial state, as its parent did."""
@@ -132,4 +256,4 @@ class StructuredOutputManager:
         return matcher.is_terminated()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._compile_thread.shutdown()

@@ -3,12 +3,20 @@
 All scheduled tokens of a step run as one flattened batch (no padding to the longest);
 the layout (token ids, positions, slot mapping, block tables) is built with numpy from
 the persistent `InputBatch`, and logits are computed only for rows that sample.
+
+Fault isolation: the per-request stages (adding a request's row, its logits processors, its
+grammar bitmask) run batched; when one raises, each row is tried alone, the requests at fault
+are reported in `ModelRunnerOutput.failed_requests` and dropped from sampling, and the other
+rows sample exactly what they would have. An error no single request reproduces raises.
+For tests, `PAGEDLLM_INJECT_FAULT_SEED=<seed>` makes requests with that seed raise in their
+logits-processor stage (a stand-in for a request-attributable bug; unset in production).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import weakref
 
 import numpy as np
@@ -16,6 +24,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.errors import describe_error
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, iter_weights
@@ -27,6 +36,7 @@ from pagedllm.sample.grammar_bitmask import apply_bitmask
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages
@@ -34,6 +44,16 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
 
 logger = logging.getLogger(__name__)
+
+FAULT_SEED_ENV = "PAGEDLLM_INJECT_FAULT_SEED"
+# A request whose own parameters could not be loaded still gets a row (the forward must
+# write its prompt's KV, which the prefix cache may already share), with these: it never samples.
+_INERT_PARAMS = SamplingParams()
+
+
+def _injected_fault_seed() -> int | None:
+    value = os.environ.get(FAULT_SEED_ENV, "")
+    return int(value) if value else None
 
 
 class ModelRunner:
@@ -49,6 +69,8 @@ class ModelRunner:
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._prefaulter: KVCachePrefaulter | None = None
+        self._fault_seed = _injected_fault_seed()
+        self._faulty: set[str] = set()  # requests the injected fault hits
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
@@ -163,10 +185,11 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(scheduler_output)
+        failed: dict[str, str] = {}  # request id -> what raised for it alone
+        self._update_states(scheduler_output, failed)
         self._copy_blocks(scheduler_output.blocks_to_copy)
         if not scheduler_output.num_scheduled_tokens:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(failed_requests=failed)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array(list(scheduler_output.num_scheduled_tokens.values()))
@@ -174,7 +197,7 @@ class ModelRunner:
             rows, num_scheduled
         )
         hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled)
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(failed_requests=failed)
         self._prompt_logprobs(output, req_ids, rows, num_scheduled, hidden_states)
         if not len(logits_indices):
             return output
@@ -185,8 +208,11 @@ class ModelRunner:
             logits, sample_rows = self._add_forked_samples(
                 scheduler_output.forked_samples, logits, sample_rows, sample_req_ids
             )
-        processed = self._apply_logits_processors(logits, sample_rows)
-        processed = self._apply_grammar(scheduler_output, processed, logits, sample_req_ids)
+        logits, sample_rows, sample_req_ids, processed = self._process_logits(
+            scheduler_output, logits, sample_rows, sample_req_ids, failed
+        )
+        if not sample_req_ids:
+            return output
         wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
         sampled = self.sampler(
             processed,
@@ -229,6 +255,56 @@ class ModelRunner:
             return logits, sample_rows
         widened = torch.cat([logits, logits[self._tensor(np.array(parent_index))]])
         return widened, np.concatenate([sample_rows, np.array(child_rows, dtype=np.int64)])
+
+    def _process_logits(self, scheduler_output, logits, rows, req_ids, failed):
+        """The per-request stages (logits processors, then the grammar bitmask), batched.
+
+        When the batched call raises, each row is tried alone; the requests whose row raises
+        are recorded in `failed` and dropped, and the rest run batched again, so every other
+        row gets exactly the logits it would have had (each stage works row by row). An error
+        no single row reproduces is not any request's: it raises. Returns the raw logits,
+        rows and request ids that go on to sampling, and their processed logits."""
+        keep = [i for i, request_id in enumerate(req_ids) if request_id not in failed]
+        if len(keep) < len(req_ids):  # rows that failed before this step's sampling
+            logits, rows, req_ids = self._select_rows(keep, logits, rows, req_ids)
+        if not req_ids:
+            return logits, rows, req_ids, logits
+        try:
+            processed = self._per_request_stages(scheduler_output, logits, rows, req_ids)
+            return logits, rows, req_ids, processed
+        except Exception:
+            faults = self._find_faulty_rows(scheduler_output, logits, rows, req_ids)
+            if not faults:
+                raise
+        failed.update(faults)
+        keep = [i for i, request_id in enumerate(req_ids) if request_id not in faults]
+        logits, rows, req_ids = self._select_rows(keep, logits, rows, req_ids)
+        if not req_ids:
+            return logits, rows, req_ids, logits
+        processed = self._per_request_stages(scheduler_output, logits, rows, req_ids)
+        return logits, rows, req_ids, processed
+
+    def _find_faulty_rows(self, scheduler_output, logits, rows, req_ids) -> dict[str, str]:
+        faults = {}
+        for i, request_id in enumerate(req_ids):
+            try:
+                self._per_request_stages(
+                    scheduler_output, logits[i : i + 1], rows[i : i + 1], [request_id]
+                )
+            except Exception as error:
+                logger.exception("Request %s: its logits processing failed", request_id)
+                faults[request_id] = f"logits processing failed: {describe_error(error)}"
+        return faults
+
+    def _select_rows(self, keep: list[int], logits, rows, req_ids):
+        index = self._tensor(np.array(keep, dtype=np.int64))
+        return logits[index], rows[keep], [req_ids[i] for i in keep]
+
+    def _per_request_stages(self, scheduler_output, logits, rows, req_ids) -> torch.Tensor:
+        if self._faulty and not self._faulty.isdisjoint(req_ids):
+            raise RuntimeError(f"injected fault ({FAULT_SEED_ENV})")
+        processed = self._apply_logits_processors(logits, rows)
+        return self._apply_grammar(scheduler_output, processed, logits, req_ids)
 
     def _apply_logits_processors(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """Penalties, biases and bans on a copy: logprobs are reported from the raw logits."""
@@ -310,11 +386,25 @@ class ModelRunner:
             key_cache[destinations] = key_cache[sources]
             value_cache[destinations] = value_cache[sources]
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         batch = self.input_batch
         for request_id in scheduler_output.finished_req_ids:
             batch.remove_request(request_id)
+            self._faulty.discard(request_id)
         for new in scheduler_output.scheduled_new_reqs:
+            row = self._add_request(new, failed)
+            batch.set_blocks(row, new.block_ids, replace=True)
+            batch.num_computed_tokens[row] = new.num_computed_tokens
+        for cached in scheduler_output.scheduled_cached_reqs:
+            row = batch.row(cached.request_id)
+            batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+
+    def _add_request(self, new, failed: dict[str, str]) -> int:
+        """The request's row; if its own parameters raise (e.g. a seed its generator refuses,
+        a forked sample's included), an inert row that runs the forward but never samples."""
+        batch = self.input_batch
+        try:
             row = batch.add_request(
                 new.request_id,
                 new.prompt_token_ids,
@@ -323,12 +413,16 @@ class ModelRunner:
                 new.eos_token_ids,
                 new.bad_words_token_ids,
             )
-            batch.set_blocks(row, new.block_ids, replace=True)
-            batch.num_computed_tokens[row] = new.num_computed_tokens
-        for cached in scheduler_output.scheduled_cached_reqs:
-            row = batch.row(cached.request_id)
-            batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
-            batch.num_computed_tokens[row] = cached.num_computed_tokens
+        except Exception as error:
+            logger.exception("Request %s: adding it to the batch failed", new.request_id)
+            failed[new.request_id] = f"adding the request failed: {describe_error(error)}"
+            batch.remove_request(new.request_id)
+            return batch.add_request(
+                new.request_id, new.prompt_token_ids, _INERT_PARAMS, self.vocab_size
+            )
+        if self._fault_seed is not None and new.sampling_params.seed == self._fault_seed:
+            self._faulty.add(new.request_id)
+        return row
 
     def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray):
         batch = self.input_batch

@@ -6,6 +6,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import parse_memory_size
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +179,148 @@ def test_out_of_vocabulary_stop_token_is_refused_and_the_engine_goes_on(llm):
     top_seed = SamplingParams(n=2, seed=2**64 - 2, max_tokens=2, temperature=1.0)
     (output,) = llm.generate("a", top_seed, use_tqdm=False)
     assert [len(c.token_ids) for c in output.outputs] == [2, 2]
+
+
+# ---- validation at the edge: ints within int64, finite floats, valid Unicode, bounded specs --
+HUGE = 2**70  # wider than any engine integer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"logit_bias": {HUGE: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, "logit_bias"),
+        ({"n": HUGE}, "n"),
+        ({"top_k": HUGE}, "top_k"),
+        ({"max_tokens": HUGE}, "max_tokens"),
+        ({"min_tokens": -HUGE}, "min_tokens"),
+        ({"logprobs": HUGE}, "logprobs"),
+        ({"prompt_logprobs": HUGE}, "prompt_logprobs"),
+        ({"truncate_prompt_tokens": HUGE}, "truncate_prompt_tokens"),
+        ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
+        ({"allowed_token_ids": [HUGE]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1.5]}, "allowed_token_ids"),
+        ({"seed": HUGE}, "seed"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"stop": ["a\ud800"]}, "stop"),
+        ({"bad_words": ["\udc00"]}, "bad_words"),
+    ],
+)
+def test_values_beyond_the_engines_types_are_refused(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_checked_values_are_stored_as_plain_numbers():
+    import numpy as np
+
+    params = SamplingParams(n=np.int64(2), max_tokens=np.int32(5), temperature=np.float32(0.5))
+    assert (type(params.n), type(params.max_tokens), type(params.temperature)) == (
+        int,
+        int,
+        float,
+    )
+    assert SamplingParams(top_k=2**63 - 1).top_k == 2**63 - 1  # int64's top is fine
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"regex": "a\ud800"}, "regex"),
+        ({"grammar": 'root ::= "\udfff"'}, "grammar"),
+        ({"choice": ["ok", "\ud800"]}, "choice"),
+        ({"json": '{"type": "string", "title": "\ud800"}'}, "json"),
+        ({"json": ["not", "a", "schema"]}, "json"),
+        ({"choice": "yes"}, "choice"),
+    ],
+)
+def test_structured_output_text_must_be_valid(spec, field):
+    with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
+        StructuredOutputsParams(**spec)
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # ~120 levels was a RecursionError inside jsonschema's checks.
+        (StructuredOutputsParams(json=nested_schema(120)), "nested more than 64 levels"),
+        (StructuredOutputsParams(json=json.dumps(nested_schema(120))), "nested more than 64"),
+        # Under the size limit, but json.loads would recurse past Python's limit.
+        (StructuredOutputsParams(json="[" * 30_000 + "]" * 30_000), "nested more than 64"),
+        (StructuredOutputsParams(json={"type": "number", "maximum": float("nan")}), "finite"),
+        (StructuredOutputsParams(json={"type": "integer", "maximum": HUGE}), "64-bit"),
+        (StructuredOutputsParams(json={"enum": ["x" * 70_000]}), "at most 65536"),
+        (StructuredOutputsParams(regex="a" * 70_000), "at most 65536"),
+        (StructuredOutputsParams(grammar='root ::= "' + "a" * 70_000 + '"'), "at most 65536"),
+        (StructuredOutputsParams(choice=["c" * 1000] * 70), "at most 65536"),
+        (StructuredOutputsParams(regex="(" * 5000 + "a" + ")" * 5000), "invalid regex"),
+    ],
+)
+def test_oversized_specs_are_refused_and_the_engine_goes_on(llm, spec, message):
+    params = SamplingParams(max_tokens=2, structured_outputs=spec)
+    with pytest.raises(ValueError, match=message) as raised:
+        llm.generate("a", params, use_tqdm=False)
+    assert "structured_outputs" in str(raised.value)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_specs_at_the_limits_are_accepted():
+    from pagedllm.structured_output.validation import (
+        MAX_SCHEMA_DEPTH,
+        validate_structured_outputs,
+    )
+    from pagedllm.value_checks import check_json_value
+
+    schema = nested_schema(MAX_SCHEMA_DEPTH // 2 - 1)
+    assert check_json_value(schema, 10**6) <= MAX_SCHEMA_DEPTH
+    validate_structured_outputs(StructuredOutputsParams(json=schema), "structured_outputs")
+    arrays: dict = {"type": "integer"}
+    for _ in range(MAX_SCHEMA_DEPTH - 1):
+        arrays = {"type": "array", "items": arrays}
+    validate_structured_outputs(StructuredOutputsParams(json=arrays), "structured_outputs")
+
+
+def test_bad_prompts_and_priorities_are_refused_and_the_engine_goes_on(llm):
+    vocab_size = llm.llm_engine.model_config.vocab_size
+    bad = [
+        ("a\ud800b", "prompt"),  # tokenizers raise TypeError on a lone surrogate
+        ({"prompt_token_ids": [1, HUGE]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, vocab_size]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids"),
+        ({"prompt_token_ids": "12"}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 2], "cache_salt": "\ud800"}, "cache_salt"),
+        ({"prompt_token_ids": [1, 2], "prompt": "\udc00"}, "prompt"),
+    ]
+    for prompt, field in bad:
+        with pytest.raises(ValueError, match=field):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        with pytest.raises(ValueError, match=name):
+            llm.generate("a", SamplingParams(**{name: [vocab_size]}), use_tqdm=False)
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate("a", SamplingParams(max_tokens=2), use_tqdm=False, priority=[HUGE])
+    assert not llm.llm_engine.has_unfinished_requests()
+    (output,) = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+    assert len(output.outputs[0].token_ids) == 3
+
+
+def test_request_ids_cannot_collide_with_forked_samples(llm):
+    engine = llm.llm_engine
+    for request_id in ("a#1", "", 7):
+        with pytest.raises(ValueError, match="request_id"):
+            engine.add_request(request_id, "a", SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()

@@ -49,7 +49,7 @@ def test_fcfs_refuses_a_priority():
     ("prompt", "params", "param"),
     [
         ({"prompt_token_ids": [5] * 17}, SamplingParams(), "input_tokens"),
-        ({"prompt_token_ids": [VOCAB_SIZE]}, SamplingParams(), None),
+        ({"prompt_token_ids": [VOCAB_SIZE]}, SamplingParams(), "prompt_token_ids"),
         ({"prompt_token_ids": [5]}, SamplingParams(n=9), "n"),
         ({"prompt_token_ids": [5]}, SamplingParams(logprobs=6), "logprobs"),
         ({"prompt_token_ids": [5]}, SamplingParams(logit_bias={VOCAB_SIZE: 1.0}), "logit_bias"),

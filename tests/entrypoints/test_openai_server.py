@@ -175,8 +175,12 @@ def test_malformed_huge_and_too_long_prompts(server):
         headers={**server.headers, "Content-Type": "application/json"},
     )
     assert malformed.status_code == 400 and "JSON" in malformed.json()["error"]["message"]
-    huge = server.post("/v1/completions", {"prompt": "a" * 10_000_000, "max_tokens": 1})
+    # Under the body limit (1.5 MiB for 8192 tokens) but more characters than the context holds.
+    huge = server.post("/v1/completions", {"prompt": "a" * 1_000_000, "max_tokens": 1})
     assert huge.status_code == 400 and huge.json()["error"]["param"] == "input_tokens"
+    oversized = server.post("/v1/completions", {"prompt": "a" * 10_000_000, "max_tokens": 1})
+    assert oversized.status_code == 413
+    assert "--max-request-body-bytes" in oversized.json()["error"]["message"]
     long_prompt = "hello " * 9000
     too_long = server.post("/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
     error = too_long.json()["error"]

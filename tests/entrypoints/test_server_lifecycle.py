@@ -1,6 +1,6 @@
 """Server lifecycle on a tiny model: SIGTERM drains in-flight work and exits 0; a dead engine
-turns /health to 503, fails in-flight requests with a 500 and ends the server non-zero; a full
-queue answers 503."""
+turns /health to 503, fails in-flight requests with a 500 and ends the server non-zero (a full
+queue's 503: `test_admission.py`)."""
 
 from __future__ import annotations
 
@@ -67,22 +67,6 @@ def test_dead_engine_gives_503_health_500_in_flight_and_nonzero_exit(tiny_llama,
     assert server.post("/v1/completions", {"prompt": "hi"}).status_code == 503
     assert server.process.wait(60) != 0
     server.stop()
-
-
-@pytest.mark.parametrize(
-    "queued,limit,dead,status",
-    [(1, 1, False, 503), (0, 1, False, None), (0, None, True, 503), (5, None, False, None)],
-)
-def test_capacity_check(queued, limit, dead, status):
-    serving = OpenAIServing.__new__(OpenAIServing)
-    serving.engine = SimpleNamespace(num_queued_requests=queued, is_dead=dead)
-    serving.config = SimpleNamespace(max_num_queued_requests=limit)
-    if status is None:
-        serving.check_capacity()
-    else:
-        with pytest.raises(OpenAIError) as error:
-            serving.check_capacity()
-        assert error.value.status == status
 
 
 @pytest.mark.parametrize("allow", [False, True])

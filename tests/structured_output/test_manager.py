@@ -138,7 +138,7 @@ def test_bitmask_drives_tokens_and_completed_grammar_finishes():
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
 
 
-def test_failed_grammar_ends_its_request_with_abort():
+def test_failed_grammar_ends_its_request_with_an_error():
     scheduler, backend = make()
     backend.release.set()
     add(scheduler, "bad", StructuredOutputsParams(regex="bad"))
@@ -148,8 +148,9 @@ def test_failed_grammar_ends_its_request_with_abort():
         outputs += run(scheduler, scheduler.schedule(), lambda rid, allowed: 3)
         assert time.monotonic() < deadline
     assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [
-        ("bad", True, "abort")
+        ("bad", True, "error")
     ]
+    assert "invalid regex: bad" in outputs[0].error
 
 
 def test_grammars_compile_once_per_spec():

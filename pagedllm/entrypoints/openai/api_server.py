@@ -1,9 +1,20 @@
 """`pagedllm serve`: start the engine-core process, then serve HTTP until told to stop.
 
-Shutdown: SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for
-up to `--shutdown-timeout` seconds, cancels (aborts) the rest, stops the engine and exits 0.
-If the engine process dies, /health turns 503, in-flight requests fail with a 500, new ones
-get a 503, and the server exits with status 1 shortly after.
+Shutdown (`drain.py`): SIGTERM or Ctrl-C stops accepting connections, lets in-flight
+requests finish for up to `--shutdown-timeout` seconds, ends the rest with a 503 in OpenAI's
+shape (a stream with an error event and `[DONE]`) and aborts them, stops the engine and
+exits 0. The engine-core process ignores SIGTERM and SIGINT, so a signal sent to the whole
+process group (systemd's `KillMode=control-group`, Ctrl-C) drains exactly the same way.
+
+Engine failure: a core with unfinished requests that sends nothing for
+`--engine-iteration-timeout` seconds is reported stalled (/health 503, an error in the log,
+`pagedllm:engine_stalled` 1) until it sends something again. If the core exits, in-flight
+requests fail with a 500 (an error event in a stream), /health and new requests get a 503,
+and the server exits with status 1 shortly after. With `--restart-on-engine-failure`, a core
+that exits or stalls is killed and replaced instead: in-flight requests fail, new requests
+are answered 503 while the new core loads and served after, and
+`pagedllm:engine_restarts_total` counts the restarts. SIGHUP reloads
+`--api-keys-file` (a file that fails to load keeps the old keys).
 """
 
 from __future__ import annotations
@@ -19,7 +30,10 @@ import uvicorn
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.drain import DrainingServer, graceful_shutdown_timeout
+from pagedllm.entrypoints.openai.limits import uvicorn_limits
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.tenants import redact_access_log
 from pagedllm.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger("pagedllm")
@@ -47,15 +61,24 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
         metrics = PrometheusMetrics(config.served_model_names[0], engine.model_config.max_model_len)
         engine.observers.append(metrics)
-        server = uvicorn.Server(_uvicorn_config(build_app(engine, config, metrics), config))
+        engine.iteration_timeout_s = config.engine_iteration_timeout
+        engine.restart_on_failure = config.restart_on_engine_failure
+        engine.on_stalled.append(metrics.on_engine_stalled)
+        engine.on_restarted.append(metrics.on_engine_restarted)
+        app = build_app(engine, config, metrics)
+        server = DrainingServer(_uvicorn_config(app, config), engine, config.shutdown_timeout)
+        # After uvicorn set up its loggers: keys sent in a query string stay out of the log.
+        redact_access_log()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.state.tenants.reload)
         engine.on_dead.append(lambda: _exit_soon(server))
         # uvicorn re-raises the signal that stopped it once it is done; a handler of our own
         # keeps that from killing the process before it exits with its own status.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: None)
         logger.info(
-            "Serving %s on http://%s:%d (started in %.1f s)",
+            "Serving %s on %s://%s:%d (started in %.1f s)",
             config.served_model_names[0],
+            "https" if config.ssl_certfile else "http",
             config.host,
             config.port,
             time.monotonic() - started,
@@ -63,7 +86,7 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         await server.serve()
     finally:
         await engine.shutdown()
-    return 1 if engine.is_dead else 0
+    return 1 if engine.dead_error is not None else 0
 
 
 def _exit_soon(server: uvicorn.Server) -> None:
@@ -80,9 +103,24 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
         port=config.port,
         log_level="info",
         access_log=not config.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        # A backstop only: DrainingServer ends what is left at shutdown_timeout itself.
+        timeout_graceful_shutdown=graceful_shutdown_timeout(config.shutdown_timeout),
         timeout_keep_alive=5,
+        **uvicorn_limits(config),  # header/body read deadlines, header block size
+        **_tls_options(config),
     )
+
+
+def _tls_options(config: ServerConfig) -> dict:
+    """uvicorn's TLS arguments (vLLM's flags, checked by ServerConfig); none for plain HTTP."""
+    if config.ssl_certfile is None:
+        return {}
+    return {
+        "ssl_keyfile": config.ssl_keyfile,
+        "ssl_certfile": config.ssl_certfile,
+        "ssl_ca_certs": config.ssl_ca_certs,
+        "ssl_cert_reqs": config.ssl_cert_reqs,
+    }
 
 
 def run_server(engine_args: EngineArgs, config_overrides: dict) -> int:

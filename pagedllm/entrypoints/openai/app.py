@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
@@ -16,11 +15,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.processor import check_token_ids
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     as_openai_error,
     error_response,
     install_error_handlers,
+)
+from pagedllm.entrypoints.openai.limits import (
+    RequestLimitsMiddleware,
+    default_max_request_body_bytes,
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -28,44 +32,59 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.request_ids import request_id_from_header
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.tenant_limits import Refusal
+from pagedllm.entrypoints.openai.tenants import TenantRegistry, current_tenant
 from pagedllm.metrics.prometheus import PrometheusMetrics
 
 # Routes anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
+# Routes that start engine requests: the tenant limits apply to these.
+LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # Status for a request whose client went away (nginx's convention; the client never sees it).
 CLIENT_CLOSED_REQUEST = 499
 
 
 class GuardMiddleware:
-    """API-key check on every route but /health, and an `X-Request-Id` on every response.
+    """API-key check on every route but /health (the key names the request's tenant), the
+    tenant's limits on the generation routes, and an `X-Request-Id` on every response.
 
     Plain ASGI rather than BaseHTTPMiddleware, which would buffer streams and hide
     disconnects from the routes.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, tenants: TenantRegistry) -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}"
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        if (
-            self.expected is not None
-            and scope["path"] not in OPEN_PATHS
-            and scope["method"] != "OPTIONS"
-            and headers.get("authorization") != self.expected
-        ):
-            response = error_response(401, "Unauthorized: missing or wrong API key")
+        request_id, bad_request_id = request_id_from_header(headers.get("x-request-id"))
+        tenant = None
+        if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
+            tenant = self.tenants.authenticate(headers.get("authorization"))
+            if tenant is None:
+                response = error_response(401, "Unauthorized: missing or wrong API key")
+                response.headers["X-Request-Id"] = request_id
+                await response(scope, receive, send)
+                return
+        if bad_request_id is not None:  # it would be echoed in a header: never as sent
+            response = error_response(400, str(bad_request_id), bad_request_id.param)
             response.headers["X-Request-Id"] = request_id
             await response(scope, receive, send)
             return
+        limited = tenant is not None and scope["path"] in LIMITED_PATHS
+        if limited:
+            refusal = tenant.limiter.admit()
+            if refusal is not None:
+                await _rate_limited(refusal, request_id)(scope, receive, send)
+                return
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -74,7 +93,18 @@ class GuardMiddleware:
                     response_headers["X-Request-Id"] = request_id
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        context = current_tenant.set(tenant)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            current_tenant.reset(context)
+            if limited:
+                tenant.limiter.release()
+
+
+def _rate_limited(refusal: Refusal, request_id: str) -> Response:
+    headers = {"Retry-After": refusal.retry_after_header, "X-Request-Id": request_id}
+    return error_response(429, refusal.message, headers=headers)
 
 
 async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
@@ -97,7 +127,7 @@ async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
         return handler.result()
     except Exception as error:  # answered here: Starlette's catch-all would drop the connection
         mapped = as_openai_error(error)
-        return error_response(mapped.status, mapped.message, mapped.param)
+        return error_response(mapped.status, mapped.message, mapped.param, mapped.headers)
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics) -> FastAPI:
@@ -115,7 +145,22 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await until_disconnect(raw, chat.create_chat_completion(request, raw))
 
-    app.add_middleware(GuardMiddleware, api_key=config.api_key)
+    app.state.tenants = TenantRegistry(
+        config.api_keys,
+        config.api_keys_file,
+        config.tenant_limits,
+        share_prefix_cache=config.share_prefix_cache_across_tenants,
+    )
+    # Added before the guard, so it runs after it: no body is read for a refused key.
+    max_body_bytes = config.max_request_body_bytes or default_max_request_body_bytes(
+        engine.model_config.max_model_len
+    )
+    app.add_middleware(
+        RequestLimitsMiddleware,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=config.request_body_timeout,
+    )
+    app.add_middleware(GuardMiddleware, tenants=app.state.tenants)
     # Added last, so it runs first: preflight requests never need the API key.
     app.add_middleware(
         CORSMiddleware,
@@ -135,7 +180,7 @@ def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServing
     @app.get("/health")
     async def health() -> Response:
         if engine.is_dead:
-            return error_response(503, "the engine is not running")
+            return error_response(503, engine.unavailable_reason or "the engine is not running")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -183,5 +228,7 @@ def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServing
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:
         check_model(request.model)
         chat.check_unknown(request)
-        token_ids = chat.check_prompt(request.tokens) if request.tokens else []
+        vocab_size = engine.model_config.vocab_size
+        token_ids = check_token_ids(request.tokens, vocab_size, "tokens")
+        token_ids = chat.check_prompt(token_ids) if token_ids else []
         return JSONResponse({"prompt": engine.tokenizer.decode(token_ids)})

@@ -2,23 +2,44 @@
 
 Every model keeps unknown fields (`extra="allow"`) so the server can refuse them by name
 (or, with `--allow-unknown-fields`, log them): nothing a client sends is silently dropped.
+
+Every body is checked whole before its fields are read (`RequestBody`): nesting at most
+`MAX_REQUEST_DEPTH` levels, strings valid Unicode (no lone surrogates), integers within 64
+bits and no NaN or Infinity anywhere (Python's json accepts them); then each integer field
+is bounded to int64 (seeds to their own range) and each float field is finite. What needs
+the model (token ids against the vocabulary, lengths against the context) is checked by the
+engine's input processor, shared with the offline `LLM`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedllm.entrypoints.openai.request_ids import check_request_id
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from pagedllm.value_checks import INT64_MAX, INT64_MIN, UINT64_MAX, check_json_value
 
 # OpenAI fields that only describe the caller: accepted, never used for generation.
 CALLER_FIELDS = ("user", "metadata", "store", "service_tier")
 
+# Deepest nesting of objects and arrays a body may have. A JSON schema may be 64 levels deep
+# (structured_output.validation.MAX_SCHEMA_DEPTH) and sits at most 4 levels into a body
+# (tools[i].function.parameters); the rest is margin. Python's json reads ~900 levels, more
+# than the recursive steps after it (jsonschema, json.dumps, templates) can take.
+MAX_REQUEST_DEPTH = 96
+
+# Integers as the engine holds them (int64); seeds as torch takes them (any 64-bit value).
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary is checked later
+
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # No NaN or Infinity in any float field (JSON has neither; Python's json reads both).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -29,16 +50,27 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class RequestBody(OpenAIModel):
+    """A whole request body, checked before any field is read: see the module docstring."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        # InvalidRequestError names the path to the value; errors.py answers with it.
+        check_json_value(data, MAX_REQUEST_DEPTH)
+        return data
+
+
+class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
-    n: int = 1
-    seed: int | None = None
+    max_tokens: Int64 | None = None
+    n: Int64 = 1
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,20 +81,20 @@ class SamplingRequest(OpenAIModel):
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: Int64 | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
+    truncate_prompt_tokens: Int64 | None = None
+    priority: Int64 = 0
     cache_salt: str | None = None
     request_id: str | None = None
     # Structured output: vLLM's field, and its older guided_* names for the same thing.
@@ -72,6 +104,11 @@ class SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, value: str | None) -> str | None:
+        return value if value is None else check_request_id(value, "request_id")
 
     @model_validator(mode="before")
     @classmethod
@@ -161,11 +198,12 @@ def _spec(field_name: str, value: dict[str, Any]) -> StructuredOutputsParams:
 
 
 class CompletionRequest(SamplingRequest):
+    # Token-id prompts are checked against the vocabulary, naming this field, when read.
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
     add_special_tokens: bool = True
 
     def refused_fields(self) -> list[str]:
@@ -225,8 +263,8 @@ class ResponseFormat(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    top_logprobs: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -253,7 +291,7 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -264,6 +302,6 @@ class TokenizeRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

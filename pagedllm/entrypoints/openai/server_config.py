@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import ssl
+from dataclasses import dataclass, field
+
+from pagedllm.entrypoints.openai.tenant_limits import TenantLimits
 
 
 @dataclass(frozen=True)
@@ -10,21 +14,47 @@ class ServerConfig:
     served_model_names: tuple[str, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # Each key is a tenant (`tenants.py`); repr=False keeps keys out of any printed config.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_keys_file: str | None = None
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)
+    share_prefix_cache_across_tenants: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     # Requests waiting for their first token beyond which new ones get a 503 (None: no limit).
     max_num_queued_requests: int | None = None
+    # Admission limits (`engine/admission.py`, `limits.py`): prompt tokens waiting for their
+    # first token; request body size (None: sized from max_model_len); how long a client may
+    # take to send its headers and its body; h11's bound on a header block (None: h11's).
+    max_num_queued_tokens: int | None = None
+    max_request_body_bytes: int | None = None
+    request_header_timeout: float = 30.0
+    request_body_timeout: float = 60.0
+    h11_max_incomplete_event_size: int | None = None
     allow_unknown_fields: bool = False
     shutdown_timeout: float = 30.0
+    # Engine supervision: seconds a core with unfinished requests may send nothing before it
+    # counts as stalled, and whether a failed (exited or stalled) core is replaced.
+    engine_iteration_timeout: float = 60.0
+    restart_on_engine_failure: bool = False
     enable_log_requests: bool = False
     disable_uvicorn_access_log: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # A request's own chat template (`chat_template`) is refused unless this is set (vLLM's
+    # --trust-request-chat-template); every template renders bounded either way.
+    trust_request_chat_template: bool = False
+    # TLS, passed to uvicorn: certificate and key (both or neither), a CA bundle for client
+    # certificates, and whether clients must present one (ssl.VerifyMode: 0, 1 or 2).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
     def __post_init__(self) -> None:
+        check_tls(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs)
         if not self.served_model_names or not all(self.served_model_names):
             raise ValueError("served_model_name: needs at least one non-empty name")
         if not 0 <= self.port < 65536:
@@ -35,9 +65,64 @@ class ServerConfig:
             )
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not 0 < self.engine_iteration_timeout < float("inf"):
+            raise ValueError(
+                "engine_iteration_timeout must be a finite number of seconds > 0, got "
+                f"{self.engine_iteration_timeout}"
+            )
+        for name in ("max_num_queued_tokens", "max_request_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.h11_max_incomplete_event_size is not None and (
+            self.h11_max_incomplete_event_size < 1024
+        ):
+            raise ValueError(
+                "h11_max_incomplete_event_size must be >= 1024 (a header block needs room), "
+                f"got {self.h11_max_incomplete_event_size}"
+            )
+        for name in ("request_header_timeout", "request_body_timeout"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
         if self.tool_call_parser not in (None, "hermes"):
             raise ValueError(f"tool_call_parser must be 'hermes', got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
-        if self.api_key is not None and not self.api_key:
+        if any(not key for key in self.api_keys):
             raise ValueError("api_key: must not be empty")
+
+
+def check_tls(
+    keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int
+) -> None:
+    """Refuse TLS options uvicorn would fail on only once serving (or silently ignore): one of
+    key and certificate, files that cannot be read, a key that does not match its certificate."""
+    if (keyfile is None) != (certfile is None):
+        raise ValueError("ssl_keyfile and ssl_certfile: give both or neither")
+    for name, path in (("ssl_keyfile", keyfile), ("ssl_certfile", certfile)):
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ValueError(f"{name}: {path!r} is not a readable file")
+    if ca_certs is not None and not (os.path.isfile(ca_certs) or os.path.isdir(ca_certs)):
+        raise ValueError(f"ssl_ca_certs: {ca_certs!r} is not a file or directory")
+    if cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+        raise ValueError(
+            f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 (required), got {cert_reqs}"
+        )
+    if certfile is None:
+        if ca_certs is not None or cert_reqs != ssl.CERT_NONE:
+            raise ValueError("ssl_ca_certs and ssl_cert_reqs: need ssl_certfile and ssl_keyfile")
+        return
+    if cert_reqs != ssl.CERT_NONE and ca_certs is None:
+        raise ValueError("ssl_cert_reqs: checking client certificates needs ssl_ca_certs")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # An empty password: an encrypted key fails here rather than prompting on a terminal.
+        context.load_cert_chain(certfile, keyfile, password="")
+        if ca_certs is not None:
+            context.load_verify_locations(
+                cafile=None if os.path.isdir(ca_certs) else ca_certs,
+                capath=ca_certs if os.path.isdir(ca_certs) else None,
+            )
+    except (ssl.SSLError, OSError) as error:
+        raise ValueError(f"ssl_certfile/ssl_keyfile: cannot load them: {error}") from None

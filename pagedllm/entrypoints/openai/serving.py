@@ -4,23 +4,28 @@ length limits, request ids, fan-in of several generations, SSE framing and usage
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Request
 
+from pagedllm.engine.admission import Cost, QueueFullError, QueueLimits, Reservation
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
+from pagedllm.entrypoints.openai.tenants import current_tenant
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -64,6 +69,9 @@ class OpenAIServing:
         # than this cannot fit the context: refuse it before spending time tokenizing it.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_model_len * max(longest, 1)
+        self.queue_limits = QueueLimits(
+            config.max_num_queued_requests, config.max_num_queued_tokens
+        )
 
     # ---- checks ---------------------------------------------------------------------------
     def check_request(self, request: SamplingRequest, refused: list[str]) -> None:
@@ -88,13 +96,22 @@ class OpenAIServing:
             logger.warning("Ignoring unknown request field(s): %s", ", ".join(unknown))
 
     def check_capacity(self) -> None:
+        """Refuse early, before tokenizing, when not even the cheapest request (one prompt of
+        one token) would be admitted; `admit` checks the request's real cost."""
         if self.engine.is_dead:
             raise OpenAIError(503, "the engine is not running")
-        limit = self.config.max_num_queued_requests
-        if limit is not None and self.engine.num_queued_requests >= limit:
-            raise OpenAIError(
-                503, f"server is busy: {limit} requests are already waiting; retry later"
-            )
+        try:
+            self.engine.admission.check(Cost(1, 1), self.queue_limits)
+        except QueueFullError as error:
+            raise busy_error(error) from None
+
+    def admit(self, processed: list[tuple[str | None, EngineCoreRequest]]) -> Reservation:
+        """Reserve queue room for all of one HTTP request's engine requests, or refuse it
+        whole with a 503; nothing is sent to the engine before this."""
+        try:
+            return self.engine.admit([request for _, request in processed], self.queue_limits)
+        except QueueFullError as error:
+            raise busy_error(error) from None
 
     def with_structured_output(
         self,
@@ -180,34 +197,52 @@ class OpenAIServing:
         request: SamplingRequest,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every prompt's engine request is built and checked before any is started, so a bad
-        one refuses the whole HTTP request before anything streams."""
+        one refuses the whole HTTP request before anything streams. The requests run as the
+        tenant the API key named (its cache salt, its token budget)."""
+        tenant = current_tenant.get()
+        salt = request.cache_salt if tenant is None else tenant.cache_salt(request.cache_salt)
         processed = [
             self.engine.process_inputs(
                 request_id if len(prompts) == 1 else f"{request_id}-{i}",
                 {
                     "prompt_token_ids": prompt.token_ids,
                     "prompt": prompt.text,
-                    **({} if request.cache_salt is None else {"cache_salt": request.cache_salt}),
+                    **({} if salt is None else {"cache_salt": salt}),
                 },
                 prompt_params,
                 request.priority,
+                tenant=None if tenant is None else tenant.name,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
-        return merge_streams([self.engine.generate(*each) for each in processed])
+        reservation = self.admit(processed)
+        streams = [self.engine.generate(*each) for each in processed]
+        if tenant is None:
+            return merge_streams(streams, reservation)
+        tenant.limiter.charge_tokens(sum(len(r.prompt_token_ids) for _, r in processed))
+        return charge_generated_tokens(merge_streams(streams, reservation), tenant.limiter, params)
+
+
+def busy_error(error: QueueFullError) -> OpenAIError:
+    headers = {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return OpenAIError(503, error.message, error.param, headers)
 
 
 async def merge_streams(
-    streams: list[AsyncIterator[RequestOutput]],
+    streams: list[AsyncIterator[RequestOutput]], reservation: Reservation | None = None
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several generations as their outputs arrive, tagged with their index.
 
     Closing the merged stream (a client disconnect) cancels every generation, which aborts
-    each request in the engine.
+    each request in the engine; its end releases what is left of its queue `reservation`.
     """
     if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            if reservation is not None:
+                reservation.release()
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -234,6 +269,41 @@ async def merge_streams(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if reservation is not None:
+            reservation.release()
+
+
+async def charge_generated_tokens(
+    results: AsyncGenerator[tuple[int, RequestOutput], None],
+    limiter: TenantLimiter,
+    params: list[SamplingParams],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`results`, charging the tenant each generated token as it arrives. Samples the client
+    cut short are charged their whole `max_tokens`: leaving early must not dodge the limit.
+
+    Closing this closes `results` at once (which aborts its requests), not when collected.
+    """
+    seen: dict[tuple[int, int], int] = {}  # (prompt index, sample index) -> tokens charged
+    finished: set[tuple[int, int]] = set()
+    async with contextlib.aclosing(results):
+        try:
+            async for index, output in results:
+                delta = params[index].output_kind == RequestOutputKind.DELTA
+                for completion in output.outputs:
+                    sample = (index, completion.index)
+                    new = len(completion.token_ids) - (0 if delta else seen.get(sample, 0))
+                    seen[sample] = seen.get(sample, 0) + new
+                    limiter.charge_tokens(new)
+                    if completion.finish_reason is not None:
+                        finished.add(sample)
+                yield index, output
+        except (asyncio.CancelledError, GeneratorExit):
+            for index, prompt_params in enumerate(params):
+                for sample in ((index, i) for i in range(prompt_params.n)):
+                    if sample not in finished:
+                        unused = (prompt_params.max_tokens or 0) - seen.get(sample, 0)
+                        limiter.charge_tokens(unused)
+            raise
 
 
 async def stream_with_errors(chunks: AsyncIterator[str]) -> AsyncIterator[str]:

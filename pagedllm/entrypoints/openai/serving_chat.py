@@ -3,12 +3,12 @@ logprobs with top alternatives, streaming deltas with an optional usage chunk.""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedllm.engine.chat_template import render_off_loop
 from pagedllm.engine.processor import render_chat
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving import (
@@ -81,27 +81,46 @@ class OpenAIServingChat(OpenAIServing):
                 "continue_final_message: the last message must be the assistant's",
                 "continue_final_message",
             )
-        conversation = [message.for_template() for message in messages]
         template_kwargs = dict(request.chat_template_kwargs or {})
+        own_template = self._request_template(request.chat_template, template_kwargs)
+        conversation = [message.for_template() for message in messages]
         if plan is not None and plan.active:
-            self._add_tools(conversation, template_kwargs, plan, request.chat_template)
+            self._add_tools(conversation, template_kwargs, plan, own_template)
         try:
-            text = await asyncio.to_thread(
+            # Off the event loop, and bounded in time and size (`engine/chat_template.py`):
+            # a template past a bound is refused while the server goes on answering others.
+            text = await render_off_loop(
                 render_chat,
                 self.tokenizer,
                 conversation,
                 add_generation_prompt,
                 continue_final,
-                request.chat_template,
+                own_template,
                 template_kwargs,
+                self.max_prompt_chars,
+                request_template=own_template is not None,
             )
         except InvalidRequestError:
             raise
         except Exception as error:  # jinja raises many kinds of errors on odd input
+            param = "chat_template" if own_template is not None else "messages"
             raise InvalidRequestError(
-                f"messages: the chat template failed: {error}", "messages"
+                f"{param}: the chat template failed: {error}", param
             ) from None
         return Prompt(text, await self.tokenize(text, request.add_special_tokens))
+
+    def _request_template(self, chat_template: str | None, template_kwargs: dict) -> str | None:
+        """The request's own template (a field, or vLLM's `chat_template_kwargs.chat_template`),
+        refused unless the operator trusts request templates (vLLM's switch and meaning)."""
+        own = template_kwargs.pop("chat_template", None)
+        own = chat_template if chat_template is not None else own
+        if own is not None and not self.config.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template: this server renders only the model's chat template; a "
+                "request's own template needs --trust-request-chat-template",
+                "chat_template",
+            )
+        return own
 
     def _add_tools(self, conversation, template_kwargs, plan: ToolPlan, chat_template) -> None:
         """Tools go to the template when it can render them; else into a system message."""

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedllm.engine.processor import check_token_ids
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
@@ -60,7 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 token_ids = await self.tokenize(item, request.add_special_tokens)
                 prompts.append(Prompt(item, token_ids))
             else:
-                prompts.append(Prompt(None, self.check_prompt(list(item))))
+                vocab_size = self.engine.model_config.vocab_size
+                token_ids = check_token_ids(item, vocab_size, "prompt")
+                prompts.append(Prompt(None, self.check_prompt(token_ids)))
         return prompts
 
     def _params(self, request: CompletionRequest, num_prompt_tokens: int) -> SamplingParams:

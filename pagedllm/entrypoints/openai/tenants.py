@@ -1,0 +1,294 @@
+"""Tenants: who may call the server and under which name; keys never reach a log.
+
+One API key is one tenant. Keys come from `--api-key` (repeatable; its tenants are named
+`key-1`, `key-2`, ... in the order given, never after the key) and from `--api-keys-file`,
+whose lines are `name key [limit=N ...]` (limits from `TenantLimits`, `none` for no limit;
+`#` starts a comment), reloaded on SIGHUP. This module owns reading and checking those,
+finding the tenant of the key a request presents (in constant time), each tenant's cache
+salt, and the access-log filter that hides keys sent in a query string.
+
+The server's middleware puts the request's tenant in `current_tenant`; the serving code and
+the Prometheus metrics read it from there (the engine's observer calls carry no tenant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import time
+import urllib.parse
+from collections.abc import Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedllm.entrypoints.openai.tenant_limits import Clock, TenantLimiter, TenantLimits
+
+logger = logging.getLogger("pagedllm")
+
+# The tenant of requests on a server that has no API keys.
+DEFAULT_TENANT = "default"
+# Names become metric labels and log fields: short, plain, and never a key.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant as configured: its name, a digest of its key (never the key) and its limits."""
+
+    name: str
+    key_digest: bytes = field(repr=False)
+    limits: TenantLimits
+
+
+def key_digest(key: str) -> bytes:
+    # Comparing fixed-length digests keeps the comparison's time independent of the key's
+    # length as well as its content.
+    return hashlib.sha256(key.encode()).digest()
+
+
+# ---- reading keys --------------------------------------------------------------------------
+def tenants_from_api_keys(keys: Iterable[str], defaults: TenantLimits) -> list[TenantSpec]:
+    """`--api-key` values, as tenants `key-1`, `key-2`, ... with the default limits."""
+    specs = []
+    for position, key in enumerate(keys, start=1):
+        if not key or key != key.strip():
+            raise ValueError(f"api_key: key {position} is empty or has surrounding spaces")
+        specs.append(TenantSpec(f"key-{position}", key_digest(key), defaults))
+    return specs
+
+
+def parse_keys_file(text: str, defaults: TenantLimits, source: str) -> list[TenantSpec]:
+    """The tenants of a keys file's text; ValueError naming `source` and the line at fault.
+
+    Messages never quote a line: a mistyped line may hold a key in any column.
+    """
+    specs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        columns = line.split()
+        comment = next((i for i, column in enumerate(columns) if column.startswith("#")), None)
+        columns = columns[:comment]
+        if not columns:
+            continue
+        where = f"api_keys_file: {source}, line {number}"
+        if len(columns) < 2:
+            raise ValueError(f"{where}: expected 'name key [limit=N ...]'")
+        name, key, *options = columns
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"{where}: the name must be 1-64 letters, digits, '.', '_' or '-' "
+                "(starting with a letter or digit)"
+            )
+        limits = defaults.with_overrides(_parse_limits(options, where))
+        specs.append(TenantSpec(name, key_digest(key), limits))
+    return specs
+
+
+def _parse_limits(options: list[str], where: str) -> dict[str, int | None]:
+    known = TenantLimits.names()
+    overrides: dict[str, int | None] = {}
+    for column, option in enumerate(options, start=3):
+        name, equals, value = option.partition("=")
+        if not equals or name not in known:
+            raise ValueError(
+                f"{where}, column {column}: expected LIMIT=N with LIMIT one of {', '.join(known)}"
+            )
+        if name in overrides:
+            raise ValueError(f"{where}: {name} given twice")
+        if value.lower() == "none":
+            overrides[name] = None
+        elif value.isdigit() and int(value) >= 1:
+            overrides[name] = int(value)
+        else:
+            raise ValueError(f"{where}: {name} must be an integer >= 1 or 'none'")
+    return overrides
+
+
+def check_unique(specs: list[TenantSpec]) -> None:
+    """Every name and every key once (a key shared by two names would be ambiguous)."""
+    names: set[str] = set()
+    owners: dict[bytes, str] = {}
+    for spec in specs:
+        if spec.name in names:
+            raise ValueError(f"api keys: the tenant name {spec.name!r} is used twice")
+        if spec.key_digest in owners:
+            raise ValueError(
+                f"api keys: tenants {owners[spec.key_digest]!r} and {spec.name!r} have the same key"
+            )
+        names.add(spec.name)
+        owners[spec.key_digest] = spec.name
+
+
+def load_tenants(
+    api_keys: Iterable[str], api_keys_file: str | None, defaults: TenantLimits
+) -> list[TenantSpec]:
+    """Every configured tenant: `--api-key` ones first, then the keys file's, checked."""
+    specs = tenants_from_api_keys(api_keys, defaults)
+    if api_keys_file is not None:
+        try:
+            text = Path(api_keys_file).read_text()
+        except OSError as error:
+            raise ValueError(
+                f"api_keys_file: cannot read {api_keys_file}: {error.strerror}"
+            ) from None
+        from_file = parse_keys_file(text, defaults, api_keys_file)
+        if not from_file:
+            raise ValueError(f"api_keys_file: {api_keys_file} holds no keys")
+        specs += from_file
+    check_unique(specs)
+    return specs
+
+
+# ---- the registry --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActiveTenant:
+    """The tenant a request runs as: its name, its limiter, and whether its prefix-cache
+    entries are kept apart from other tenants'."""
+
+    name: str
+    limiter: TenantLimiter
+    isolate_cache: bool
+
+    def cache_salt(self, client_salt: str | None) -> str | None:
+        """The salt of this tenant's requests: a request shares cached KV only with requests
+        of the same salt, so folding the tenant in keeps one tenant from timing another's
+        cached prompts. Names hold no '|', so no tenant's salt can imitate another's."""
+        if not self.isolate_cache:
+            return client_salt
+        own = f"tenant:{self.name}"
+        return own if client_salt is None else f"{own}|{client_salt}"
+
+
+# The tenant of the request being served (None on routes that need no key).
+current_tenant: ContextVar[ActiveTenant | None] = ContextVar("pagedllm_tenant", default=None)
+
+
+def current_tenant_name() -> str:
+    tenant = current_tenant.get()
+    return DEFAULT_TENANT if tenant is None else tenant.name
+
+
+class TenantRegistry:
+    """The configured tenants; `authenticate` finds a request's, `reload` re-reads the file.
+
+    With no keys at all every request runs as `DEFAULT_TENANT`. Used from the event loop
+    only (requests and the SIGHUP handler alike), so the swap on reload needs no lock.
+    """
+
+    def __init__(
+        self,
+        api_keys: Iterable[str] = (),
+        api_keys_file: str | None = None,
+        defaults: TenantLimits | None = None,
+        share_prefix_cache: bool = False,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.api_keys = tuple(api_keys)
+        self.api_keys_file = api_keys_file
+        self.defaults = defaults or TenantLimits()
+        self.share_prefix_cache = share_prefix_cache
+        self.clock = clock
+        self.default = ActiveTenant(DEFAULT_TENANT, TenantLimiter(self.defaults, clock), False)
+        self._tenants: tuple[tuple[bytes, ActiveTenant], ...] = ()
+        self._install(load_tenants(self.api_keys, api_keys_file, self.defaults))
+
+    @property
+    def requires_key(self) -> bool:
+        return bool(self._tenants)
+
+    @property
+    def names(self) -> list[str]:
+        return [tenant.name for _, tenant in self._tenants]
+
+    def authenticate(self, authorization: str | None) -> ActiveTenant | None:
+        """The tenant whose key `Authorization: Bearer KEY` carries, else None."""
+        if not self._tenants:
+            return self.default
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return None
+        digest = key_digest(key)
+        found = None
+        # Every key is compared, whichever matches: the time taken says nothing about which.
+        for tenant_digest, tenant in self._tenants:
+            if hmac.compare_digest(tenant_digest, digest):
+                found = tenant
+        return found
+
+    def reload(self) -> bool:
+        """Re-read the keys file (SIGHUP). A file that fails to load keeps the old keys."""
+        if self.api_keys_file is None:
+            logger.warning("SIGHUP: no --api-keys-file to reload; keys unchanged")
+            return False
+        try:
+            specs = load_tenants(self.api_keys, self.api_keys_file, self.defaults)
+        except ValueError as error:
+            logger.error("Keeping the old API keys: %s", error)
+            return False
+        before = set(self.names)
+        self._install(specs)
+        after = set(self.names)
+        logger.info(
+            "Reloaded API keys from %s: %d tenants (added: %s; removed: %s)",
+            self.api_keys_file,
+            len(after),
+            ", ".join(sorted(after - before)) or "none",
+            ", ".join(sorted(before - after)) or "none",
+        )
+        return True
+
+    def _install(self, specs: list[TenantSpec]) -> None:
+        # A tenant that stays keeps its limiter: a reload neither refills its budget nor
+        # forgets its requests in flight.
+        previous = {tenant.name: tenant for _, tenant in self._tenants}
+        tenants = []
+        for spec in specs:
+            tenant = previous.get(spec.name)
+            if tenant is None:
+                limiter = TenantLimiter(spec.limits, self.clock)
+                tenant = ActiveTenant(spec.name, limiter, not self.share_prefix_cache)
+            else:
+                tenant.limiter.update(spec.limits)
+            tenants.append((spec.key_digest, tenant))
+        self._tenants = tuple(tenants)
+
+
+# ---- logs ----------------------------------------------------------------------------------
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#\s\"]*)=([^&;#\s\"]*)")
+_SECRET_NAME = re.compile(r"key|token|secret|passw|auth|signature|credential", re.IGNORECASE)
+REDACTED = "[REDACTED]"
+
+
+def redact_query_secrets(text: str) -> str:
+    """`text` with the values of query parameters named like a key or token replaced."""
+
+    def redact(match: re.Match[str]) -> str:
+        separator, name, _ = match.groups()
+        if _SECRET_NAME.search(urllib.parse.unquote_plus(name)):
+            return f"{separator}{name}={REDACTED}"
+        return match.group(0)
+
+    return _QUERY_PARAM.sub(redact, text) if "=" in text else text
+
+
+class RedactQuerySecrets(logging.Filter):
+    """On uvicorn's access log, which prints each request's path with its query string: a
+    client that sends its key as `?api_key=...` must not leave it in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                redact_query_secrets(arg) if isinstance(arg, str) else arg for arg in record.args
+            )
+        elif isinstance(record.msg, str):
+            record.msg = redact_query_secrets(record.msg)
+        return True
+
+
+def redact_access_log(logger_name: str = "uvicorn.access") -> None:
+    """Install `RedactQuerySecrets` on the access logger (once)."""
+    access = logging.getLogger(logger_name)
+    if not any(isinstance(f, RedactQuerySecrets) for f in access.filters):
+        access.addFilter(RedactQuerySecrets())

@@ -1,0 +1,39 @@
+"""The engine-core process loop's own guard: a request the core refuses fails alone."""
+
+from __future__ import annotations
+
+import queue
+
+from pagedllm.engine.core_proc import EngineCoreProc
+from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.metrics.stats import EngineStats
+from pagedllm.sampling_params import SamplingParams
+
+IDLE_STATS = EngineStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0)
+
+
+class RefusingCore:
+    """Refuses every request, as the scheduler refuses an id that is already running."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise ValueError(f"request_id {request.request_id!r} is already in use")
+
+    def get_stats(self) -> EngineStats:
+        return IDLE_STATS
+
+
+def test_a_request_the_core_refuses_fails_alone():
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: only the loop's logic
+    proc.core = RefusingCore()
+    proc.output_queue = queue.Queue()
+    request = EngineCoreRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2), [0], 0.0)
+    assert proc._apply(request) == 0  # no exception: the core goes on
+    event = proc.output_queue.get_nowait()
+    assert isinstance(event, EngineCoreOutputs)
+    [failed] = event.outputs
+    assert failed.request_id == "dup" and failed.finished
+    assert failed.finish_reason == "error"
+    assert failed.error == "ValueError: request_id 'dup' is already in use"

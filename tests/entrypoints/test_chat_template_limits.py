@@ -1,0 +1,126 @@
+"""Request-level chat templates against the server: refused unless the operator passes
+`--trust-request-chat-template`; when trusted, a benign one renders and a hostile one (nested
+loops, or output past the context window) is refused with a 400 naming `chat_template` within
+the time bound, while the server goes on answering everyone else."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx2 as httpx
+import pytest
+from server_utils import API_KEY, RunningServer
+
+from pagedllm.engine.chat_template import RENDER_TIMEOUT_S
+from pagedllm.model.loader import load_tokenizer, resolve_model
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+BENIGN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def trusted(tmp_path_factory):
+    log = tmp_path_factory.mktemp("trusted") / "server.log"
+    running = RunningServer(["--trust-request-chat-template"], log, api_key=API_KEY)
+    yield running
+    assert running.stop() == 0, running.log()
+
+
+def chat(template: str | None = None, **extra) -> dict:
+    body = {"messages": QUESTION, "max_tokens": 2, "temperature": 0, **extra}
+    if template is not None:
+        body["chat_template"] = template
+    return body
+
+
+def assert_refused(response: httpx.Response, param: str = "chat_template") -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"], error["type"]) == (param, 400, "BadRequestError")
+    return error["message"]
+
+
+def assert_healthy(server: RunningServer) -> None:
+    assert server.get("/health").status_code == 200
+    response = server.post("/v1/chat/completions", chat())
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat(BENIGN)),
+        ("/v1/chat/completions", chat(NESTED_LOOPS, stream=True)),
+        ("/v1/chat/completions", chat(chat_template_kwargs={"chat_template": BENIGN})),
+        ("/tokenize", {"messages": QUESTION, "chat_template": BENIGN}),
+    ],
+)
+def test_request_template_refused_without_the_flag(server, path, body):
+    message = assert_refused(server.post(path, body))
+    assert "--trust-request-chat-template" in message
+    assert_healthy(server)
+
+
+def test_trusted_benign_template_renders(trusted):
+    tokenizer = load_tokenizer(resolve_model(None))
+    expected = tokenizer.encode(
+        "[user] What is the capital of France?\n[assistant] ", add_special_tokens=False
+    )
+    tokenized = trusted.post("/tokenize", {"messages": QUESTION, "chat_template": BENIGN})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == expected
+    response = trusted.post("/v1/chat/completions", chat(BENIGN))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_trusted_hostile_template_is_stopped_while_others_are_served(trusted):
+    hostile: dict[str, object] = {}
+
+    def send_hostile() -> None:
+        started = time.monotonic()
+        hostile["response"] = trusted.post("/v1/chat/completions", chat(NESTED_LOOPS))
+        hostile["elapsed_s"] = time.monotonic() - started
+        hostile["done_at"] = time.monotonic()
+
+    thread = threading.Thread(target=send_hostile)
+    thread.start()
+    time.sleep(0.3)  # the template is rendering now
+    health = trusted.get("/health")
+    health_at = time.monotonic()
+    short = trusted.post("/v1/chat/completions", chat())
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+
+    message = assert_refused(hostile["response"])
+    assert "did not finish rendering" in message
+    assert hostile["elapsed_s"] < 4 * RENDER_TIMEOUT_S
+    # The server answered others while the template ran: /health before it was refused.
+    assert health.status_code == 200
+    assert health_at < hostile["done_at"]
+    assert short.status_code == 200, short.text
+    assert_healthy(trusted)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat(HUGE_OUTPUT)),
+        ("/v1/chat/completions", chat("{{ 'x' * 1000000000 }}", stream=True)),
+        ("/tokenize", {"messages": QUESTION, "chat_template": HUGE_OUTPUT}),
+        ("/tokenize", {"messages": QUESTION, "chat_template": NESTED_LOOPS}),
+    ],
+)
+def test_trusted_template_past_a_bound_is_refused(trusted, path, body):
+    started = time.monotonic()
+    message = assert_refused(trusted.post(path, body))
+    assert time.monotonic() - started < 4 * RENDER_TIMEOUT_S
+    assert "too large" in message or "did not finish rendering" in message
+    assert_healthy(trusted)

@@ -1,0 +1,255 @@
+"""Engine supervision and shutdown on a tiny model: a frozen core (SIGSTOP) is reported and
+recovers; with --restart-on-engine-failure a frozen or killed core is replaced, in-flight
+requests end with an OpenAI error and the next one is served; a drain that times out ends
+every request in OpenAI's shape; SIGTERM to the whole process group drains and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+
+import httpx2 as httpx
+import psutil
+import pytest
+from server_utils import RunningServer
+
+from pagedllm.entrypoints.openai.server_config import ServerConfig
+
+WAIT_S = 120.0  # bound on anything a test waits for (the machine may be busy)
+# Small enough to see a freeze quickly, large enough that a busy machine's step is no stall.
+ITERATION_TIMEOUT = ["--engine-iteration-timeout", "2"]
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def health(server: RunningServer) -> int:
+    try:
+        return server.get("/health").status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def core_process(server: RunningServer) -> psutil.Process:
+    """The engine-core process: the API process's child started by multiprocessing's spawn."""
+    children = psutil.Process(server.process.pid).children()
+    return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+
+def body(max_tokens: int, stream: bool = False) -> dict:
+    return {
+        "prompt": "hello",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+def start_request(server: RunningServer, max_tokens: int) -> dict:
+    """POST a completion in a thread; the dict gets its `response`."""
+    result: dict = {}
+
+    def run() -> None:
+        result["response"] = server.post("/v1/completions", body(max_tokens))
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    return result
+
+
+def start_stream(server: RunningServer, max_tokens: int) -> dict:
+    """Stream a completion in a thread; returns once its first event arrived. The dict gets
+    the `status` and every non-empty SSE `lines`."""
+    result: dict = {"lines": [], "started": threading.Event()}
+
+    def run() -> None:
+        url = server.base_url + "/v1/completions"
+        payload = body(max_tokens, stream=True)
+        try:
+            with httpx.stream(
+                "POST", url, json=payload, headers=server.headers, timeout=WAIT_S
+            ) as r:
+                result["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        result["lines"].append(line)
+                        result["started"].set()
+        finally:
+            result["started"].set()
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    assert result["started"].wait(WAIT_S), "stream never started"
+    assert result["lines"], f"stream ended before its first event: {result}"
+    return result
+
+
+def finish(pending: dict) -> None:
+    pending["thread"].join(WAIT_S)
+    assert not pending["thread"].is_alive(), "request did not end"
+
+
+def assert_openai_error(response: httpx.Response, status: int, words: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json"), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and words in error["message"], error
+    return error
+
+
+def assert_stream_ended_with_error(pending: dict, status: int, words: str) -> None:
+    lines = pending["lines"]
+    assert pending["status"] == 200
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == status and words in error["message"], error
+    # Every event before the error was an ordinary chunk.
+    assert all("choices" in json.loads(line.removeprefix("data: ")) for line in lines[:-2])
+
+
+def wait_running(server: RunningServer, count: int) -> None:
+    wait_until(lambda: server.metric("num_requests_running") >= count, f"{count} running")
+
+
+def with_core_resumed(server: RunningServer) -> None:
+    """A failed assertion must not leave a stopped core behind (it would never shut down)."""
+    if server.process.poll() is not None:
+        return
+    for child in psutil.Process(server.process.pid).children():
+        if child.status() == psutil.STATUS_STOPPED:
+            child.resume()
+
+
+def test_frozen_core_is_reported_and_recovers(tiny_llama, tmp_path):
+    server = RunningServer([str(tiny_llama), *ITERATION_TIMEOUT], tmp_path / "log")
+    try:
+        pending = start_request(server, max_tokens=200)
+        wait_running(server, 1)
+        core = core_process(server)
+        core.suspend()
+        try:
+            wait_until(lambda: health(server) == 503, "/health to report the stall")
+            assert "Engine core stalled" in server.log()
+            assert server.metric("engine_stalled") == 1
+            refused = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+            assert_openai_error(refused, 503, "engine")
+        finally:
+            core.resume()
+        wait_until(lambda: health(server) == 200, "/health to recover")
+        finish(pending)
+        # Without --restart-on-engine-failure the core is only reported: it kept the request.
+        assert pending["response"].status_code == 200, pending["response"].text
+        assert pending["response"].json()["usage"]["completion_tokens"] == 200
+        assert "made progress again" in server.log()
+        assert core.is_running() and core_process(server).pid == core.pid
+        wait_until(lambda: server.metric("engine_stalled") == 0, "the stall gauge to clear")
+    finally:
+        with_core_resumed(server)
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("failure", ["freeze", "kill"])
+def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tmp_path):
+    args = [str(tiny_llama), *ITERATION_TIMEOUT, "--restart-on-engine-failure"]
+    server = RunningServer(args, tmp_path / "log")
+    try:
+        old_core = core_process(server)
+        stream = start_stream(server, max_tokens=1000)
+        plain = start_request(server, max_tokens=1000)
+        wait_running(server, 2)
+        if failure == "freeze":
+            old_core.suspend()
+        else:
+            old_core.kill()
+        finish(plain)
+        finish(stream)
+        assert_openai_error(plain["response"], 500, "engine")
+        assert_stream_ended_with_error(stream, 500, "engine")
+
+        wait_until(lambda: health(server) == 200, "the new core")
+        wait_until(lambda: not old_core.is_running(), "the old core to be gone", 10)
+        new_core = core_process(server)
+        assert new_core.pid != old_core.pid
+        answer = server.post("/v1/completions", body(max_tokens=8))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 8
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
+        assert server.metric("engine_restarts_total") == 1
+        assert server.metric("engine_stalled") == 0
+        log = server.log()
+        assert "Restarting the engine core" in log and "Engine core restarted" in log
+        if failure == "freeze":
+            assert "Engine core stalled" in log
+        # Only the new core (and multiprocessing's resource tracker) is left.
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        cores = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert [c.pid for c in cores] == [new_core.pid]
+    finally:
+        with_core_resumed(server)
+        assert server.stop() == 0, server.log()
+
+
+def test_drain_timeout_ends_requests_with_openai_errors(tiny_llama, tmp_path):
+    server = RunningServer([str(tiny_llama), "--shutdown-timeout", "1"], tmp_path / "log")
+    try:
+        stream = start_stream(server, max_tokens=1000)
+        plain = start_request(server, max_tokens=1000)
+        wait_running(server, 2)
+        server.process.send_signal(signal.SIGTERM)
+        finish(plain)
+        finish(stream)
+        assert_openai_error(plain["response"], 503, "shutting down")
+        assert_stream_ended_with_error(stream, 503, "shutting down")
+        assert server.process.wait(WAIT_S) == 0, server.log()
+        assert "ending 2 request(s)" in server.log()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp_path, monkeypatch):
+    # Its own session, so the server's process group holds it and its children alone, as a
+    # systemd unit's control group does (KillMode=control-group signals all of them).
+    with monkeypatch.context() as patch:
+        patch.setattr(subprocess, "Popen", partial(subprocess.Popen, start_new_session=True))
+        server = RunningServer([str(tiny_llama), "--shutdown-timeout", "120"], tmp_path / "log")
+    try:
+        api = psutil.Process(server.process.pid)
+        processes = [api, *api.children(recursive=True)]
+        assert os.getpgid(core_process(server).pid) == server.process.pid
+        streams = [start_stream(server, max_tokens=200) for _ in range(2)]
+        plains = [start_request(server, max_tokens=200) for _ in range(2)]
+        wait_running(server, 3)
+        os.killpg(server.process.pid, signal.SIGTERM)
+        for pending in plains + streams:
+            finish(pending)
+        assert server.process.wait(WAIT_S) == 0, server.log()
+        for pending in plains:
+            response = pending["response"]
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["completion_tokens"] == 200
+        for pending in streams:
+            assert pending["lines"][-1] == "data: [DONE]"
+            assert not any('"error"' in line for line in pending["lines"])
+        _, alive = psutil.wait_procs(processes, timeout=30)
+        assert not alive, f"left running: {alive}"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
+def test_engine_iteration_timeout_must_be_positive_and_finite(value):
+    with pytest.raises(ValueError, match="engine_iteration_timeout"):
+        ServerConfig(served_model_names=("m",), engine_iteration_timeout=value)
