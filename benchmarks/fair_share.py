@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.tenant_server import prompt_text, start_tenant_server
+from benchmarks.tenant_server import prompt_text, report_policies, start_tenant_server
 from pagedllm.bench.serve import ServeBenchConfig, send_request
 from pagedllm.bench.serve_metrics import RequestOutcome, ttft
 
@@ -140,14 +140,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    out_dir = Path("benchmarks/out/fair_share")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"config": vars(args), "policies": [measure(p, args, out_dir) for p in args.policies]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output_json:
-        Path(args.output_json).write_text(text + "\n")
-    return 0
+    return report_policies(args, measure, Path("benchmarks/out/fair_share"))
 
 
 if __name__ == "__main__":

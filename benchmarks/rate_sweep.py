@@ -6,9 +6,10 @@ For each policy (`fcfs`, `fair`) one server starts with two API keys. Tenant A s
 arrivals of both together are one Poisson process at the rate under test. Rates rise
 through `--rates` until p99 TTFT over all requests passes `--ttft-bound`; the last rate that
 stayed under it is the policy's answer. Each rate's TTFT percentiles, per tenant as well,
-go into the JSON.
+go into the JSON. Each server first idles `--settle` seconds (its KV pool is faulted in on
+one core after start-up) and serves a few warm-up requests.
 
-    .venv/bin/python -m benchmarks.rate_sweep [--rates 0.25 0.5 1 1.5 2 3 --requests 60
+    .venv/bin/python -m benchmarks.rate_sweep [--rates 0.1 0.2 0.3 0.5 0.75 1 --requests 60
         --policies fcfs fair --output-json F]
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -25,11 +27,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from benchmarks.tenant_server import prompt_text, start_tenant_server
+from benchmarks.tenant_server import prompt_text, report_policies, start_tenant_server
 from pagedllm.bench.serve import ServeBenchConfig, arrival_offsets, send_request
 from pagedllm.bench.serve_metrics import RequestOutcome, ttft
 
 KEYS = {"tenant-a": "sk-rate-a", "tenant-b": "sk-rate-b"}
+WARMUP_REQUESTS = 8
 
 
 def p99_ms(outcomes: list[RequestOutcome]) -> float | None:
@@ -37,16 +40,19 @@ def p99_ms(outcomes: list[RequestOutcome]) -> float | None:
     return round(float(np.percentile(values, 99)) * 1000, 1) if values else None
 
 
-async def run_rate(base_url: str, rate: float, args: argparse.Namespace) -> dict:
+async def run_rate(
+    base_url: str, rate: float, args: argparse.Namespace, num_requests: int | None = None
+) -> dict:
+    num_requests = num_requests or args.requests
     rng = random.Random(args.seed)
     tenants = ["tenant-a" if rng.random() < args.heavy_share else "tenant-b"
-               for _ in range(args.requests)]  # fmt: skip
+               for _ in range(num_requests)]  # fmt: skip
     configs = {
         name: ServeBenchConfig(base_url=base_url, endpoint="/v1/completions",
                                api_key=key, ignore_eos=True, disable_tqdm=True)
         for name, key in KEYS.items()
     }  # fmt: skip
-    offsets = arrival_offsets(args.requests, rate, 1.0, args.seed)
+    offsets = arrival_offsets(num_requests, rate, 1.0, args.seed)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         start = time.perf_counter()
@@ -85,6 +91,10 @@ def sweep(policy: str, args: argparse.Namespace, out_dir: Path) -> dict:
     server = start_tenant_server(policy, KEYS, out_dir, ["--scheduling-policy", policy])
     steps, best = [], None
     try:
+        # A server fresh from start-up still faults its KV pool in on one core: let it
+        # settle, then run a few requests through it before the first measured rate.
+        time.sleep(args.settle)
+        asyncio.run(run_rate(server.base_url, math.inf, args, num_requests=WARMUP_REQUESTS))
         for rate in args.rates:
             step = asyncio.run(run_rate(server.base_url, rate, args))
             print(json.dumps({"policy": policy, **step}), flush=True)
@@ -100,7 +110,8 @@ def sweep(policy: str, args: argparse.Namespace, out_dir: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1, 1.5, 2, 3])
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5, 0.75, 1])
+    parser.add_argument("--settle", type=float, default=30.0, help="idle seconds after start")
     parser.add_argument("--policies", nargs="+", default=["fcfs", "fair"])
     parser.add_argument("--requests", type=int, default=60, help="requests per rate")
     parser.add_argument("--heavy-share", type=float, default=0.75, help="tenant A's share")
@@ -113,14 +124,7 @@ def main() -> int:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     args.model = args.model or "SmolLM2-135M-Instruct"
-    out_dir = Path("benchmarks/out/rate_sweep")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {"config": vars(args), "policies": [sweep(p, args, out_dir) for p in args.policies]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output_json:
-        Path(args.output_json).write_text(text + "\n")
-    return 0
+    return report_policies(args, sweep, Path("benchmarks/out/rate_sweep"))
 
 
 if __name__ == "__main__":

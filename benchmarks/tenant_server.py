@@ -4,6 +4,7 @@ prompts they send."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -31,3 +32,15 @@ def start_tenant_server(name: str, keys: dict[str, str], out_dir: Path, flags: l
         *flags,
     ]  # fmt: skip
     return start_server(name, command, port, out_dir / f"{name}.log")
+
+
+def report_policies(args, measure, out_dir: Path) -> int:
+    """Runs `measure(policy, args, out_dir)` for each of `args.policies` and prints (and, with
+    `--output-json`, writes) the report: the arguments and each policy's result."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"config": vars(args), "policies": [measure(p, args, out_dir) for p in args.policies]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output_json:
+        Path(args.output_json).write_text(text + "\n")
+    return 0

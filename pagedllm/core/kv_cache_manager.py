@@ -102,12 +102,7 @@ class KVCacheManager:
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_tokens_after = (
-            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        )
-        num_new_blocks = max(
-            0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
-        )
+        num_tokens_after, num_new_blocks = self._growth(request, blocks, computed, num_new_tokens)
         shared_index = self._shared_partial_block(request, blocks)
         if self.num_blocks_to_allocate(request, num_new_tokens, computed) > self.num_free_blocks:
             return None
@@ -121,6 +116,20 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
         return KVAllocation(new_blocks, block_copy)
 
+    def _growth(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        computed: list[KVCacheBlock],
+        num_new_tokens: int,
+    ) -> tuple[int, int]:
+        """(tokens the request will hold, fresh blocks it needs for them)."""
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        )
+        num_blocks = cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
+        return num_tokens_after, max(0, num_blocks)
+
     def num_blocks_to_allocate(
         self,
         request: Request,
@@ -131,12 +140,7 @@ class KVCacheManager:
         and prefix-cache hits that sit in the free queue (taking them makes them held)."""
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_tokens_after = (
-            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        )
-        num_new_blocks = max(
-            0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
-        )
+        _, num_new_blocks = self._growth(request, blocks, computed, num_new_tokens)
         num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
         num_copies = 0 if self._shared_partial_block(request, blocks) is None else 1
         return num_new_blocks + num_copies + num_free_hits
