@@ -127,6 +127,12 @@ CASES = {
     "surrogate tool": (CHAT, tool_with({"type": "string", "description": "\ud800"}), "tools"),
     "surrogate key": (CHAT, chat('"metadata": {"\\ud800": 1}'), "metadata"),
     "surrogate tokenize": ("/tokenize", '{"prompt": "a\\ud800"}', "prompt"),
+    # Found by the schemathesis run: no final message to continue was an IndexError (500).
+    "continue nothing": (
+        "/tokenize",
+        '{"messages": [], "continue_final_message": true, "add_generation_prompt": false}',
+        "continue_final_message",
+    ),
     "surrogate regex": (CHAT, chat('"guided_regex": "a\\ud800"'), "guided_regex"),
     # Schemas and grammars bounded in depth and size; the body itself bounded in depth.
     "schema ~120 deep": (CHAT, response_format(nested_schema(120)), "response_format"),

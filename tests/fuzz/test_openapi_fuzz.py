@@ -9,6 +9,7 @@ and afterwards the server is healthy and answers a normal request.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 
@@ -170,12 +171,25 @@ def bounded(case) -> None:
         return
     body = case.body
     for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if type(value) is int and MAX_TOKENS_CAP < value <= MAX_MODEL_LEN:
+        count = as_count(body.get(key))
+        if count is not None and MAX_TOKENS_CAP < count <= MAX_MODEL_LEN:
             body[key] = MAX_TOKENS_CAP
     # Without a limit, chat completions generate up to the context window, completions 16.
     if not body.get("max_completion_tokens") and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_TOKENS_CAP
+
+
+def as_count(value) -> int | None:
+    """The integer pydantic's lax mode would read from `value` (150, 150.0, "150"), if any."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value) if isinstance(value, int | float | str) else None
+    except ValueError:
+        return None
+    if number is None or not math.isfinite(number) or number != int(number):
+        return None
+    return int(number)
 
 
 def call_and_check(case, server, spent: dict, collect: list | None) -> None:

@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
                 "continue_final_message: cannot be combined with add_generation_prompt=true",
                 "continue_final_message",
             )
-        if continue_final and messages[-1].role != "assistant":
+        if continue_final and (not messages or messages[-1].role != "assistant"):
             raise InvalidRequestError(
                 "continue_final_message: the last message must be the assistant's",
                 "continue_final_message",
