@@ -223,7 +223,7 @@ def test_64_concurrent_streams_complete_and_free_every_block(server, llm):
     assert server.metric("num_requests_running") == 0.0
 
 
-def test_disconnect_frees_blocks_within_a_second(server):
+def test_disconnect_frees_blocks_at_once(server):
     body = {"prompt": "Tell me a story.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
     with httpx.stream(
         "POST", server.base_url + "/v1/completions", json=body, headers=server.headers
@@ -233,8 +233,10 @@ def test_disconnect_frees_blocks_within_a_second(server):
             next(lines)
         assert server.metric("kv_cache_usage_perc") > 0.0
     disconnected = time.monotonic()
+    # Alone this takes milliseconds; the bound leaves room for a loaded 2-core CI host, and is
+    # still far below the minutes the 4000 tokens would take if the request ran on.
     while server.metric("kv_cache_usage_perc") > 0.0:
-        assert time.monotonic() - disconnected < 1.0, "blocks still held after the disconnect"
+        assert time.monotonic() - disconnected < 3.0, "blocks still held after the disconnect"
         time.sleep(0.02)
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
 

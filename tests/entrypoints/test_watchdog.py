@@ -231,7 +231,9 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp
         assert os.getpgid(core_process(server).pid) == server.process.pid
         streams = [start_stream(server, max_tokens=200) for _ in range(2)]
         plains = [start_request(server, max_tokens=200) for _ in range(2)]
-        wait_running(server, 3)
+        # All four admitted: one still connecting when the signal lands is refused by a
+        # server that has stopped accepting, which is right but not what this tests.
+        wait_running(server, 4)
         os.killpg(server.process.pid, signal.SIGTERM)
         for pending in plains + streams:
             finish(pending)
