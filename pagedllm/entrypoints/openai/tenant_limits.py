@@ -128,26 +128,21 @@ class TenantLimiter:
                 f"Rate limit reached: {self.in_flight} requests in flight, the limit is "
                 f"{concurrent} (max_concurrent_requests); retry when one has finished",
             )
-        if self.tokens is not None:
-            wait = self.tokens.seconds_until(1, now)
+        buckets = (
+            ("tokens", self.tokens, limits.max_tokens_per_minute),
+            ("requests", self.requests, limits.max_requests_per_minute),
+        )
+        for unit, bucket, limit in buckets:
+            wait = 0.0 if bucket is None else bucket.seconds_until(1, now)
             if wait > 0:
+                name = f"max_{unit}_per_minute"
                 return Refusal(
-                    "max_tokens_per_minute",
+                    name,
                     wait,
-                    f"Rate limit reached for tokens per minute: the limit is "
-                    f"{limits.max_tokens_per_minute} (max_tokens_per_minute); retry in "
-                    f"{wait:.1f} s",
+                    f"Rate limit reached for {unit} per minute: the limit is {limit} ({name}); "
+                    f"retry in {wait:.1f} s",
                 )
         if self.requests is not None:
-            wait = self.requests.seconds_until(1, now)
-            if wait > 0:
-                return Refusal(
-                    "max_requests_per_minute",
-                    wait,
-                    f"Rate limit reached for requests per minute: the limit is "
-                    f"{limits.max_requests_per_minute} (max_requests_per_minute); retry in "
-                    f"{wait:.1f} s",
-                )
             self.requests.take(1, now)
         self.in_flight += 1
         return None
