@@ -44,7 +44,9 @@ async def run_rate(
     base_url: str, rate: float, args: argparse.Namespace, num_requests: int | None = None
 ) -> dict:
     num_requests = num_requests or args.requests
-    rng = random.Random(args.seed)
+    # Fresh prompts at every rate: a prompt seen at an earlier rate would be a prefix-cache
+    # hit, and its TTFT no prefill at all.
+    rng = random.Random(f"{args.seed}:{rate}")
     tenants = ["tenant-a" if rng.random() < args.heavy_share else "tenant-b"
                for _ in range(num_requests)]  # fmt: skip
     configs = {

@@ -235,6 +235,13 @@ def test_bad_x_request_id_header_is_a_400_and_never_echoed(server, value):
     assert_still_serving(server)
 
 
+def test_wrong_method_is_a_405_that_names_the_allowed_one(server):
+    response = server.get(COMPLETIONS)
+    assert response.status_code == 405
+    assert response.headers["Allow"] == "POST"
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_good_request_ids_are_echoed(server):
     response = post_raw(server, COMPLETIONS, completion('"n": 1'), {"X-Request-Id": "abc-1.2_x"})
     assert response.status_code == 200 and response.headers["X-Request-Id"] == "abc-1.2_x"

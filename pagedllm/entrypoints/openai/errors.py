@@ -121,7 +121,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail))
+        # Keeps Starlette's headers: a 405 must say which methods are allowed (`Allow`).
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
 
     @app.exception_handler(OpenAIError)
     async def _on_openai(_: Request, error: OpenAIError) -> JSONResponse:
