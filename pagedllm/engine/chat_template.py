@@ -14,6 +14,7 @@ Rendering blocks the calling thread until done or refused; the server runs it of
 loop on small pools of its own (`render_off_loop`), one for the model's template and one for
 request templates. A template past a bound is an `InvalidRequestError` naming `param`.
 """
+
 from __future__ import annotations
 
 import asyncio
