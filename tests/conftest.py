@@ -28,6 +28,10 @@ VARIANTS = {
         }
     },
     "tied-bias": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    # Tensor-parallel shapes: one KV head (replicated over the ranks) or four, and a
+    # vocabulary no rank count divides.
+    "kv1-vocab509": {"num_key_value_heads": 1, "vocab_size": 509},
+    "kv4-vocab509": {"num_key_value_heads": 4, "vocab_size": 509},
 }
 
 

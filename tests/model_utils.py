@@ -19,20 +19,20 @@ def make_tiny_model(architecture: str, directory: Path, **overrides) -> Path:
     """Save a tiny random model of `architecture` (and a tokenizer-free dir) to `directory`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    settings = {"tie_word_embeddings": False, **TINY_CONFIGS[architecture], **overrides}
+    settings = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        **TINY_CONFIGS[architecture],
+        **overrides,
+    }
     model_type = settings.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        architectures=[architecture],
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        **settings,
-    )
+    config = AutoConfig.for_model(model_type, architectures=[architecture], **settings)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is too flat for greedy decoding to be interesting; sharpen the head.

@@ -87,7 +87,13 @@ def test_distributed_executor_backend_is_checked():
     )
     assert engine_args_from(args).distributed_executor_backend == "uni"
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
-        EngineArgs(distributed_executor_backend="ray")
+        EngineArgs(distributed_executor_backend="threads")
+    with pytest.raises(ValueError, match="'uni' runs one worker"):
+        EngineArgs(distributed_executor_backend="uni", tensor_parallel_size=2)
+    # Unset: one worker in process, several as processes on this host (vLLM's default).
+    assert EngineArgs().parallel_config().distributed_executor_backend == "uni"
+    several = EngineArgs(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert several.parallel_config().distributed_executor_backend == "mp"
 
 
 def test_bad_flag_value_is_a_clear_error(tiny_llama, capsys):

@@ -35,12 +35,14 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.admission",
             "pagedllm.engine.processor",
             "pagedllm.engine.chat_template",  # bounded chat-template rendering (processor's)
+            "pagedllm.engine.template_sandbox",
+            "pagedllm.engine.thread_deadline",
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
             "pagedllm.metrics.prometheus",
         ],
     ),
-    ("engine client", ["pagedllm.engine.client"]),
+    ("engine client", ["pagedllm.engine.client", "pagedllm.engine.dp_router"]),
     (
         "core",
         [
@@ -64,12 +66,22 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.worker.kv_prefault",
         ],
     ),
-    ("model/ops", ["pagedllm.model.*", "pagedllm.ops.*", "pagedllm.sample.*"]),
+    (
+        "model/ops",
+        [
+            "pagedllm.model.*",
+            "pagedllm.ops.*",
+            "pagedllm.sample.*",
+            # Process groups, collectives and thread binding: the model's layers call them.
+            "pagedllm.distributed.*",
+        ],
+    ),
 ]
 
 # Leaf modules every layer may import. They import only one another, so they stay leaves.
 SHARED: list[str] = [
     "pagedllm.config",
+    "pagedllm.parallel_config",  # how the model is split over ranks (config's)
     "pagedllm.sampling_params",
     "pagedllm.outputs",
     "pagedllm.errors",
@@ -83,6 +95,7 @@ SHARED: list[str] = [
     "pagedllm.metrics.stats",
     # Packages' own (empty or docstring-only) __init__ modules.
     "pagedllm.core",
+    "pagedllm.distributed",
     "pagedllm.engine",
     "pagedllm.executor",
     "pagedllm.metrics",

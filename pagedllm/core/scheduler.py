@@ -57,6 +57,10 @@ class Scheduler(FairScheduling):
         self._resumed: set[str] = set()
         self._finished_req_ids: set[str] = set()
         self._forked_samples: list[Request] = []
+        # Pipeline parallel (max_batches_in_flight > 1): requests in a batch that is still
+        # running (scheduled, not yet updated); they are neither scheduled nor preempted.
+        self._pipelined = config.max_batches_in_flight > 1
+        self._in_flight: set[str] = set()
         self.num_preemptions = 0
         # Prompt tokens actually run through the model (prefix-cache hits excluded).
         self.num_computed_prompt_tokens = 0
@@ -135,6 +139,9 @@ class Scheduler(FairScheduling):
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
+            if self._pipelined and request.request_id in self._in_flight:
+                index += 1
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             allocation = self._allocate_or_preempt(request, num_new_tokens)
             if allocation is None:
@@ -220,10 +227,18 @@ class Scheduler(FairScheduling):
             allocation = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             if allocation is not None:
                 return allocation
-            victim = self.running.pop()
+            victim = self._preemption_victim() if self._pipelined else self.running.pop()
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _preemption_victim(self) -> Request:
+        """The newest running request not in flight (the one asking, at worst: those before
+        it in `running` are in flight, scheduled this step or earlier)."""
+        for index in range(len(self.running) - 1, -1, -1):
+            if self.running[index].request_id not in self._in_flight:
+                return self.running.pop(index)
+        raise AssertionError("every running request is in flight")
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -299,9 +314,16 @@ class Scheduler(FairScheduling):
                     ),
                     num_computed_tokens=request.num_computed_tokens,
                     resumed_from_preemption=rewritten,
+                    token_ids=(
+                        _token_ids(request, num_new_tokens, to_end=rewritten)
+                        if self.config.send_token_ids
+                        else None
+                    ),
                 )
             )
         output.num_scheduled_tokens[request_id] = num_new_tokens
+        if self._pipelined:
+            self._in_flight.add(request_id)
         computed = request.num_computed_tokens
         self.num_computed_prompt_tokens += max(
             0, min(request.num_prompt_tokens, computed + num_new_tokens) - computed
@@ -362,6 +384,8 @@ class Scheduler(FairScheduling):
                         f"structured_outputs: the grammar failed: {describe_error(error)}"
                     )
             self.requests[child.request_id] = child
+            if self._pipelined:  # it draws its first token when the parent's batch is back
+                self._in_flight.add(child.request_id)
             self._forked_samples.append(child)
             self._seen_by_runner.add(child.request_id)
             output.scheduled_new_reqs.append(self._new_request_data(child))
@@ -383,6 +407,10 @@ class Scheduler(FairScheduling):
         failed this step (its stage in the runner, or its grammar here) ends alone with
         finish_reason "error" and its blocks freed; the others go on as if it never ran."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._pipelined:
+            self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
+            for children in scheduler_output.forked_samples.values():
+                self._in_flight.difference_update(children)
         failed, self._failed = {**self._failed, **runner_output.failed_requests}, {}
         for request_id, message in failed.items():
             request = self.requests.get(request_id)
@@ -482,3 +510,17 @@ class Scheduler(FairScheduling):
             self._seen_by_runner.discard(request.request_id)
             self._resumed.discard(request.request_id)
             self._finished_req_ids.add(request.request_id)
+
+
+def _token_ids(request: Request, num_new_tokens: int, to_end: bool) -> list[int]:
+    """The request's tokens from its first uncomputed one: the `num_new_tokens` it runs now,
+    or (`to_end`: resumed after preemption) all of them to its last."""
+    start = request.num_computed_tokens
+    end = request.num_tokens if to_end else start + num_new_tokens
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return output[start - num_prompt : end - num_prompt]
+    return prompt[start:] + output[: end - num_prompt]

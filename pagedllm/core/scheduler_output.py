@@ -27,12 +27,18 @@ class CachedRequestData:
 
     A request resumed after preemption, or whose table changed by copy-on-write, gets its
     whole block table (`new_block_ids` replaces its blocks); otherwise they are appended.
+
+    `token_ids` (only when several ranks run the model: `SchedulerConfig.send_token_ids`)
+    are the token ids from `num_computed_tokens` on that this step runs, for the ranks that
+    do not sample and so never saw the last sampled token; a request resumed after
+    preemption gets all its tokens from there to its last, so those ranks know where it ends.
     """
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
     resumed_from_preemption: bool = False
+    token_ids: list[int] | None = None
 
 
 @dataclass

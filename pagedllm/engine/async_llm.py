@@ -6,13 +6,20 @@ text). The scheduler and the model run in the engine-core process behind `MPClie
 request gets an asyncio queue; one task reads the core's events and fans them out, so the
 event loop never waits on the model.
 
-Supervision: a watchdog task reports a core that owes outputs (requests it has not finished)
-and sends none for `iteration_timeout_s` as stalled (`unavailable_reason`, `on_stalled`);
-a core that exits, or stalls, ends every request in flight with `EngineDeadError`. With
-`restart_on_failure` it is then killed and replaced by a new core (a new `MPClient`) and
-new requests are served again; without it the engine stays dead (`on_dead`), and a
-stalled core stays reported until it sends something again. `fail_all_requests` ends what
-is running with an error of the server's choosing (a drain that ran out of time).
+Data parallelism (`data_parallel_size` N > 1): N engine-core processes, one `MPClient` and
+one output task each; `DPRouter` picks each request's core (the one holding most of its
+prompt's prefix unless it is clearly busier, else the least loaded) and remembers it, so
+aborts go to that core alone. N = 1 takes none of that path: no hashing, no routing.
+
+Supervision, per core: a watchdog task reports a core that owes outputs (requests it has not
+finished) and sends none for `iteration_timeout_s` as stalled (`unavailable_reason`,
+`on_stalled`); a core that exits, or stalls, ends the requests in flight on it with
+`EngineDeadError`. With `restart_on_failure` it is then killed and replaced by a new core (a
+new `MPClient`) and new requests are served again; without it the engine stays dead
+(`on_dead`: every request fails, whichever core it ran on), and a stalled core stays
+reported until it sends something again. While any core is stalled or restarting the engine
+is unavailable (/health 503). `fail_all_requests` ends what is running with an error of the
+server's choosing (a drain that ran out of time).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any, Protocol
 from pagedllm.config import EngineArgs
 from pagedllm.engine.admission import AdmissionQueue, Cost, QueueLimits, Reservation
 from pagedllm.engine.client import MPClient
+from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
     AbortRequests,
@@ -53,23 +61,50 @@ class StepObserver(Protocol):
     def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None: ...
 
     def on_step(
-        self, outputs: list[EngineCoreOutput], stopped: list[str], stats: EngineStats, now: float
+        self,
+        outputs: list[EngineCoreOutput],
+        stopped: list[str],
+        stats: EngineStats,
+        now: float,
+        engine_index: int = 0,
     ) -> None: ...
 
     def on_request_aborted(self, request_ids: list[str], now: float) -> None: ...
 
 
+class _Core:
+    """One engine-core process as `AsyncLLM` supervises it."""
+
+    def __init__(self, index: int, client: MPClient) -> None:
+        self.index = index
+        self.client = client
+        self.output_task: asyncio.Task[None] | None = None
+        self.restart_task: asyncio.Task[None] | None = None
+        self.last_progress = time.monotonic()
+        self.stalled_since: float | None = None  # time.monotonic() of its last output
+
+
 class AsyncLLM:
     def __init__(self, args: EngineArgs) -> None:
-        # The core process loads its own config and the model while this one loads the
-        # same config and the tokenizer: the two start-ups overlap.
+        # The core processes load their own config and the model while this one loads the
+        # same config and the tokenizer: the start-ups overlap.
         self.args = args  # kept to start a new core after a failure
-        self.client = MPClient(args)
+        self.cores: list[_Core] = []
         try:
+            for index in range(args.data_parallel_size):
+                self.cores.append(_Core(index, MPClient(args, index)))
             _, self.tokenizer, self.config = load_engine_config(args, log=False)
         except Exception:
-            self.client.kill()
+            for core in self.cores:
+                core.client.kill()
             raise
+        # Data parallelism only: which core runs each request (None: the one core).
+        self.router: DPRouter | None = None
+        if len(self.cores) > 1:
+            cache_config = self.config.cache_config
+            self.router = DPRouter(
+                len(self.cores), cache_config.num_blocks, routing_policy_from_env()
+            )
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -80,30 +115,39 @@ class AsyncLLM:
         # Requests that have not produced a token yet: the server's admission limits.
         self.admission = AdmissionQueue()
         self._background: set[asyncio.Task[Any]] = set()
-        self._output_task: asyncio.Task[None] | None = None
         # Supervision, set by the server. A core that owes outputs and sends nothing for
         # this long is stalled (None: never); a failed core is replaced when asked to.
         self.iteration_timeout_s: float | None = None
         self.restart_on_failure = False
         self.num_restarts = 0
-        self.stalled_since: float | None = None  # time.monotonic() of its last output
-        self.on_stalled: list[Callable[[bool], None]] = []  # True when stalled, False after
-        self.on_restarted: list[Callable[[], None]] = []  # after a new core is ready
-        self._last_progress = time.monotonic()
+        # (core index, True when stalled / False after) and (core index) after a restart.
+        self.on_stalled: list[Callable[[int, bool], None]] = []
+        self.on_restarted: list[Callable[[int], None]] = []
         self._watchdog_task: asyncio.Task[None] | None = None
-        self._restart_task: asyncio.Task[None] | None = None
         self._stopping = False  # shutting down: a failure is not repaired any more
         self._refusal: Exception | None = None  # what new requests get after a drain
 
     async def start(self) -> None:
-        """Wait for the engine core to load the model, then start reading its outputs."""
-        await self.client.wait_ready()
-        self._start_tasks()
-
-    def _start_tasks(self) -> None:
-        self._last_progress = time.monotonic()
-        self._output_task = asyncio.create_task(self._handle_events())
+        """Wait for the engine cores to load the model, then start reading their outputs."""
+        await asyncio.gather(*(core.client.wait_ready() for core in self.cores))
+        for core in self.cores:
+            self._start_reading(core)
         self._watchdog_task = asyncio.create_task(self._watch())
+
+    def _start_reading(self, core: _Core) -> None:
+        core.last_progress = time.monotonic()
+        core.output_task = asyncio.create_task(self._handle_events(core))
+
+    @property
+    def client(self) -> MPClient:
+        """The first core's client (the only one without data parallelism)."""
+        return self.cores[0].client
+
+    @property
+    def stalled_since(self) -> float | None:
+        """Since when the longest-stalled core has sent nothing (None: none is stalled)."""
+        stalled = [core.stalled_since for core in self.cores if core.stalled_since is not None]
+        return min(stalled) if stalled else None
 
     @property
     def num_queued_requests(self) -> int:
@@ -137,11 +181,13 @@ class AsyncLLM:
     def unavailable_reason(self) -> str | None:
         if self.dead_error is not None:
             return f"the engine is not running: {self.dead_error}"
-        if self._restart_task is not None:
-            return "the engine is restarting after a failure"
-        if self.stalled_since is not None:
-            stalled_for = time.monotonic() - self.stalled_since
-            return f"the engine has made no progress for {stalled_for:.0f} s"
+        for core in self.cores:  # data parallel: the reason names the core
+            which = f" (engine core {core.index})" if self.router is not None else ""
+            if core.restart_task is not None:
+                return f"the engine is restarting after a failure{which}"
+            if core.stalled_since is not None:
+                stalled_for = time.monotonic() - core.stalled_since
+                return f"the engine has made no progress for {stalled_for:.0f} s{which}"
         return None
 
     def process_inputs(
@@ -166,8 +212,7 @@ class AsyncLLM:
         A consumer that stops early (a client disconnect cancels it) aborts the request in
         the core at once, which frees its KV blocks.
         """
-        if self._restart_task is not None:  # admitted just before the core failed
-            await asyncio.shield(self._restart_task)
+        await self._wait_for_a_core()  # admitted just before a core failed
         # Raised afresh each time: the traceback of one request must not pile onto another's.
         if self._refusal is not None:
             raise self._refusal.with_traceback(None)
@@ -176,6 +221,7 @@ class AsyncLLM:
         request_id = request.request_id
         if request_id in self._queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
+        core = self.cores[0] if self.router is None else self._route(request)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request, prompt_text)
@@ -186,7 +232,7 @@ class AsyncLLM:
             )
         finished = core_lost = False
         try:
-            await self.client.send(request)
+            await core.client.send(request)
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -206,6 +252,25 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id, tell_core=not core_lost)
 
+    async def _wait_for_a_core(self) -> None:
+        """Wait while every core is restarting (one core: while it restarts)."""
+        while True:
+            restarts = [core.restart_task for core in self.cores]
+            if any(task is None for task in restarts):
+                return
+            await asyncio.shield(restarts[0])  # type: ignore[arg-type]
+
+    def _route(self, request: EngineCoreRequest) -> _Core:
+        """Data parallel: the core for this request, among those not restarting."""
+        assert self.router is not None
+        block_size = self.config.cache_config.block_size
+        block_hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt)
+        restarting = [core.index for core in self.cores if core.restart_task is not None]
+        index = self.router.route(
+            request.request_id, request.sampling_params.n, block_hashes, restarting
+        )
+        return self.cores[index]
+
     def abort(self, request_id: str, tell_core: bool = True) -> None:
         """Forget the request here and tell the core to drop it (and its n > 1 samples)."""
         family = self.output_processor.family(request_id)
@@ -213,37 +278,51 @@ class AsyncLLM:
         self.admission.release(request_id)
         for observer in self.observers:
             observer.on_request_aborted(family, time.monotonic())
+        if self.router is None:
+            if tell_core and self.dead_error is None:
+                self._send_in_background(self.cores[0], AbortRequests(family))
+            return
+        by_core: dict[int, list[str]] = {}
+        for member_id in family:
+            index = self.router.finish(member_id)
+            if index is not None:  # None: its core finished it already
+                by_core.setdefault(index, []).append(member_id)
         if tell_core and self.dead_error is None:
-            self._send_in_background(AbortRequests(family))
+            for index, member_ids in by_core.items():
+                self._send_in_background(self.cores[index], AbortRequests(member_ids))
 
-    def _send_in_background(self, message: AbortRequests) -> None:
-        task = asyncio.get_running_loop().create_task(self._send_quietly(message))
+    def _send_in_background(self, core: _Core, message: AbortRequests) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_quietly(core, message))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _send_quietly(self, message: AbortRequests) -> None:
+    async def _send_quietly(self, core: _Core, message: AbortRequests) -> None:
         # The core may be gone, or being replaced, by the time this runs: nothing to abort.
         with contextlib.suppress(EngineDeadError):
-            await self.client.send(message)
+            await core.client.send(message)
 
-    async def _handle_events(self) -> None:
+    async def _handle_events(self, core: _Core) -> None:
         try:
-            async for event in self.client.events():
-                self._last_progress = time.monotonic()
-                if self.stalled_since is not None:
-                    stalled_for = self._last_progress - self.stalled_since
-                    logger.warning("Engine core made progress again after %.1f s", stalled_for)
-                    self._set_stalled(None)
+            async for event in core.client.events():
+                core.last_progress = time.monotonic()
+                if core.stalled_since is not None:
+                    stalled_for = core.last_progress - core.stalled_since
+                    logger.warning(
+                        "Engine core%s made progress again after %.1f s",
+                        self._which(core),
+                        stalled_for,
+                    )
+                    self._set_stalled(core, None)
                 if isinstance(event, EngineCoreOutputs):
-                    self._process_outputs(event)
+                    self._process_outputs(core, event)
         except EngineDeadError as error:
-            logger.error("Engine core died: %s", error)
-            self._on_core_failure(error)
+            logger.error("Engine core%s died: %s", self._which(core), error)
+            self._on_core_failure(core, error)
         except Exception as error:  # a bug here must not leave requests hanging
             logger.exception("Output handler failed")
             self._fail_all(EngineDeadError(f"output handler failed: {error}"))
 
-    def _process_outputs(self, event: EngineCoreOutputs) -> None:
+    def _process_outputs(self, core: _Core, event: EngineCoreOutputs) -> None:
         now = time.monotonic()
         outputs, stopped = self.output_processor.process(event.outputs)
         failed = []
@@ -262,10 +341,16 @@ class AsyncLLM:
                 self.admission.first_token(core_output.request_id)
             elif core_output.finished:  # finished without a token (an error, say)
                 self.admission.release(core_output.request_id)
+        if self.router is not None:
+            for core_output in event.outputs:
+                if core_output.finished:
+                    self.router.finish(core_output.request_id)
+            for request_id in stopped:
+                self.router.finish(request_id)
         if stopped:  # finished by a stop string: the core must let go of them now
-            self._send_in_background(AbortRequests(stopped))
+            self._send_in_background(core, AbortRequests(stopped))
         for observer in self.observers:
-            observer.on_step(event.outputs, stopped, event.stats, now)
+            observer.on_step(event.outputs, stopped, event.stats, now, core.index)
         for request_id in failed:  # its other samples (n > 1) stop; its queue slot is freed
             self.abort(request_id)
 
@@ -274,79 +359,100 @@ class AsyncLLM:
         """Report a core that owes outputs and has sent none for `iteration_timeout_s`."""
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            now = time.monotonic()
-            timeout = self.iteration_timeout_s
-            # The core owes outputs to every request it has not finished (a slow reader of a
-            # finished one does not count).
+            for core in self.cores:
+                if core.restart_task is None:  # a core being replaced owes nothing
+                    self._check_progress(core, time.monotonic())
+
+    def _check_progress(self, core: _Core, now: float) -> None:
+        timeout = self.iteration_timeout_s
+        # The core owes outputs to every request it has not finished (a slow reader of a
+        # finished one does not count).
+        if self.router is None:
             num_owed = len(self.output_processor.states)
-            if timeout is None or not num_owed:
-                self._last_progress = now
-                continue
-            if self.stalled_since is not None or now - self._last_progress <= timeout:
-                continue
-            # Outputs not read yet mean this event loop was busy, not the core. (Asked only
-            # here: reading the socket's state can delay the output task's next wake-up.)
-            if self.client.has_pending_events():
-                self._last_progress = now
-                continue
-            message = (
-                f"the engine core (pid {self.client.pid}) made no progress for "
-                f"{now - self._last_progress:.1f} s with {num_owed} request(s) unfinished"
-            )
-            logger.error("Engine core stalled: %s", message)
-            self._set_stalled(self._last_progress)
-            if self.restart_on_failure and not self._stopping:  # a drain deals with it
-                self._on_core_failure(EngineDeadError(message))
+        else:
+            num_owed = self.router.loads[core.index]
+        if timeout is None or not num_owed:
+            core.last_progress = now
+            return
+        if core.stalled_since is not None or now - core.last_progress <= timeout:
+            return
+        # Outputs not read yet mean this event loop was busy, not the core. (Asked only
+        # here: reading the socket's state can delay the output task's next wake-up.)
+        if core.client.has_pending_events():
+            core.last_progress = now
+            return
+        message = (
+            f"the engine core{self._which(core)} (pid {core.client.pid}) made no progress for "
+            f"{now - core.last_progress:.1f} s with {num_owed} request(s) unfinished"
+        )
+        logger.error("Engine core stalled: %s", message)
+        self._set_stalled(core, core.last_progress)
+        if self.restart_on_failure and not self._stopping:  # a drain deals with it
+            self._on_core_failure(core, EngineDeadError(message))
 
-    def _set_stalled(self, since: float | None) -> None:
-        self.stalled_since = since
+    def _which(self, core: _Core) -> str:
+        """How log lines name a core: by its index with data parallelism, else not at all."""
+        return "" if self.router is None else f" {core.index}"
+
+    def _set_stalled(self, core: _Core, since: float | None) -> None:
+        core.stalled_since = since
         for callback in self.on_stalled:
-            callback(since is not None)
+            callback(core.index, since is not None)
 
-    def _on_core_failure(self, error: EngineDeadError) -> None:
-        """The core exited or stalled: restart it if asked to, else the engine is dead."""
+    def _on_core_failure(self, core: _Core, error: EngineDeadError) -> None:
+        """A core exited or stalled: restart it if asked to, else the engine is dead."""
         if not self.restart_on_failure or self._stopping:
             self._fail_all(error)
-        elif self._restart_task is None:
-            self._restart_task = asyncio.create_task(self._restart(error))
+        elif core.restart_task is None:
+            core.restart_task = asyncio.create_task(self._restart(core, error))
 
-    async def _restart(self, error: EngineDeadError) -> None:
-        """End what is in flight, kill the old core, start a new one and serve again."""
-        old, started = self.client, time.monotonic()
-        logger.error("Restarting the engine core (pid %s): %s", old.pid, error)
-        self._fail_requests(error)
-        # Forget them now, not when their handlers get to it: the new core owes them nothing.
-        for request_id in list(self._queues):
+    def _fail_core_requests(self, core: _Core, error: EngineDeadError) -> None:
+        """End the requests in flight on this core (all of them: one core) and forget them now,
+        not when their handlers get to it: the new core owes them nothing."""
+        if self.router is None:
+            lost = list(self._queues)
+        else:  # a request's samples all run on its core: their parent ids
+            lost = sorted({rid.partition("#")[0] for rid in self.router.forget_engine(core.index)})
+        for request_id in lost:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
             self.output_processor.abort(request_id)
-        for task in (self._output_task, self._watchdog_task):
-            if task is not None:
-                task.cancel()
+
+    async def _restart(self, core: _Core, error: EngineDeadError) -> None:
+        """End what is in flight on the core, kill it, start a new one and serve again."""
+        old, started = core.client, time.monotonic()
+        logger.error("Restarting the engine core%s (pid %s): %s", self._which(core), old.pid, error)
+        self._fail_core_requests(core, error)
+        if core.output_task is not None:
+            core.output_task.cancel()
         await old.kill_now()
         try:
-            self.client = MPClient(self.args)
-            await self.client.wait_ready()
+            core.client = MPClient(self.args, core.index)
+            await core.client.wait_ready()
         except asyncio.CancelledError:  # shutdown while the new core loads
-            self.client.kill()
+            core.client.kill()
             raise
         except Exception as start_error:
             logger.exception("Restarting the engine core failed")
-            self.client.kill()
-            self._restart_task = None
+            core.client.kill()
+            core.restart_task = None
             self._fail_all(EngineDeadError(f"restarting the engine failed: {start_error}"))
             return
         self.num_restarts += 1
-        if self.stalled_since is not None:
-            self._set_stalled(None)
-        self._restart_task = None
-        self._start_tasks()
+        if core.stalled_since is not None:
+            self._set_stalled(core, None)
+        core.restart_task = None
+        self._start_reading(core)
         logger.warning(
-            "Engine core restarted (pid %s, restart %d, in %.1f s)",
-            self.client.pid,
+            "Engine core%s restarted (pid %s, restart %d, in %.1f s)",
+            self._which(core),
+            core.client.pid,
             self.num_restarts,
             time.monotonic() - started,
         )
         for callback in self.on_restarted:
-            callback()
+            callback(core.index)
 
     def fail_all_requests(self, error: Exception) -> int:
         """End every running request with `error` and refuse new ones with it (a drain that
@@ -373,13 +479,17 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         self._stopping = True
-        for task in (self._restart_task, self._watchdog_task, self._output_task):
+        tasks = [self._watchdog_task]
+        for core in self.cores:
+            tasks += [core.restart_task, core.output_task]
+        for task in tasks:
             if task is not None:
                 task.cancel()
-        if self._restart_task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._restart_task
-        await self.client.shutdown()
+        for core in self.cores:
+            if core.restart_task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await core.restart_task
+        await asyncio.gather(*(core.client.shutdown() for core in self.cores))
 
 
 def _cost(request: EngineCoreRequest) -> Cost:

@@ -1,5 +1,7 @@
-"""Clients of the engine core: `InprocClient` (the core in this process, for `LLMEngine`) and
-`MPClient` (the core in a process of its own, for the server's `AsyncLLM`).
+"""Clients of the engine core: `InprocClient` (the core in this process, for `LLMEngine`),
+`DPInprocClient` (N data-parallel cores in this process, for `LLMEngine` with
+`data_parallel_size` N > 1) and `MPClient` (the core in a process of its own, for the server's
+`AsyncLLM`, which runs one per data-parallel core).
 
 Both send `EngineCoreRequest`s and aborts in and get `EngineCoreOutputs` back. `MPClient`
 binds two IPC sockets (requests out, events in) and spawns the core, which connects to them.
@@ -12,12 +14,14 @@ An `MPClient` serves one core process: to restart the core, `AsyncLLM` kills it
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import multiprocessing
 import os
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,8 +29,10 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.core.request import child_request_id
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
 from pagedllm.engine.messages import (
     EngineCoreEvent,
     EngineCoreInput,
@@ -38,7 +44,7 @@ from pagedllm.engine.messages import (
     input_encoder,
 )
 from pagedllm.errors import EngineDeadError
-from pagedllm.metrics.stats import EngineStats
+from pagedllm.metrics.stats import EngineStats, sum_engine_stats
 
 logger = logging.getLogger("pagedllm")
 
@@ -74,8 +80,94 @@ class InprocClient:
         self.engine_core.shutdown()
 
 
+class DPInprocClient:
+    """`data_parallel_size` N > 1 in one process: N engine cores, each with its own scheduler,
+    KV cache and model copy. `DPRouter` picks each request's core (prefix held, then load);
+    a step steps every core that has unfinished requests, one after the other, and reports
+    their outputs together with the sum of their stats."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, num_engines: int) -> None:
+        self.clients: list[InprocClient] = []
+        try:
+            for _ in range(num_engines):
+                self.clients.append(InprocClient(config, tokenizer))
+        except BaseException:  # the cores built so far must not leave worker processes
+            self.shutdown()
+            raise
+        self.block_size = config.cache_config.block_size
+        self.router = DPRouter(
+            num_engines, config.cache_config.num_blocks, routing_policy_from_env()
+        )
+
+    @property
+    def engine_core(self) -> EngineCore:
+        return self.clients[0].engine_core
+
+    @property
+    def engine_cores(self) -> list[EngineCore]:
+        return [client.engine_core for client in self.clients]
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        block_hashes = prompt_block_hashes(
+            request.prompt_token_ids, self.block_size, request.cache_salt
+        )
+        num_samples = request.sampling_params.n
+        engine = self.router.route(request.request_id, num_samples, block_hashes)
+        try:
+            self.clients[engine].add_request(request)
+        except BaseException:  # nothing of it runs there: release its load
+            for index in range(num_samples):
+                self.router.finish(child_request_id(request.request_id, index))
+            raise
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.router.finish(request_id)
+            if engine is not None:  # None: the core finished it already
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self.clients[engine].abort_requests(ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        busy = [client for client in self.clients if client.has_unfinished_requests()]
+        stepped = [client.get_output() for client in busy or self.clients[:1]]
+        outputs = [output for step in stepped for output in step.outputs]
+        for output in outputs:
+            if output.finished:
+                self.router.finish(output.request_id)
+        return EngineCoreOutputs(outputs, self.get_stats())
+
+    def has_unfinished_requests(self) -> bool:
+        return any(client.has_unfinished_requests() for client in self.clients)
+
+    def get_stats(self) -> EngineStats:
+        return sum_engine_stats([client.get_stats() for client in self.clients])
+
+    def reset_prefix_cache(self) -> bool:
+        """All cores or none: refused while any of them runs a request."""
+        if self.has_unfinished_requests():
+            logger.warning("reset_prefix_cache refused: requests are still running")
+            return False
+        for engine, client in enumerate(self.clients):
+            if not client.reset_prefix_cache():
+                return False
+            self.router.forget_blocks(engine)
+        return True
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
+
+
+def _kill_at_exit(client_ref: weakref.ref) -> None:
+    client = client_ref()
+    if client is not None:
+        client.kill()
+
+
 class MPClient:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, engine_index: int = 0) -> None:
         self._socket_dir = tempfile.TemporaryDirectory(prefix="pagedllm-")
         input_address = f"ipc://{os.path.join(self._socket_dir.name, 'input')}"
         output_address = f"ipc://{os.path.join(self._socket_dir.name, 'output')}"
@@ -85,13 +177,18 @@ class MPClient:
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_socket.bind(output_address)
         # spawn, not fork: the API process may hold threads and an event loop.
+        self.engine_index = engine_index
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(args, input_address, output_address),
-            name="pagedllm-engine-core",
-            daemon=True,
+            args=(args, input_address, output_address, engine_index),
+            name=f"pagedllm-engine-core-{engine_index}",
+            # Not a daemon: a daemonic process may not start children, and the core starts
+            # its executor's worker processes (tensor/pipeline parallelism). It is killed at
+            # exit all the same (below), before multiprocessing would wait for it.
+            daemon=False,
         )
         self.process.start()
+        atexit.register(_kill_at_exit, weakref.ref(self))
         self.dead = False
         self.closed = False
 
@@ -104,7 +201,12 @@ class MPClient:
         event = await self.recv(timeout_s)
         if not isinstance(event, EngineReady):
             raise RuntimeError(f"engine core sent {type(event).__name__} before it was ready")
-        logger.info("Engine core (pid %d) ready in %.1f s", event.pid, time.monotonic() - started)
+        logger.info(
+            "Engine core %d (pid %d) ready in %.1f s",
+            self.engine_index,
+            event.pid,
+            time.monotonic() - started,
+        )
 
     async def send(self, message: EngineCoreInput) -> None:
         if self.dead or self.closed:

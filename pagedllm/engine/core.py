@@ -6,15 +6,18 @@ in-process client and the engine-core process both drive this one class.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.registry import executor_class
@@ -42,8 +45,12 @@ class EngineCore:
         self.config = config
         executor = executor or executor_class(config.distributed_executor_backend)
         self.model_executor = executor(config)
-        num_blocks = self._initialize_kv_cache()
-        self.model_executor.load_model()
+        try:
+            num_blocks = self._initialize_kv_cache()
+            self.model_executor.load_model()
+        except BaseException:  # worker processes must not outlive a failed start
+            self.model_executor.shutdown()
+            raise
         cache_config = config.cache_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -52,10 +59,33 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             tokenizer, model_config.vocab_size, sorted(model_config.eos_token_ids)
         )
-        self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, self.structured_output
-        )
+        scheduler_config = config.scheduler_config
+        if config.parallel_config.world_size > 1:
+            # The ranks that do not sample learn each step's tokens from the scheduler.
+            scheduler_config = dataclasses.replace(
+                scheduler_config,
+                send_token_ids=True,
+                max_batches_in_flight=self._batch_queue_size(),
+            )
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.structured_output)
+        # Pipeline parallel: (reply, scheduler output) of the batches in flight, oldest first.
+        self.batch_queue: deque[tuple[Any, SchedulerOutput]] | None = None
+        if scheduler_config.max_batches_in_flight > 1:
+            self.batch_queue = deque()
         self.debug_checks = debug_checks_enabled()
+
+    def _batch_queue_size(self) -> int:
+        """vLLM V1's batch queue: with pp stages, pp batches in flight so the stages overlap
+        (the executor must answer `execute_model(..., non_block=True)`). The fair policy's
+        step does not skip requests in flight: it runs one batch at a time."""
+        size = self.model_executor.max_concurrent_batches
+        if size > 1 and self.config.scheduler_config.policy == "fair":
+            logger.warning(
+                "scheduling_policy='fair' with pipeline_parallel_size > 1: one "
+                "batch in flight at a time (stages do not overlap)"
+            )
+            return 1
+        return size
 
     def _initialize_kv_cache(self) -> int:
         """Size the pool from what every worker can give it; the pool is built before the
@@ -100,10 +130,36 @@ class EngineCore:
         (the runner and the scheduler find it), and the rest of the batch samples what it
         would have. Any error not attributable to one request raises out of here and ends
         the core (the engine-core process exits non-zero)."""
+        if self.batch_queue is not None:
+            return self._step_with_batch_queue(self.batch_queue)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # only grammars compiling: do not spin
         runner_output = self.model_executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.debug_checks:
+            self.check_integrity()
+        return EngineCoreOutputs(outputs, self.get_stats())
+
+    def _step_with_batch_queue(
+        self, queue: deque[tuple[Any, SchedulerOutput]]
+    ) -> EngineCoreOutputs:
+        """Pipeline parallel: schedule a new batch while the queue has room (its requests are
+        not in flight); when none was scheduled, or the queue is full, wait for the oldest
+        batch and report its tokens. A step that only scheduled reports nothing."""
+        if len(queue) < self.config.scheduler_config.max_batches_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            # An output with no tokens still tells the runners which requests ended.
+            if scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids:
+                reply = self.model_executor.execute_model(scheduler_output, non_block=True)
+                queue.append((reply, scheduler_output))
+                return EngineCoreOutputs([], self.get_stats())
+        if queue:
+            reply, scheduler_output = queue.popleft()
+            runner_output = reply.result()
+        else:  # only grammars compiling: report what the scheduler decided, do not spin
+            time.sleep(IDLE_STEP_S)
+            scheduler_output, runner_output = SchedulerOutput(), ModelRunnerOutput()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.debug_checks:
             self.check_integrity()

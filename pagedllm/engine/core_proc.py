@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any
 
+import torch
 import zmq
 
 from pagedllm.config import EngineArgs
@@ -46,22 +47,39 @@ logger = logging.getLogger("pagedllm")
 IDLE_POLL_S = 1.0
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
-    """Entry point of the child process (started with the `spawn` method)."""
+def run_engine_core(
+    args: EngineArgs, input_address: str, output_address: str, engine_index: int = 0
+) -> None:
+    """Entry point of the child process (started with the `spawn` method); `engine_index`:
+    which of the `data_parallel_size` cores this is."""
     # Ctrl-C and a SIGTERM or SIGHUP (key reload) sent to the whole process group reach this
     # process too; the API process decides what they mean (it sends Shutdown, or kills this).
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     init_logger()
     parent_pid = os.getppid()
+    if args.data_parallel_size > 1:
+        share_cpu_threads(args.data_parallel_size)
     try:
-        _, tokenizer, config = load_engine_config(args)
+        _, tokenizer, config = load_engine_config(args, log=engine_index == 0)
         core = EngineCore(config, tokenizer)
-        log_stats = not args.disable_log_stats
-        EngineCoreProc(core, input_address, output_address, log_stats, parent_pid).run()
+        stat_logger = None
+        if not args.disable_log_stats:
+            stat_logger = StatLogger(engine_index if args.data_parallel_size > 1 else None)
+        EngineCoreProc(core, input_address, output_address, stat_logger, parent_pid).run()
     except Exception:
         logger.exception("Engine core failed")
         sys.exit(1)
+
+
+def share_cpu_threads(num_engines: int) -> None:
+    """Data-parallel cores share this host's CPUs: each runs its share of the threads, so
+    N cores do not oversubscribe the cores with N times the host's thread count."""
+    if hasattr(os, "sched_getaffinity"):
+        num_cpus = len(os.sched_getaffinity(0))
+    else:
+        num_cpus = os.cpu_count() or 1
+    torch.set_num_threads(max(1, num_cpus // num_engines))
 
 
 class EngineCoreProc:
@@ -70,12 +88,12 @@ class EngineCoreProc:
         core: EngineCore,
         input_address: str,
         output_address: str,
-        log_stats: bool,
+        stat_logger: StatLogger | None,
         parent_pid: int,
     ) -> None:
         self.core = core
         self.parent_pid = parent_pid
-        self.stat_logger = StatLogger() if log_stats else None
+        self.stat_logger = stat_logger
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.context = zmq.Context()

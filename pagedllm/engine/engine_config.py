@@ -21,6 +21,13 @@ from pagedllm.config import (
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
+from pagedllm.parallel_config import (
+    ParallelConfig,
+    num_kv_heads_per_rank,
+    pipeline_stage_layers,
+    verify_cpu_binding,
+    verify_parallel_layout,
+)
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
@@ -54,10 +61,29 @@ def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    element_size = cache_dtype.itemsize
-    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-    return per_token * element_size * block_size
+def kv_bytes_per_block(
+    model_config: ModelConfig,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    parallel_config: ParallelConfig | None = None,
+) -> int:
+    """One block's K and V on one rank: its KV heads (tensor parallel: a share, or one
+    replicated head) for its stage's layers (pipeline parallel: the largest stage's, so
+    every rank's pool of `num_blocks` fits its `kv_cache_memory`)."""
+    parallel_config = parallel_config or ParallelConfig()
+    num_kv_heads = num_kv_heads_per_rank(
+        model_config.num_kv_heads, parallel_config.tensor_parallel_size
+    )
+    num_layers = max(
+        len(
+            pipeline_stage_layers(
+                model_config.num_layers, parallel_config.pipeline_parallel_size, r
+            )
+        )
+        for r in range(parallel_config.pipeline_parallel_size)
+    )
+    per_token = 2 * num_layers * num_kv_heads * model_config.head_dim
+    return per_token * cache_dtype.itemsize * block_size
 
 
 def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource, Any, Any]:
@@ -72,6 +98,9 @@ def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource,
 def build_engine_config(
     args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any, log: bool = True
 ):
+    parallel_config = args.parallel_config()
+    verify_parallel_layout(hf_config, parallel_config)
+    verify_cpu_binding(parallel_config)
     model_config = ModelConfig(
         model=source_path,
         hf_config=hf_config,
@@ -81,8 +110,9 @@ def build_engine_config(
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         quantization=args.quantization,
+        load_format=args.load_format,
     )
-    cache_config = _cache_config(args, model_config, log)
+    cache_config = _cache_config(args, model_config, parallel_config, log)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -98,16 +128,20 @@ def build_engine_config(
         args.attention_backend,
         args.device,
         compile=args.compile and not args.enforce_eager,
-        distributed_executor_backend=args.distributed_executor_backend,
+        parallel_config=parallel_config,
     )
 
 
-def _cache_config(args: EngineArgs, model_config: ModelConfig, log: bool) -> CacheConfig:
+def _cache_config(
+    args: EngineArgs, model_config: ModelConfig, parallel_config: ParallelConfig, log: bool
+) -> CacheConfig:
+    """The pool's geometry; `kv_cache_memory` is each rank's (every rank holds `num_blocks`
+    blocks of its own heads and layers)."""
     block_size = args.block_size
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or model_config.dtype
-    bytes_per_block = kv_bytes_per_block(model_config, block_size, cache_dtype)
+    bytes_per_block = kv_bytes_per_block(model_config, block_size, cache_dtype, parallel_config)
     max_len = model_config.max_model_len
     if args.kv_cache_memory is None:
         # Enough for every sequence at full length, capped: most traffic is far shorter.

@@ -2,7 +2,8 @@
 
 It is the in-process client of the engine core: `InputProcessor` turns each prompt into an
 `EngineCoreRequest`, `InprocClient` runs the core in this process, and `OutputProcessor`
-turns the core's `EngineCoreOutputs` into `RequestOutput`s.
+turns the core's `EngineCoreOutputs` into `RequestOutput`s. With `data_parallel_size` N > 1,
+`DPInprocClient` runs N cores in this process instead and routes each request to one.
 
 Also the engine-level streaming API: `stream()` (a sync iterator) and `astream()` (an async
 one) yield one request's outputs as the engine steps, while other requests go on.
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.client import InprocClient
+from pagedllm.engine.client import DPInprocClient, InprocClient
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import EngineCoreRequest
@@ -39,7 +40,12 @@ class LLMEngine:
         source, self.tokenizer, self.config = load_engine_config(args)
         self.model_config = self.config.model_config
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.engine_core_client = InprocClient(self.config, self.tokenizer)
+        num_engines = self.config.parallel_config.data_parallel_size
+        self.engine_core_client: InprocClient | DPInprocClient
+        if num_engines == 1:
+            self.engine_core_client = InprocClient(self.config, self.tokenizer)
+        else:
+            self.engine_core_client = DPInprocClient(self.config, self.tokenizer, num_engines)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_logger = None if args.disable_log_stats else StatLogger()
         # Outputs waiting for a stream() / astream() consumer, per request id.
@@ -57,8 +63,15 @@ class LLMEngine:
 
     @property
     def engine_core(self) -> EngineCore:
-        """The core this engine runs in-process (its scheduler and KV cache, for inspection)."""
+        """The core this engine runs in-process (its scheduler and KV cache, for inspection);
+        with data parallelism, the first one."""
         return self.engine_core_client.engine_core
+
+    @property
+    def engine_cores(self) -> list[EngineCore]:
+        """Every core this engine runs (one per data-parallel rank)."""
+        client = self.engine_core_client
+        return client.engine_cores if isinstance(client, DPInprocClient) else [client.engine_core]
 
     # ---- requests in ----------------------------------------------------------------------
     def process_inputs(

@@ -34,8 +34,26 @@ ENGINE_ARG_HELP = {
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
     "compile": "run decode steps through one torch.compile graph, compiled at start-up",
     "enforce_eager": "never compile: every step runs eagerly (the default)",
+    "tensor_parallel_size": "ranks that split every layer (heads, MLP columns, vocabulary)",
+    "pipeline_parallel_size": "pipeline stages that split the layers",
+    "data_parallel_size": "engine cores, each with a whole copy of the model, its own "
+    "scheduler and KV cache, behind one server (requests routed by prefix and load)",
     "distributed_executor_backend": "how the engine core runs its workers: "
-    f"{', '.join(EXECUTOR_BACKENDS)} (uni: one worker in the core's process)",
+    f"{', '.join(EXECUTOR_BACKENDS)} (uni: one worker in the core's process; mp: one process "
+    "per rank on this host; ray: Ray actors, across hosts; default: uni for one rank, mp "
+    "for several)",
+    "load_format": "auto: the checkpoint's weights; dummy: seeded random weights of the "
+    "config's shapes, no weight file read (a directory with only config.json will do)",
+    "cpu_threads_bind": "CPU cores each rank's threads run on: auto (one rank per NUMA node "
+    "when there are several, else the cores split evenly), nobind, or one list per rank "
+    "such as 0-7|8-15",
+}
+
+# vLLM's short forms.
+_SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+    "data_parallel_size": "-dp",
 }
 
 
@@ -45,16 +63,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(EngineArgs):
         if field.name == "model":
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-")]
+        if field.name in _SHORT_FLAGS:
+            flags.insert(0, _SHORT_FLAGS[field.name])
         help_text = ENGINE_ARG_HELP[field.name]
         if field.type in ("bool", bool):
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text
+                *flags,
+                action=argparse.BooleanOptionalAction,
+                default=field.default,
+                help=help_text,
             )
         elif field.type in ("int", int) or field.name in ("max_model_len",):
-            group.add_argument(flag, type=int, default=field.default, help=help_text)
+            group.add_argument(*flags, type=int, default=field.default, help=help_text)
         else:
-            group.add_argument(flag, default=field.default, help=help_text)
+            group.add_argument(*flags, default=field.default, help=help_text)
     group.add_argument("--model", default=None, help=ENGINE_ARG_HELP["model"])
 
 

@@ -2,7 +2,8 @@
 
 Every call goes through `collective_rpc`, which runs a `Worker` method on every worker
 and returns their results in rank order; the rest of the interface is built on it. The
-driver worker (rank 0) is the one that samples, so `execute_model` returns its output.
+output rank (the first tensor-parallel rank of the last pipeline stage; rank 0 of one) is
+the one that samples, so `execute_model` returns its output.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class Executor(ABC):
 
     def load_model(self) -> None:
         self.collective_rpc("load_model")
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core may keep in flight: above 1 (pipeline parallel), the
+        executor's `execute_model(output, non_block=True)` returns a future (`.result()`)."""
+        return 1
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.collective_rpc("execute_model", (scheduler_output,))[0]

@@ -9,7 +9,11 @@ if TYPE_CHECKING:
     from pagedllm.executor.abstract import Executor
 
 # Every name in config.EXECUTOR_BACKENDS has an entry (tests/executor check it).
-_EXECUTORS = {"uni": ("pagedllm.executor.uniproc_executor", "UniProcExecutor")}
+_EXECUTORS = {
+    "uni": ("pagedllm.executor.uniproc_executor", "UniProcExecutor"),
+    "mp": ("pagedllm.executor.multiproc_executor", "MultiprocExecutor"),
+    "ray": ("pagedllm.executor.ray_executor", "RayExecutor"),
+}
 
 
 def executor_class(name: str) -> type[Executor]:

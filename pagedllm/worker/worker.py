@@ -6,9 +6,17 @@ sees only the executor. Start-up runs in this order: `init_device`,
 before the weights load so its pages fault in on idle CPU while the model loads
 (`kv_prefault.py`); a configured `kv_cache_memory` sizes it, so nothing needs the loaded
 model to measure what is left.
+
+With several ranks (the `mp` and `ray` executors) a worker is built with its global `rank`
+and the world's `distributed_init_method`; `init_device` then binds the rank's threads to
+its cores and joins the tensor- and pipeline-parallel groups before anything is allocated.
+Only the output rank (the first tensor-parallel rank of the last pipeline stage) samples
+and returns a `ModelRunnerOutput`; the others return None.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -18,19 +26,72 @@ from pagedllm.model.loader import resolve_model
 from pagedllm.worker.cpu_env import tune_malloc
 from pagedllm.worker.model_runner import ModelRunner
 
+# How long a collective waits for its peers (a dead or hung rank then raises in the others).
+COLLECTIVE_TIMEOUT_ENV = "PAGEDLLM_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.config = config
         self.rank = rank
+        self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        parallel = config.parallel_config
+        self.is_output_rank = rank == (parallel.pipeline_parallel_size - 1) * (
+            parallel.tensor_parallel_size
+        )
 
     def init_device(self) -> None:
         self.device = torch.device(self.config.device)
+        if self.distributed_init_method is not None:
+            self._init_distributed()
         if self.device.type == "cpu":
             tune_malloc()
         self.model_runner = ModelRunner(self.config, self.device)
+
+    def _init_distributed(self) -> None:
+        # Imported here: the one-rank path never touches torch.distributed.
+        from pagedllm.distributed.cpu_binding import (
+            apply_cpu_binding,
+            host_topology,
+            resolve_cpu_binding,
+        )
+        from pagedllm.distributed.parallel_state import (
+            backend_for_device,
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        parallel = self.config.parallel_config
+        assert self.device is not None
+        if self.device.type == "cpu":  # before any thread pool starts
+            bindings = resolve_cpu_binding(
+                parallel.cpu_threads_bind, parallel.world_size, host_topology()
+            )
+            apply_cpu_binding(None if bindings is None else bindings[self.rank])
+        init_distributed_environment(
+            parallel.world_size,
+            self.rank,
+            self.distributed_init_method,
+            backend_for_device(self.device),
+            timeout_s=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)),
+            device=self.device,
+        )
+        initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+
+    def shutdown(self) -> None:
+        """Leave the process groups (a worker process's last call)."""
+        if self.distributed_init_method is not None:
+            from pagedllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()
 
     def determine_available_memory(self) -> int:
         """Bytes this worker can give the KV cache: the configured `kv_cache_memory`."""
@@ -42,8 +103,9 @@ class Worker:
     def load_model(self) -> None:
         self._runner.load_model(resolve_model(self.config.model_config.model))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        output = self._runner.execute_model(scheduler_output)
+        return output if self.is_output_rank else None
 
     @property
     def _runner(self) -> ModelRunner:

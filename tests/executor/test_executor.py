@@ -10,6 +10,8 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.processor import InputProcessor
 from pagedllm.executor.abstract import Executor
+from pagedllm.executor.multiproc_executor import MultiprocExecutor
+from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.registry import executor_class
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.sampling_params import SamplingParams
@@ -43,6 +45,8 @@ def test_every_backend_name_has_an_executor():
     for name in EXECUTOR_BACKENDS:
         assert issubclass(executor_class(name), Executor)
     assert executor_class("uni") is UniProcExecutor
+    assert executor_class("mp") is MultiprocExecutor
+    assert executor_class("ray") is RayExecutor  # importable without Ray installed
 
 
 def test_core_reaches_the_worker_only_through_the_executor(tiny_llama):

@@ -15,6 +15,11 @@ that exits or stalls is killed and replaced instead: in-flight requests fail, ne
 are answered 503 while the new core loads and served after, and
 `pagedllm:engine_restarts_total` counts the restarts. SIGHUP reloads
 `--api-keys-file` (a file that fails to load keeps the old keys).
+
+Data parallelism (`-dp N`): N engine-core processes behind this one; each is supervised as
+above on its own (a restart replaces that core alone and fails only its requests), /health
+is 503 while any of them is stalled or restarting, and the engine metrics carry its index in
+their `engine` label.
 """
 
 from __future__ import annotations
@@ -59,7 +64,11 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
             default_served_model_name(engine_args, engine.model_config.model),
         )
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
-        metrics = PrometheusMetrics(config.served_model_names[0], engine.model_config.max_model_len)
+        metrics = PrometheusMetrics(
+            config.served_model_names[0],
+            engine.model_config.max_model_len,
+            num_engines=len(engine.cores),
+        )
         engine.observers.append(metrics)
         engine.iteration_timeout_s = config.engine_iteration_timeout
         engine.restart_on_failure = config.restart_on_engine_failure

@@ -1,4 +1,13 @@
-"""Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (full attention), Qwen2 (q/k/v bias)."""
+"""Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (full attention), Qwen2 (q/k/v bias).
+
+Tensor parallel (the TP group of `get_tp_group()`): q/k/v and gate/up are column-parallel,
+o and down row-parallel (one all-reduce each), the embedding and head vocabulary-parallel;
+each rank holds `num_heads / tp` heads and `max(1, num_kv_heads / tp)` KV heads. Pipeline
+parallel (`get_pp_group()`): the stage builds and loads only its layers
+(`pipeline_stage_layers`); the first stage embeds, the others start from the previous
+stage's `IntermediateTensors`, which every stage but the last returns. With nothing
+initialized both groups have one rank and the model is the single-process one.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model.layers.linear import Linear, MergedLinear, default_weight_loader
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model.layers.vocab_parallel import VocabParallelEmbedding, lm_head
+from pagedllm.model.pipeline import IntermediateTensors, PPMissingLayer
 from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionBackend, AttentionMetadata
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
+from pagedllm.parallel_config import pipeline_stage_layers
 
 # Checkpoint projection name -> (fused parameter name, shard id).
 _FUSED_SHARDS = {
@@ -47,21 +65,24 @@ class LlamaAttention(nn.Module):
         self, config: Any, backend: AttentionBackend, dtype: torch.dtype, kernels: KernelSelection
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = _num_kv_heads(config)
+        total_num_heads = config.num_attention_heads
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias, o_bias = _biases(config)
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            [q_size, kv_size, kv_size],
-            ["q", "k", "v"],
+            self.head_dim,
+            total_num_heads,
+            _num_kv_heads(config),
             qkv_bias,
             dtype,
             kernels,
         )
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias, dtype, kernels)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_num_heads * self.head_dim, config.hidden_size, o_bias, dtype, kernels
+        )
         self.backend = backend
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -89,10 +110,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         bias = bool(getattr(config, "mlp_bias", False))
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], ["gate", "up"], bias, dtype, kernels
         )
-        self.down_proj = Linear(size, config.hidden_size, bias, dtype, kernels)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias, dtype, kernels)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,20 +153,49 @@ class LlamaModel(nn.Module):
         kernels: KernelSelection,
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.embed_tokens.weight.weight_loader = default_weight_loader
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.stage_layers = pipeline_stage_layers(
+            config.num_hidden_layers, pp.world_size, pp.rank_in_group
+        )
+        self.pipelined = pp.world_size > 1
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, backend, dtype, kernels)
-            for _ in range(config.num_hidden_layers)
+            if i in self.stage_layers
+            else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+        self.norm: RMSNorm | None = None
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
         self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config), kernels)
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def own_layers(self) -> list[nn.Module]:
+        """This stage's decoder layers, in order."""
+        return [self.layers[i] for i in self.stage_layers]
+
+    def forward(
+        self,
+        input_ids,
+        positions,
+        metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate_tensors is not None, "a later stage starts from the previous one"
+            x, residual = intermediate_tensors  # IntermediateTensors or a plain pair
+        layers = self.layers
+        if self.pipelined:  # one stage: the plain loop, as the compiled decode step traces it
+            layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
+        for layer in layers:
             x, residual = layer(x, residual, positions, self.rotary, metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(x, residual)
         return self.norm(x, residual)[0]
 
 
@@ -170,40 +220,67 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = backend
         self.model = LlamaModel(config, backend, dtype, max_len, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, kernels)
-        if self.tie_word_embeddings:
-            # One parameter under two names: the head is a plain Linear to everything that
-            # walks Linear modules (oneDNN packing, int8 and gguf layers), and the checkpoint
-            # fills it through the embedding (named_parameters lists it once, there).
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: Linear | None = None  # a ParallelLMHead with several TP ranks
+        if self.model.is_last_stage:
+            self.lm_head = lm_head(config.vocab_size, config.hidden_size, dtype, kernels)
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                # One parameter under two names: the head is a plain Linear to everything
+                # that walks Linear modules (oneDNN packing, int8 and gguf layers), and the
+                # checkpoint fills it through the embedding (named_parameters lists it once,
+                # there). A last stage without the embedding loads its own copy.
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+    def forward(
+        self,
+        input_ids,
+        positions,
+        metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last stage's normed hidden states; another stage's `IntermediateTensors`."""
+        return self.model(input_ids, positions, metadata, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # A Linear (tied: on the embedding's weight), or its int8 or gguf replacement.
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab_size] logits on the TP group's rank 0 of the last stage; None on the
+        other TP ranks (they must still call it, with the same rows: it gathers)."""
+        # A ParallelLMHead (tied: on the embedding's weight), or its int8 or gguf replacement.
+        assert self.lm_head is not None, "logits are computed on the last pipeline stage"
         return self.lm_head(hidden_states)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        """One (K, V) pair per layer of this stage, in layer order."""
+        for layer, kv_cache in zip(self.model.own_layers(), kv_caches, strict=True):
             layer.self_attn.kv_cache = kv_cache
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; all must be filled."""
         params = dict(self.named_parameters())
         unloaded = set(params)
+        own_tied_head = (
+            self.tie_word_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is None
+        )
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (
                 name == "lm_head.weight" and self.tie_word_embeddings
             ):
                 continue
+            if own_tied_head and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
             param_name, shard_id = _fused_name(name)
             if param_name not in params:
+                if self._on_other_stage(param_name):
+                    continue
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
             param = params[param_name]
-            tensor = tensor.to(param.dtype)
+            if not isinstance(tensor, torch.Tensor) and not getattr(param, "narrows", False):
+                tensor = tensor.materialize()  # a lazy checkpoint slice, for a whole-tensor loader
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(param.dtype)
+            # (A lazy slice is narrowed by the loader; copy_ converts the dtype of the piece.)
             if shard_id is None:
                 param.weight_loader(param, tensor)
             else:
@@ -211,6 +288,15 @@ class LlamaForCausalLM(nn.Module):
             unloaded.discard(param_name)
         if unloaded:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unloaded)[:8]}")
+
+    def _on_other_stage(self, param_name: str) -> bool:
+        """A parameter another pipeline stage holds (this one skips it)."""
+        if not self.model.pipelined:
+            return False
+        parts = param_name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            return int(parts[2]) not in self.model.stage_layers
+        return parts[:2] in (["model", "embed_tokens"], ["model", "norm"]) or parts[0] == "lm_head"
 
 
 def _fused_name(name: str) -> tuple[str, str | None]:

@@ -1,0 +1,200 @@
+"""Data parallelism through the real server (`-dp 2`, a tiny model): every request answered
+with DP=1's greedy output, prefix-aware routing beating round robin on the prefix-cache hit
+rate of a shared-prefix workload, per-engine metrics, and a failed core replaced alone.
+(Offline `LLM(data_parallel_size=2)`: tests/engine/test_dp_llm.py.)"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import psutil
+import pytest
+from server_utils import RunningServer
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.dp_router import ROUTING_ENV
+
+WAIT_S = 120.0  # bound on anything a test waits for (the machine may be busy)
+MAX_TOKENS = 6
+BLOCK = 16  # the default block size
+GROUPS = 3  # shared prefixes; with 2 cores round robin sends every group to both
+PER_GROUP = 4
+PREFIX_BLOCKS = 4
+SUFFIX_LEN = 8
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """GROUPS groups of prompts sharing a PREFIX_BLOCKS-block prefix, interleaved A B C A ..."""
+    prefixes = [
+        [(37 * group + 11 * i) % 500 + 3 for i in range(PREFIX_BLOCKS * BLOCK)]
+        for group in range(GROUPS)
+    ]
+    return [
+        prefixes[group] + [(7 * n + group + 13 * j) % 500 + 3 for j in range(SUFFIX_LEN)]
+        for n in range(PER_GROUP)
+        for group in range(GROUPS)
+    ]
+
+
+def mixed_prompts() -> list[list[int]]:
+    return [[(5 * n + 3 * i) % 500 + 3 for i in range(5 + 9 * n)] for n in range(10)]
+
+
+def engine_series(server: RunningServer, name: str) -> dict[str, float]:
+    """`pagedllm:<name>` per `engine` label."""
+    series = {}
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith(f"pagedllm:{name}{{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            assert engine is not None, line
+            series[engine.group(1)] = float(line.rsplit(" ", 1)[1])
+    return series
+
+
+def hit_rate(server: RunningServer) -> float:
+    hits = sum(engine_series(server, "prefix_cache_hits_total").values())
+    queries = sum(engine_series(server, "prefix_cache_queries_total").values())
+    return hits / queries
+
+
+def complete(server: RunningServer, prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def health(server: RunningServer) -> int:
+    try:
+        return server.get("/health").status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def core_processes(server: RunningServer) -> list[psutil.Process]:
+    """The engine-core processes, oldest first (core 0 starts first)."""
+    children = psutil.Process(server.process.pid).children()
+    cores = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return sorted(cores, key=lambda c: c.create_time())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """DP=1 greedy texts (offline engine) for the prompts the tests send."""
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    prompts = mixed_prompts() + shared_prefix_prompts()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return {tuple(p): o.outputs[0].text for p, o in zip(prompts, outputs, strict=True)}
+
+
+def start_dp_server(tiny_llama, tmp_path, monkeypatch, policy: str, *extra: str):
+    monkeypatch.setenv(ROUTING_ENV, policy)
+    return RunningServer([str(tiny_llama), "-dp", "2", *extra], tmp_path / f"{policy}.log")
+
+
+def run_workload(server: RunningServer, policy: str, reference: dict) -> float:
+    """The shared-prefix workload one request at a time (so the hits do not depend on timing),
+    then, under prefix routing, concurrent requests; returns the prefix-cache hit rate."""
+    assert len(core_processes(server)) == 2
+    for prompt in shared_prefix_prompts():
+        assert complete(server, prompt)["choices"][0]["text"] == reference[tuple(prompt)]
+    rate = hit_rate(server)
+    queries = engine_series(server, "prefix_cache_queries_total")
+    assert set(queries) == {"0", "1"} and all(queries.values()), queries  # both cores used
+    if policy == "prefix":
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: complete(server, p), mixed_prompts()))
+        for prompt, answer in zip(mixed_prompts(), answers, strict=True):
+            assert answer["choices"][0]["text"] == reference[tuple(prompt)]
+            assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+        wait_until(
+            lambda: sum(engine_series(server, "num_requests_running").values()) == 0, "idle cores"
+        )
+        assert set(engine_series(server, "engine_stalled").values()) == {0.0}
+    return rate
+
+
+def test_dp2_answers_everything_as_dp1_and_beats_round_robin(
+    tiny_llama, tmp_path, monkeypatch, reference
+):
+    rates = {}
+    for policy in ("prefix", "round_robin"):
+        server = start_dp_server(tiny_llama, tmp_path, monkeypatch, policy)
+        try:
+            rates[policy] = run_workload(server, policy, reference)
+        finally:
+            assert server.stop() == 0, server.log()
+    print(f"prefix-cache hit rate: prefix routing {rates['prefix']:.3f}, "
+          f"round robin {rates['round_robin']:.3f}")  # fmt: skip
+    # Prefix routing: each group's first prompt misses, the other 3 hit 4 blocks of 4.5.
+    # Round robin sends every group to both cores: 2 misses per group.
+    hit = PREFIX_BLOCKS * BLOCK / (PREFIX_BLOCKS * BLOCK + SUFFIX_LEN)
+    assert rates["prefix"] == pytest.approx(hit * (PER_GROUP - 1) / PER_GROUP, abs=1e-9)
+    assert rates["round_robin"] == pytest.approx(hit * (PER_GROUP - 2) / PER_GROUP, abs=1e-9)
+    assert rates["prefix"] > rates["round_robin"]
+
+
+def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
+    args = ("--restart-on-engine-failure", "--engine-iteration-timeout", "5")
+    server = start_dp_server(tiny_llama, tmp_path, monkeypatch, "prefix", *args)
+    try:
+        core0, core1 = core_processes(server)
+        results: dict[str, httpx.Response] = {}
+
+        def run(name: str, prompt: list[int], max_tokens: int) -> threading.Thread:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+
+            def post() -> None:
+                results[name] = server.post("/v1/completions", body)
+
+            thread = threading.Thread(target=post, daemon=True)
+            thread.start()
+            return thread
+
+        # Nothing held, equal loads: the cores in turn, 0 first.
+        doomed = run("doomed", [5, 6, 7], 1000)
+        wait_until(lambda: engine_series(server, "num_requests_running")["0"] == 1, "core 0")
+        survivor = run("survivor", [8, 9, 10], 300)
+        wait_until(lambda: engine_series(server, "num_requests_running")["1"] == 1, "core 1")
+        core0.kill()
+        doomed.join(WAIT_S)
+        assert results["doomed"].status_code == 500, results["doomed"].text
+        survivor.join(WAIT_S)
+        assert results["survivor"].status_code == 200, results["survivor"].text
+        assert results["survivor"].json()["usage"]["completion_tokens"] == 300
+        wait_until(lambda: health(server) == 200, "the new core")
+        assert engine_series(server, "engine_restarts_total") == {"0": 1.0, "1": 0.0}
+        new_cores = core_processes(server)
+        assert core1 in new_cores and core0 not in new_cores and len(new_cores) == 2
+        for prompt in mixed_prompts()[:4]:  # both cores serve again
+            assert complete(server, prompt)["usage"]["completion_tokens"] == MAX_TOKENS
+        assert "Restarting the engine core 0" in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_dp2_a_dead_core_ends_the_server(tiny_llama, tmp_path, monkeypatch):
+    server = start_dp_server(tiny_llama, tmp_path, monkeypatch, "prefix")
+    try:
+        cores = core_processes(server)
+        cores[1].kill()
+        wait_until(lambda: health(server) != 200, "/health to turn 503")
+        assert server.process.wait(WAIT_S) == 1, server.log()
+        assert "Engine core 1 died" in server.log()
+        _, alive = psutil.wait_procs(cores, timeout=10)
+        assert not alive, f"core processes left behind: {alive}"
+    finally:
+        server.stop()
