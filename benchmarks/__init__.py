@@ -48,6 +48,16 @@ Reliability
     rate_sweep          Up to what Poisson rate does p99 TTFT stay under 2 s, with two tenants,
                         under fcfs and under fair scheduling?
 
+Distributed execution
+    parallel_memory     How much weight and KV-cache memory does the largest rank hold, for
+                        Llama-3-8B and -70B shapes at tp and pp from 1 to 8? (Computed.)
+    allreduce           How long does a decode step's all-reduce (64 x hidden, fp32) take
+                        between two ranks, through gloo and through shared memory?
+    broadcast_cost      What does sending one step's SchedulerOutput to the workers cost,
+                        through the shared-memory ring and through pipes?
+    parallel_throughput W1 at TP=1, TP=2 and DP=2 on this host: requests/s, and each rank's
+                        weight and KV memory.
+
 Shell entries (run by path, they call the modules above)
     cpu_perf.sh         The CPU targets in one run: the working tree against a base commit in
                         a worktree, beside vLLM and llama.cpp.

@@ -42,6 +42,19 @@ class CachedRequestData:
 
 
 @dataclass
+class KVTableCheck:
+    """Debug mode only (`PAGEDLLM_DEBUG=1`): what every rank's KV cache must agree with once
+    it has applied the step's updates. The runner checks that its KV tensors hold
+    `num_blocks` blocks, that its block table of every running request equals the
+    scheduler's, and that none of those blocks is the null block or outside the pool."""
+
+    num_blocks: int
+    null_block_id: int
+    # Every running request's block ids, as the scheduler's KV cache manager holds them.
+    block_tables: dict[str, list[int]]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -58,6 +71,8 @@ class SchedulerOutput:
     # Parallel sampling: parent id -> the samples forked this step (new requests that are
     # not scheduled; each draws its first token from its parent's logits, with its own seed).
     forked_samples: dict[str, list[str]] = field(default_factory=dict)
+    # Debug mode: the tables every rank checks its own against (None, and no cost, otherwise).
+    kv_check: KVTableCheck | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,7 +17,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.registry import executor_class
@@ -31,7 +31,8 @@ IDLE_STEP_S = 0.001
 
 
 def debug_checks_enabled() -> bool:
-    """PAGEDLLM_DEBUG=1 checks the KV cache's integrity after every step (tests set it)."""
+    """PAGEDLLM_DEBUG=1 checks the KV cache's integrity after every step, the scheduler's and
+    every rank's (tests set it)."""
     return os.environ.get("PAGEDLLM_DEBUG", "0") not in ("", "0")
 
 
@@ -132,7 +133,7 @@ class EngineCore:
         the core (the engine-core process exits non-zero)."""
         if self.batch_queue is not None:
             return self._step_with_batch_queue(self.batch_queue)
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         if not scheduler_output.num_scheduled_tokens:
             time.sleep(IDLE_STEP_S)  # only grammars compiling: do not spin
         runner_output = self.model_executor.execute_model(scheduler_output)
@@ -148,7 +149,7 @@ class EngineCore:
         not in flight); when none was scheduled, or the queue is full, wait for the oldest
         batch and report its tokens. A step that only scheduled reports nothing."""
         if len(queue) < self.config.scheduler_config.max_batches_in_flight:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             # An output with no tokens still tells the runners which requests ended.
             if scheduler_output.num_scheduled_tokens or scheduler_output.finished_req_ids:
                 reply = self.model_executor.execute_model(scheduler_output, non_block=True)
@@ -165,8 +166,33 @@ class EngineCore:
             self.check_integrity()
         return EngineCoreOutputs(outputs, self.get_stats())
 
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if self.debug_checks:
+            scheduler_output.kv_check = self._kv_table_check()
+        return scheduler_output
+
+    def _kv_table_check(self) -> KVTableCheck:
+        """Every rank's KV integrity, checked in the step itself: the runners compare their
+        tables with these once they have applied the step's updates (before the forward, so
+        a wrong table is caught before it writes anywhere). It rides on the step's own
+        message, so no rank waits for an extra round trip and pipelined batches still
+        overlap. Every running request has been sent to the runners by the time
+        `schedule()` returns (forked samples with their parent's batch), so its table is
+        the one they must hold; preempted and finished requests are not running."""
+        kv = self.kv_cache_manager
+        return KVTableCheck(
+            num_blocks=kv.block_pool.num_blocks,
+            null_block_id=kv.block_pool.null_block.block_id,
+            block_tables={
+                request.request_id: kv.get_block_ids(request.request_id)
+                for request in self.scheduler.running
+            },
+        )
+
     def check_integrity(self) -> None:
-        """Every block is free, held or cached-free, ref counts match; and when idle, all free."""
+        """Every block is free, held or cached-free, ref counts match; and when idle, all free.
+        (Every rank's own tables are checked within the step: `_kv_table_check`.)"""
         kv = self.kv_cache_manager
         kv.check_integrity()
         if not self.has_unfinished_requests():

@@ -11,6 +11,11 @@ rows sample exactly what they would have. An error no single request reproduces 
 For tests, `PAGEDLLM_INJECT_FAULT_SEED=<seed>` makes requests with that seed raise in their
 logits-processor stage (a stand-in for a request-attributable bug; unset in production).
 
+Debug mode (`PAGEDLLM_DEBUG=1`): the step's `SchedulerOutput.kv_check` carries the scheduler's
+block table of every running request; once the step's updates are applied, before the
+forward, every rank checks its KV tensors' shape and its own tables against it
+(`check_kv_integrity`) and raises `KVIntegrityError` naming itself on any difference.
+
 Several ranks (`distributed/parallel_state.py` groups): each rank's KV pool holds its own
 KV heads (tensor parallel) for its stage's layers (pipeline parallel). Only the sampling
 rank (the first tensor-parallel rank of the last stage) holds the sampled tokens; the others
@@ -32,7 +37,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
 from pagedllm.model.layers.onednn import pack_linear_weights
@@ -57,9 +62,16 @@ from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
 logger = logging.getLogger(__name__)
 
 FAULT_SEED_ENV = "PAGEDLLM_INJECT_FAULT_SEED"
+# Problems a failed KV integrity check lists before it says how many more there are.
+MAX_REPORTED_PROBLEMS = 5
 # A request whose own parameters could not be loaded still gets a row (the forward must
 # write its prompt's KV, which the prefix cache may already share), with these: it never samples.
 _INERT_PARAMS = SamplingParams()
+
+
+class KVIntegrityError(AssertionError):
+    """A rank's KV state disagrees with the scheduler's (debug mode): a bug, never a
+    request's fault, so it ends the engine. The message names the rank."""
 
 
 def _injected_fault_seed() -> int | None:
@@ -81,6 +93,11 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         tp_group, self.pp_group = get_tp_group(), get_pp_group()
         self.tp_size = tp_group.world_size
+        self.rank_name = (
+            f"rank {tp_group.global_rank} (tensor-parallel rank {tp_group.rank_in_group} of "
+            f"{self.tp_size}, pipeline stage {self.pp_group.rank_in_group} of "
+            f"{self.pp_group.world_size})"
+        )
         # The rank that samples; every other rank returns an empty output.
         self.is_sampling_rank = tp_group.is_first_rank and self.pp_group.is_last_rank
         self.is_first_stage = self.pp_group.is_first_rank
@@ -216,6 +233,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failed: dict[str, str] = {}  # request id -> what raised for it alone
         self._update_states(scheduler_output, failed)
+        if scheduler_output.kv_check is not None:  # debug mode only
+            self.check_kv_integrity(scheduler_output.kv_check)
         self._copy_blocks(scheduler_output.blocks_to_copy)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput(failed_requests=failed)
@@ -268,6 +287,58 @@ class ModelRunner:
             }
             self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
         return output
+
+    def check_kv_integrity(self, expected: KVTableCheck) -> None:
+        """Raise `KVIntegrityError` naming this rank unless its KV tensors have the shape its
+        heads and stage imply, and its block table of every running request equals the
+        scheduler's, with no block the null block or outside the pool."""
+        problems = self._kv_shape_problems(expected.num_blocks)
+        batch = self.input_batch
+        for request_id, want in expected.block_tables.items():
+            row = batch.req_id_to_row.get(request_id)
+            if row is None:
+                problems.append(f"no row for running request {request_id!r}")
+                continue
+            got = batch.block_table[row, : batch.num_blocks[row]].tolist()
+            if got != want:
+                problems.append(
+                    f"request {request_id!r}: block table {got} != the scheduler's {want}"
+                )
+            wrong = [
+                b for b in got if b == expected.null_block_id or not 0 <= b < expected.num_blocks
+            ]
+            if wrong:
+                problems.append(
+                    f"request {request_id!r}: block(s) {wrong} are the null block "
+                    f"({expected.null_block_id}) or outside the pool of {expected.num_blocks}"
+                )
+        if problems:
+            more = len(problems) - MAX_REPORTED_PROBLEMS
+            raise KVIntegrityError(
+                f"KV integrity check failed on {self.rank_name}: "
+                + "; ".join(problems[:MAX_REPORTED_PROBLEMS])
+                + (f"; and {more} more" if more > 0 else "")
+            )
+
+    def _kv_shape_problems(self, num_blocks: int) -> list[str]:
+        model_config = self.config.model_config
+        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
+        shape = (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
+        dtype = self.config.cache_config.cache_dtype
+        if len(self.kv_caches) != len(self.layers):
+            return [
+                f"{len(self.kv_caches)} layers of KV cache for the {len(self.layers)} "
+                f"layers of its stage ({self.layers.start}-{self.layers.stop - 1})"
+            ]
+        problems = []
+        for layer, pair in zip(self.layers, self.kv_caches, strict=True):
+            for name, tensor in zip("KV", pair, strict=True):
+                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    problems.append(
+                        f"layer {layer}'s {name} cache is {tuple(tensor.shape)} {tensor.dtype}, "
+                        f"not {shape} {dtype}"
+                    )
+        return problems
 
     def _run_model(self, input_ids, positions, metadata, num_scheduled):
         """The stage's forward: hidden states on the last stage, else (hidden, residual)."""

@@ -107,6 +107,17 @@ class Worker:
         output = self._runner.execute_model(scheduler_output)
         return output if self.is_output_rank else None
 
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds: its weights (each parameter once) and its KV cache."""
+        runner = self._runner
+        weights = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
+        kv_cache = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+        return {
+            "rank": self.rank,
+            "weight_bytes": sum(weights.values()),
+            "kv_cache_bytes": kv_cache,
+        }
+
     @property
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:

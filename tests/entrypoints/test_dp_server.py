@@ -1,6 +1,8 @@
 """Data parallelism through the real server (`-dp 2`, a tiny model): every request answered
 with DP=1's greedy output, prefix-aware routing beating round robin on the prefix-cache hit
-rate of a shared-prefix workload, per-engine metrics, and a failed core replaced alone.
+rate of a shared-prefix workload (round robin measured offline, same router), per-engine
+metrics, a dead core ending the server without restart, and a failed core replaced alone
+with it.
 (Offline `LLM(data_parallel_size=2)`: tests/engine/test_dp_llm.py.)"""
 
 from __future__ import annotations
@@ -105,46 +107,63 @@ def start_dp_server(tiny_llama, tmp_path, monkeypatch, policy: str, *extra: str)
     return RunningServer([str(tiny_llama), "-dp", "2", *extra], tmp_path / f"{policy}.log")
 
 
-def run_workload(server: RunningServer, policy: str, reference: dict) -> float:
+def run_workload(server: RunningServer, reference: dict) -> float:
     """The shared-prefix workload one request at a time (so the hits do not depend on timing),
-    then, under prefix routing, concurrent requests; returns the prefix-cache hit rate."""
+    then concurrent requests; returns the prefix-cache hit rate of the shared-prefix workload."""
     assert len(core_processes(server)) == 2
     for prompt in shared_prefix_prompts():
         assert complete(server, prompt)["choices"][0]["text"] == reference[tuple(prompt)]
     rate = hit_rate(server)
     queries = engine_series(server, "prefix_cache_queries_total")
     assert set(queries) == {"0", "1"} and all(queries.values()), queries  # both cores used
-    if policy == "prefix":
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda p: complete(server, p), mixed_prompts()))
-        for prompt, answer in zip(mixed_prompts(), answers, strict=True):
-            assert answer["choices"][0]["text"] == reference[tuple(prompt)]
-            assert answer["usage"]["completion_tokens"] == MAX_TOKENS
-        wait_until(
-            lambda: sum(engine_series(server, "num_requests_running").values()) == 0, "idle cores"
-        )
-        assert set(engine_series(server, "engine_stalled").values()) == {0.0}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: complete(server, p), mixed_prompts()))
+    for prompt, answer in zip(mixed_prompts(), answers, strict=True):
+        assert answer["choices"][0]["text"] == reference[tuple(prompt)]
+        assert answer["usage"]["completion_tokens"] == MAX_TOKENS
+    wait_until(
+        lambda: sum(engine_series(server, "num_requests_running").values()) == 0, "idle cores"
+    )
+    assert set(engine_series(server, "engine_stalled").values()) == {0.0}
     return rate
 
 
-def test_dp2_answers_everything_as_dp1_and_beats_round_robin(
+def round_robin_hit_rate(tiny_llama, monkeypatch) -> float:
+    """The same workload, one request at a time, over an offline DP=2 engine routing round
+    robin: the same router and the same per-core prefix caches as the server's, without a
+    second server start."""
+    monkeypatch.setenv(ROUTING_ENV, "round_robin")
+    llm = LLM(str(tiny_llama), data_parallel_size=2)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for prompt in shared_prefix_prompts():
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return llm.get_stats().prefix_cache_hit_rate
+
+
+def test_dp2_answers_as_dp1_beats_round_robin_and_ends_with_a_dead_core(
     tiny_llama, tmp_path, monkeypatch, reference
 ):
-    rates = {}
-    for policy in ("prefix", "round_robin"):
-        server = start_dp_server(tiny_llama, tmp_path, monkeypatch, policy)
-        try:
-            rates[policy] = run_workload(server, policy, reference)
-        finally:
-            assert server.stop() == 0, server.log()
-    print(f"prefix-cache hit rate: prefix routing {rates['prefix']:.3f}, "
-          f"round robin {rates['round_robin']:.3f}")  # fmt: skip
+    server = start_dp_server(tiny_llama, tmp_path, monkeypatch, "prefix")
+    try:
+        prefix_rate = run_workload(server, reference)
+        # Without --restart-on-engine-failure a dead core ends the server, as with one core.
+        cores = core_processes(server)
+        cores[1].kill()
+        wait_until(lambda: health(server) != 200, "/health to turn 503")
+        assert server.process.wait(WAIT_S) == 1, server.log()
+        assert "Engine core 1 died" in server.log()
+        _, alive = psutil.wait_procs(cores, timeout=10)
+        assert not alive, f"core processes left behind: {alive}"
+    finally:
+        server.stop()
+    rr_rate = round_robin_hit_rate(tiny_llama, monkeypatch)
+    print(f"prefix-cache hit rate: prefix routing {prefix_rate:.3f}, round robin {rr_rate:.3f}")
     # Prefix routing: each group's first prompt misses, the other 3 hit 4 blocks of 4.5.
     # Round robin sends every group to both cores: 2 misses per group.
     hit = PREFIX_BLOCKS * BLOCK / (PREFIX_BLOCKS * BLOCK + SUFFIX_LEN)
-    assert rates["prefix"] == pytest.approx(hit * (PER_GROUP - 1) / PER_GROUP, abs=1e-9)
-    assert rates["round_robin"] == pytest.approx(hit * (PER_GROUP - 2) / PER_GROUP, abs=1e-9)
-    assert rates["prefix"] > rates["round_robin"]
+    assert prefix_rate == pytest.approx(hit * (PER_GROUP - 1) / PER_GROUP, abs=1e-9)
+    assert rr_rate == pytest.approx(hit * (PER_GROUP - 2) / PER_GROUP, abs=1e-9)
+    assert prefix_rate > rr_rate
 
 
 def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
@@ -184,17 +203,3 @@ def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
         assert "Restarting the engine core 0" in server.log()
     finally:
         assert server.stop() == 0, server.log()
-
-
-def test_dp2_a_dead_core_ends_the_server(tiny_llama, tmp_path, monkeypatch):
-    server = start_dp_server(tiny_llama, tmp_path, monkeypatch, "prefix")
-    try:
-        cores = core_processes(server)
-        cores[1].kill()
-        wait_until(lambda: health(server) != 200, "/health to turn 503")
-        assert server.process.wait(WAIT_S) == 1, server.log()
-        assert "Engine core 1 died" in server.log()
-        _, alive = psutil.wait_procs(cores, timeout=10)
-        assert not alive, f"core processes left behind: {alive}"
-    finally:
-        server.stop()

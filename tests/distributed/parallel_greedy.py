@@ -1,0 +1,73 @@
+"""The greedy comparison the parallel executors share (`mp` and `ray`): small budgets that
+force chunked prefill and preemption, fixed prompts, and one rank's reference outputs,
+computed once per model and compared token by token (ties accepted and counted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+from model_utils import compare_to_reference_engine, greedy_with_logprobs
+
+from pagedllm import LLM
+
+TIE_TOLERANCE = 1e-4
+PROMPT_LENGTHS = (3, 17, 40, 75)
+MAX_TOKENS = 12
+BLOCK_SIZE = 8
+NUM_BLOCKS = 18  # the null block and 17 for four requests of up to 87 tokens: preemption
+
+
+def kv_cache_memory(directory, tp: int, pp: int) -> int:
+    """Bytes one rank needs for NUM_BLOCKS blocks: its share of the KV heads (at least one,
+    replicated) of its stage's layers."""
+    config = json.loads((directory / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = max(1, config["num_key_value_heads"] // tp)
+    layers = math.ceil(config["num_hidden_layers"] / pp)
+    return NUM_BLOCKS * BLOCK_SIZE * 2 * layers * kv_heads * head_dim * 4  # K and V, fp32
+
+
+def budget_llm(directory, **parallel) -> LLM:
+    """An `LLM` whose small budgets make prompts prefill in chunks and whose pool (the same
+    number of blocks in every layout) forces preemption."""
+    tp = parallel.get("tensor_parallel_size", 1)
+    pp = parallel.get("pipeline_parallel_size", 1)
+    return LLM(
+        str(directory),
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=32,
+        kv_cache_memory=kv_cache_memory(directory, tp, pp),
+        **parallel,
+    )
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+_REFERENCES: dict[str, list] = {}
+
+
+def reference(directory) -> list:
+    """One rank's greedy tokens and logprobs for `prompts()`, computed once per model."""
+    if str(directory) not in _REFERENCES:
+        llm = budget_llm(directory)
+        outputs = greedy_with_logprobs(llm, prompts(), MAX_TOKENS)
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0, "budget should preempt"
+        _REFERENCES[str(directory)] = outputs
+    return _REFERENCES[str(directory)]
+
+
+def assert_greedy_equals_one_rank(llm: LLM, directory, report_ties) -> None:
+    """`llm` (any layout) gives one rank's greedy tokens under preemption; ties counted."""
+    expected = reference(directory)
+    actual = greedy_with_logprobs(llm, prompts(), MAX_TOKENS)
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_preemptions > 0
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+    core.check_integrity()

@@ -1,0 +1,120 @@
+"""Tensor parallelism through the real server (`serve -tp 2`, the `mp` executor, a tiny
+model): it answers with one rank's greedy text; a worker rank SIGKILLed under a streaming
+request ends the stream with an error event, turns `/health` to 503, makes the server exit
+non-zero, and leaves no process behind (API, engine core, workers). One server start serves
+both parts: each takes tens of seconds on this machine.
+(Offline `LLM(tensor_parallel_size=2)`: tests/distributed/test_mp_parallel.py.)"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx2 as httpx
+import psutil
+import pytest
+from server_utils import RunningServer
+
+from pagedllm import LLM, SamplingParams
+
+WAIT_S = 60.0  # bound on anything a test waits for (the machine may be busy)
+MAX_TOKENS = 8
+PROMPTS = [[5, 6, 7], [(7 * i) % 500 + 3 for i in range(40)]]
+# A stream long enough to be still running when the rank dies (the context is 1,024).
+STREAM_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> list[str]:
+    """One rank's greedy texts (offline engine) for PROMPTS."""
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]
+
+
+def spawned_children(process: psutil.Process) -> list[psutil.Process]:
+    """`multiprocessing` spawn children (engine cores of an API process, workers of a core),
+    oldest first."""
+    children = [c for c in process.children() if "spawn_main" in " ".join(c.cmdline())]
+    return sorted(children, key=lambda c: (c.create_time(), c.pid))
+
+
+def health(server: RunningServer) -> int:
+    try:
+        return httpx.get(server.base_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0  # gone
+
+
+def stream_completion(server: RunningServer, events: list, started: threading.Event) -> None:
+    """POST a long greedy stream; append every SSE `data:` payload to `events`; set
+    `started` at the first generated text."""
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = server.base_url + "/v1/completions"
+    try:
+        with httpx.stream("POST", url, json=body, timeout=WAIT_S) as response:
+            events.append(response.status_code)
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line.removeprefix("data: ")
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                if payload != "[DONE]" and "choices" in events[-1]:
+                    started.set()
+    except httpx.HTTPError as error:
+        events.append(error)
+    finally:
+        started.set()  # never leave the test waiting
+
+
+def test_tp2_server_answers_as_one_rank_and_a_killed_rank_ends_it(tiny_llama, tmp_path, reference):
+    server = RunningServer([str(tiny_llama), "-tp", "2"], tmp_path / "tp2.log")
+    api = psutil.Process(server.process.pid)
+    try:
+        (core,) = spawned_children(api)
+        workers = spawned_children(core)
+        assert len(workers) == 2, workers
+        everything = [api, *api.children(recursive=True)]  # core, workers, resource tracker
+
+        for prompt, text in zip(PROMPTS, reference, strict=True):
+            body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            response = server.post("/v1/completions", {**body, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == text
+
+        events: list = []
+        started = threading.Event()
+        streamer = threading.Thread(target=stream_completion, args=(server, events, started))
+        streamer.start()
+        assert started.wait(WAIT_S), "the stream did not start"
+        assert events[0] == 200, events
+        victim = workers[-1]  # the last started: rank 1
+        victim.kill()  # SIGKILL
+        killed_at = time.monotonic()
+
+        # The API process answers 503 from the moment it sees the core die, then exits.
+        while (status := health(server)) == 200 and time.monotonic() - killed_at < WAIT_S:
+            time.sleep(0.05)
+        assert status == 503, f"/health answered {status} after the rank died"
+        streamer.join(WAIT_S)
+        assert not streamer.is_alive(), "the stream did not end"
+        assert events[-1] == "[DONE]", events[-3:]
+        assert "error" in events[-2], events[-3:]
+        assert not any(
+            choice.get("finish_reason") for event in events[1:-2] for choice in event["choices"]
+        ), "the stream finished before the rank died"
+        assert server.process.wait(WAIT_S) == 1, server.log()
+        print(f"rank killed -> 503 and server exit in {time.monotonic() - killed_at:.1f} s")
+        _, alive = psutil.wait_procs(everything, timeout=WAIT_S)
+        assert not alive, f"processes left behind: {alive}"
+        assert f"(pid {victim.pid}) died with exit code -9" in server.log(), server.log()
+    finally:
+        server.stop()
