@@ -66,5 +66,6 @@ Shell entries (run by path, they call the modules above)
     ab_pairs.sh         Did a change move W1 or single-stream decode? Before and after in
                         alternating pairs of processes (results/refactors.md).
 
-`timing` holds the shared timer; `tenant_server` starts a server with two tenants' keys.
+`timing` holds the shared timer; `tenant_server` starts a server with two tenants' keys;
+`child_runs` runs one case per child process (a layout, a model size).
 """

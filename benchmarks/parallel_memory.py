@@ -37,6 +37,24 @@ class LlamaShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def hf_config(self) -> dict:
+        """The shape as a Hugging Face `config.json` (with `load_format="dummy"` a model)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+
 
 LLAMA_3_8B = LlamaShape("Llama-3-8B", 4096, 14336, 32, 32, 8, 128256)
 LLAMA_3_70B = LlamaShape("Llama-3-70B", 8192, 28672, 80, 64, 8, 128256)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
+
+from benchmarks.child_runs import run_children
 
 SMOLLM2_SHAPE_TP2 = {
     "architectures": ["LlamaForCausalLM"],
@@ -101,20 +102,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(run_layout(args.child, args)), flush=True)
         return 0
-    results = []
-    for layout in args.layouts:
-        command = [sys.executable, "-m", "benchmarks.parallel_throughput", "--child", layout]
-        command += ["--num-prompts", str(args.num_prompts)]
-        command += ["--kv-cache-memory", args.kv_cache_memory]
-        if args.model:
-            command += ["--model", args.model]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        result = json.loads(output.strip().splitlines()[-1])
-        print(json.dumps(result), flush=True)
-        results.append(result)
-    if args.output_json:
-        with open(args.output_json, "w") as file:
-            json.dump(results, file, indent=2)
+    common = ["--num-prompts", str(args.num_prompts), "--kv-cache-memory", args.kv_cache_memory]
+    common += ["--model", args.model] if args.model else []
+    children = [["--child", layout, *common] for layout in args.layouts]
+    run_children("benchmarks.parallel_throughput", children, args.output_json)
     return 0
 
 

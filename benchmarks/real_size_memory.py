@@ -14,25 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-LLAMA_3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+from benchmarks.child_runs import run_children
+from benchmarks.parallel_memory import LLAMA_3_8B
+
 MODEL_DIR = "benchmarks/out/real_size_memory/llama-3-8b-shape"
 
 
@@ -44,7 +31,7 @@ def run_layout(tp: int) -> dict:
 
     started = time.perf_counter()
     llm = LLM(
-        write_config_dir(MODEL_DIR, LLAMA_3_8B),
+        write_config_dir(MODEL_DIR, LLAMA_3_8B.hf_config()),
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -80,15 +67,8 @@ def main() -> int:
     if args.child is not None:
         print(json.dumps(run_layout(args.child)), flush=True)
         return 0
-    results = []
-    for tp in args.tp:
-        command = [sys.executable, "-m", "benchmarks.real_size_memory", "--child", str(tp)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results.append(json.loads(output.strip().splitlines()[-1]))
-        print(json.dumps(results[-1]), flush=True)
-    if args.output_json:
-        with open(args.output_json, "w") as file:
-            json.dump(results, file, indent=2)
+    children = [["--child", str(tp)] for tp in args.tp]
+    run_children("benchmarks.real_size_memory", children, args.output_json)
     return 0
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import time
 
+import pytest
 from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor.multiproc_executor import WorkerError
 
 TIE_TOLERANCE = 1e-4
 PROMPT_LENGTHS = (3, 17, 40, 75)
@@ -71,3 +76,18 @@ def assert_greedy_equals_one_rank(llm: LLM, directory, report_ties) -> None:
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
     core.check_integrity()
+
+
+def kill_rank_mid_generation(engine, pid: int, error_pattern: str) -> float:
+    """SIGKILL a rank's process three steps into a long generation; step on until the engine
+    raises WorkerError matching `error_pattern`. Returns the seconds from kill to raise."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+    for _ in range(3):  # generation is under way
+        engine.step()
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(WorkerError, match=error_pattern):
+        while engine.has_unfinished_requests():
+            engine.step()
+    return time.monotonic() - killed_at

@@ -11,6 +11,7 @@ import pytest
 import torch
 from tp_harness import build_model, tiny_config
 
+from benchmarks.parallel_memory import LLAMA_3_8B
 from pagedllm.config import EngineArgs
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import GroupCoordinator
@@ -23,20 +24,7 @@ from pagedllm.model.loader import (
     write_config_dir,
 )
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "tie_word_embeddings": False,
-}
+LLAMA3_8B = LLAMA_3_8B.hf_config()
 LLAMA3_8B_PARAMS = 8_030_261_248
 
 

@@ -6,14 +6,9 @@ and leaves no process behind."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
-from parallel_greedy import assert_greedy_equals_one_rank, budget_llm
-
-from pagedllm import SamplingParams
-from pagedllm.executor.multiproc_executor import WorkerError
+from parallel_greedy import assert_greedy_equals_one_rank, budget_llm, kill_rank_mid_generation
 
 TP2, PP2 = {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}
 
@@ -43,17 +38,9 @@ def test_a_rank_killed_mid_generation_raises_and_leaves_nothing(tiny_llama):
     llm = budget_llm(tiny_llama, tensor_parallel_size=2)
     engine = llm.llm_engine
     pids = engine.engine_core.model_executor.worker_pids
-    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     try:
-        engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
-        for _ in range(3):  # generation is under way
-            engine.step()
-        os.kill(pids[1], signal.SIGKILL)
-        killed_at = time.monotonic()
-        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died with exit code -9"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - killed_at < 10
+        died = r"worker rank 1 \(pid \d+\) died with exit code -9"
+        assert kill_rank_mid_generation(engine, pids[1], died) < 10
     finally:
         engine.engine_core.shutdown()
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)

@@ -6,15 +6,13 @@ API raise within 10 s and leaves no actor, placement group or Ray process behind
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import psutil
 import pytest
 import ray  # the `ray` extra, which `make` installs
-from parallel_greedy import assert_greedy_equals_one_rank, budget_llm
+from parallel_greedy import assert_greedy_equals_one_rank, budget_llm, kill_rank_mid_generation
 
-from pagedllm import SamplingParams
 from pagedllm.executor.multiproc_executor import WorkerError
 from pagedllm.executor.ray_executor import ranks_sharing_host
 from pagedllm.worker.ray_worker import RankPlacement
@@ -90,16 +88,8 @@ def test_a_killed_rank_actor_raises_within_10s_and_leaves_no_actor(ray_llm):
     executor = engine.engine_core.model_executor
     actors, pids = list(executor._actors), executor.worker_pids
     group = executor._placement_group
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
-    for _ in range(3):  # generation is under way
-        engine.step()
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    with pytest.raises(WorkerError, match=r"worker rank 1 died during execute_model"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - killed_at < 10
+    died = r"worker rank 1 died during execute_model"
+    assert kill_rank_mid_generation(engine, pids[1], died) < 10
     with pytest.raises(WorkerError, match="the executor's workers are gone"):
         executor.collective_rpc("determine_available_memory")
     # Every actor is dead in Ray's view, its process gone, and the placement group removed.

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
@@ -15,6 +16,21 @@ import httpx2 as httpx
 STARTUP_TIMEOUT_S = 180.0
 API_KEY = "sk-test-key"
 MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def health(server: RunningServer) -> int:
+    """/health's status code, or 0 once the server no longer answers."""
+    try:
+        return httpx.get(server.base_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
 
 
 def free_port() -> int:

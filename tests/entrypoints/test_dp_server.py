@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import re
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer
+from server_utils import RunningServer, health, wait_until
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.dp_router import ROUTING_ENV
@@ -69,20 +67,6 @@ def complete(server: RunningServer, prompt: list[int], max_tokens: int = MAX_TOK
     response = server.post("/v1/completions", body)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def health(server: RunningServer) -> int:
-    try:
-        return server.get("/health").status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def core_processes(server: RunningServer) -> list[psutil.Process]:

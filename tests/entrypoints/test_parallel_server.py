@@ -14,7 +14,7 @@ import time
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer
+from server_utils import RunningServer, health
 
 from pagedllm import LLM, SamplingParams
 
@@ -39,13 +39,6 @@ def spawned_children(process: psutil.Process) -> list[psutil.Process]:
     oldest first."""
     children = [c for c in process.children() if "spawn_main" in " ".join(c.cmdline())]
     return sorted(children, key=lambda c: (c.create_time(), c.pid))
-
-
-def health(server: RunningServer) -> int:
-    try:
-        return httpx.get(server.base_url + "/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0  # gone
 
 
 def stream_completion(server: RunningServer, events: list, started: threading.Event) -> None:

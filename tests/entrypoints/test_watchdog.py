@@ -10,34 +10,18 @@ import os
 import signal
 import subprocess
 import threading
-import time
-from collections.abc import Callable
 from functools import partial
 
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer
+from server_utils import RunningServer, health, wait_until
 
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 
 WAIT_S = 120.0  # bound on anything a test waits for (the machine may be busy)
 # Small enough to see a freeze quickly, large enough that a busy machine's step is no stall.
 ITERATION_TIMEOUT = ["--engine-iteration-timeout", "2"]
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def health(server: RunningServer) -> int:
-    try:
-        return server.get("/health").status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def core_process(server: RunningServer) -> psutil.Process:
