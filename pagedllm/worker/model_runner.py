@@ -183,11 +183,7 @@ class ModelRunner:
         return model.eval()
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        model_config, cache_config = self.config.model_config, self.config.cache_config
-        # This rank's KV heads (replicated when there are fewer than ranks), for the layers
-        # of this rank's pipeline stage.
-        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
-        shape = (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
+        shape, cache_config = self._kv_cache_shape(num_blocks), self.config.cache_config
         return [
             (
                 self._zeros(shape, cache_config.cache_dtype),
@@ -195,6 +191,14 @@ class ModelRunner:
             )
             for _ in self.layers
         ]
+
+    def _kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) pool on this rank: its KV heads (a share, or one replicated
+        head when there are more ranks than KV heads). The pool holds one such pair per layer
+        of this rank's pipeline stage."""
+        model_config = self.config.model_config
+        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
+        return (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
 
     def _start_prefault(self) -> KVCachePrefaulter | None:
         if self.device.type != "cpu" or not prefault_enabled():
@@ -321,10 +325,7 @@ class ModelRunner:
             )
 
     def _kv_shape_problems(self, num_blocks: int) -> list[str]:
-        model_config = self.config.model_config
-        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
-        shape = (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
-        dtype = self.config.cache_config.cache_dtype
+        shape, dtype = self._kv_cache_shape(num_blocks), self.config.cache_config.cache_dtype
         if len(self.kv_caches) != len(self.layers):
             return [
                 f"{len(self.kv_caches)} layers of KV cache for the {len(self.layers)} "
