@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import socket
 import statistics
 import time
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pagedllm.utils import free_port
 
 
 def _rank(rank: int, world_size: int, port: int, args, results) -> None:
@@ -73,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, args, results)) for r in range(2)]
     for proc in procs:
         proc.start()

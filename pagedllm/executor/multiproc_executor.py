@@ -26,7 +26,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import socket
 import threading
 import time
 import weakref
@@ -37,6 +36,7 @@ from typing import Any
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.shm_broadcast import DEFAULT_CHANNEL, Broadcast, create_broadcast
 from pagedllm.executor.abstract import Executor
+from pagedllm.utils import free_port
 from pagedllm.worker.worker_proc import READY, WorkerFailure, WorkerSpec, worker_main
 
 logger = logging.getLogger("pagedllm")
@@ -58,12 +58,6 @@ def rpc_timeout_s() -> float:
     if not value > 0:
         raise ValueError(f"{RPC_TIMEOUT_ENV} must be a positive number of seconds")
     return value
-
-
-def free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class FutureReply:
@@ -112,7 +106,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(
             self, _stop_workers, self._processes, self._broadcast, self._alive_writers
         )
-        init_method = f"tcp://127.0.0.1:{free_local_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         in_main_thread = threading.current_thread() is threading.main_thread()
         for rank in range(self.world_size):
             spec = WorkerSpec(

@@ -18,8 +18,9 @@ import dataclasses
 import importlib
 import logging
 import os
-import socket
 from typing import Any
+
+from pagedllm.utils import free_port
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,9 +49,7 @@ class RayWorkerWrapper:
         )
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+        return free_port("")  # on this actor's host, where rank 0 hosts the world
 
     def init_worker(self, distributed_init_method: str, ranks_on_host: int) -> int | None:
         """Build and start this rank's `Worker`; the threads it runs (None off the CPU)."""

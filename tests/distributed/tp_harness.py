@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -24,12 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm.ops.attention import AttentionLayout
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pagedllm.utils import free_port
 
 
 def _entry(target, rank, world_size, port, results, timeout_s, env, args) -> None:
