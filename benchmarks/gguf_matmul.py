@@ -54,7 +54,7 @@ def time_layer(ops, layers, packed_fp32, rows: int, args: argparse.Namespace) ->
 
     def gguf_layer():
         for (n, k), ((packed, scales, mins), _) in zip(SHAPES, layers, strict=True):
-            ops.gguf_linear(outputs[n], inputs[k], packed, scales, mins, 4, args.digits, True)
+            ops.gguf_linear(outputs[n], inputs[k], packed, scales, mins, 4, args.digits, 2)
 
     def fp32_layer():
         for (_, k), packed in zip(SHAPES, packed_fp32, strict=True):

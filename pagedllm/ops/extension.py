@@ -34,7 +34,7 @@ _SOURCES = [
 ]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by
 # machines of different generations. AVX2 + FMA + F16C is the baseline; gguf_linear.cpp's
-# AVX-512 VNNI functions carry their own target attribute and run only where the CPU has it.
+# AVX-512 VNNI code is compiled under its own target pragma and runs only where the CPU has it.
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 _extension: Any = None  # torch.ops.pagedllm once loaded
@@ -140,6 +140,7 @@ _TENSOR_OPS = (
     "sample_plain",
     "skinny_linear",
     "gguf_linear",
+    "gguf_linear_k",
 )
 
 

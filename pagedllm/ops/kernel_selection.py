@@ -9,7 +9,9 @@ keeps its torch reference, which runs wherever the selection says no: other devi
 not only CUDA), CPUs without AVX2, non-fp32 models for the fused ops, and
 `attention_backend="torch"`, which asks for the torch references throughout.
 
-AVX-512 VNNI is not part of the decision: the GGUF kernel picks its VNNI path at run time.
+The GGUF kernel's path (AVX-512 VNNI, AVX2, portable) is not part of this decision: each
+`GGUFLinear` takes the widest one `cpu_features` allows. The features are logged once, with
+the first selection.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_attention import kernel_covers
-from pagedllm.ops.cpu_features import kernel_isa_missing
+from pagedllm.ops.cpu_features import describe_cpu, kernel_isa_missing
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class KernelSelection:
 TORCH_KERNELS = KernelSelection(attention="torch", fused_ops=False, sampler_draw=False)
 
 _unavailable_logged = False
+_features_logged = False
 
 
 def select_kernels(
@@ -73,6 +76,7 @@ def select_kernels(
     check_attention_backend(attention_backend)
     if attention_backend == "torch" or torch.device(device).type != "cpu":
         return TORCH_KERNELS
+    _log_features()
     unavailable = kernel_isa_missing() or _extension_error()
     if unavailable is not None:
         _log_unavailable(unavailable)
@@ -90,6 +94,13 @@ def _extension_error() -> str | None:
     except RuntimeError as error:
         return str(error)
     return None
+
+
+def _log_features() -> None:
+    global _features_logged
+    if not _features_logged:
+        logger.info("%s", describe_cpu())
+        _features_logged = True
 
 
 def _log_unavailable(reason: str) -> None:

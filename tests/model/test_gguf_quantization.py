@@ -1,6 +1,7 @@
-"""`quantization="gguf"`: GGUF blocks read as the file stores them, the block kernel against a
-float reference (VNNI and portable paths bit for bit), which layers it replaces, greedy
-output against the fp32 engine on a tiny GGUF Llama, and refused settings."""
+"""`quantization="gguf"`: GGUF blocks read as the file stores them (K-quants included), the
+block kernel against a float reference (VNNI, AVX2 and portable paths bit for bit), which
+layers it replaces, greedy output against the fp32 engine on a tiny GGUF Llama, and refused
+settings."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ from model_utils import compare_to_reference_engine, greedy_with_logprobs, model
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.model.layers.gguf_linear import GGUFLinear, GGUFMergedLinear, unpack_blocks
+from pagedllm.model.layers.gguf_linear import (
+    GGUFLinear,
+    GGUFMergedLinear,
+    unpack_blocks,
+    unpack_k_blocks,
+)
 from pagedllm.model.layers.linear import Linear
+from pagedllm.ops.cpu_features import gguf_kernel_isa
 
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# Offsets of the fp16 super-block scales in a K-quant block: d (and dmin).
+K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# Every kernel path this CPU can run: 0 portable, 1 AVX2, 2 AVX-512 VNNI.
+PATHS = list(range(gguf_kernel_isa() + 1))
 NUM_PROMPTS, MAX_TOKENS = 12, 24
 # Largest top-2 logprob gap at which the quantized engine may pick the other token. Two int8
 # digits per activation (~15 bits) moved the tiny model's logprobs by 1.2e-5 at most (measured);
@@ -33,6 +45,25 @@ def _raw(rows: int, cols: int, qtype: Q, seed: int = 0) -> tuple[np.ndarray, tor
     weight[3] *= 30  # one loud row: its blocks' scales must not leak into the others
     raw = gguf.quants.quantize(weight, qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols))
+
+
+def _raw_k(rows: int, cols: int, qtype: Q, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random K-quant blocks (gguf cannot quantize to K-quants): random bytes with sensible
+    fp16 super-block scales. (raw [rows, bytes], dequantized fp32)."""
+    block_bytes, blocks = gguf.constants.GGML_QUANT_SIZES[qtype][1], cols // 256
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    for offset in K_SCALE_OFFSETS[qtype]:
+        scale = rng.uniform(1e-3, 3e-3, (rows, blocks)).astype(np.float16)
+        scale[3] *= 30  # one loud row
+        raw[:, :, offset : offset + 2] = scale.view(np.uint8).reshape(rows, blocks, 2)
+    raw = raw.reshape(rows, -1)
+    weight = gguf.quants.dequantize(raw, qtype).reshape(rows, cols)
+    return raw, torch.from_numpy(weight.astype(np.float32))
+
+
+def _any_raw(rows: int, cols: int, qtype: Q) -> tuple[np.ndarray, torch.Tensor]:
+    return _raw_k(rows, cols, qtype) if qtype in K_TYPES else _raw(rows, cols, qtype)
 
 
 def _activations(rows: int, cols: int) -> torch.Tensor:
@@ -50,23 +81,60 @@ def test_unpacked_blocks_are_the_dequantized_weights(qtype):
     np.testing.assert_allclose(weights.reshape(12, 96), dequantized.numpy(), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", KERNEL_TYPES)
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_unpacked_k_blocks_are_the_dequantized_weights(qtype):
+    raw, dequantized = _raw_k(12, 512, qtype)
+    k = unpack_k_blocks(raw, qtype)
+    assert k.q.max() < 2 ** {Q.Q4_K: 4, Q.Q5_K: 5, Q.Q6_K: 6}[qtype]
+    width = 512 // k.sub_sc.shape[1]
+    per_sub = lambda t: np.repeat(t, 256 // width, axis=1)[..., None]  # noqa: E731
+    d = per_sub(k.super_d) * k.sub_sc.reshape(12, -1, 1)
+    m = per_sub(k.super_m) * k.sub_mn.reshape(12, -1, 1)
+    weights = k.q.reshape(12, -1, width) * d + m
+    np.testing.assert_allclose(weights.reshape(12, 512), dequantized.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
 @pytest.mark.parametrize("rows", [1, 4, 5, 9])
 def test_kernel_matches_the_float_reference(qtype, rows):
     # 20 output columns: the last tile of 8 is part padding, which must never be written out.
-    raw, weight = _raw(20, 96, qtype)
+    cols = 512 if qtype in K_TYPES else 96
+    raw, weight = _any_raw(20, cols, qtype)
     bias = torch.randn(20)
     layer = GGUFLinear(raw, qtype, bias)
-    x = _activations(rows, 96)
+    x = _activations(rows, cols)
     exact = x.double() @ weight.double().T + bias.double()
     out = layer(x)
     # Two digits: each input moves by at most 1/256 of its block's step (max |x| / 127).
-    steps = x.double().reshape(rows, 3, 32).abs().amax(-1, keepdim=True) / 127
-    bound = (steps / 256).expand(rows, 3, 32).reshape(rows, 96) @ weight.double().abs().T
+    steps = x.double().reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    bound = (steps / 256).expand(rows, -1, 32).reshape(rows, cols) @ weight.double().abs().T
     assert ((out.double() - exact).abs() <= bound + 1e-5 * exact.abs() + 1e-6).all()
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-3
-    layer.allow_vnni = False
-    assert torch.equal(layer(x), out)  # the portable path gives the same bits
+    for path in PATHS:  # every path this CPU has gives the same bits
+        layer.isa = path
+        assert torch.equal(layer(x), out), path
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
+def test_one_digit_paths_agree(qtype):
+    raw, _ = _any_raw(16, 256, qtype)
+    layer = GGUFLinear(raw, qtype, digits=1)
+    x = _activations(6, 256)
+    outputs = []
+    for path in PATHS:
+        layer.isa = path
+        outputs.append(layer(x))
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_k_quant_weights_stay_near_the_file_size(qtype):
+    raw, _ = _raw_k(64, 1024, qtype)
+    layer = GGUFLinear(raw, qtype)
+    assert layer.in_features == 1024 and layer.out_features == 64
+    # The file's bytes plus an int8 scale and min per sub-block and two fp32 per 256 (the
+    # file: 6-bit scales and fp16): at most 6% more.
+    assert raw.nbytes <= layer.weight_bytes() <= 1.06 * raw.nbytes
 
 
 def test_one_digit_is_coarser_than_two():
@@ -98,7 +166,7 @@ def test_in_features_must_be_whole_blocks():
     with pytest.raises(RuntimeError, match="packed weight has"):
         torch.ops.pagedllm.gguf_linear(
             torch.empty(1, 8), torch.randn(1, 96), layer.packed, layer.scales, layer.mins,
-            4, 2, True,
+            4, 2, 2,
         )  # fmt: skip
 
 

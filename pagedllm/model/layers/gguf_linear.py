@@ -1,15 +1,19 @@
 """GGUF-quantized linear layers (`quantization="gguf"`): weights stay in the file's blocks.
 
-Owns reading a Q4_0 / Q4_1 / Q8_0 tensor's raw blocks as (q, d, m) with w = d*q + m,
-packing them into the tile layout of `torch.ops.pagedllm.gguf_linear`
-(`ops/csrc/gguf_linear.cpp`), and `GGUFLinear` / `GGUFMergedLinear`. The weights are used
-exactly as the file stores them (the fp32 engine dequantizes the same blocks), so the only
-approximation is the input: each 32-wide block of an activation row becomes two int8 digits
-with its own scale (~15 bits). That keeps greedy output on fp32's tokens where one digit
-does not (benchmarks/int8_accuracy.py), at the price of two integer dot products per block.
+Owns reading a tensor's raw GGUF blocks as integers and scales — Q4_0 / Q4_1 / Q8_0 as
+(q, d, m) with w = d*q + m per 32; Q4_K / Q5_K / Q6_K as q with an int8 scale and min per
+sub-block under a float per super-block of 256 — packing them into the tile layout of
+`torch.ops.pagedllm.gguf_linear` / `gguf_linear_k` (`ops/csrc/gguf_linear.cpp`), and
+`GGUFLinear` / `GGUFMergedLinear`. The weights are used exactly as the file stores them (the
+fp32 engine dequantizes the same blocks), so the only approximation is the input: each
+32-wide block of an activation row becomes two int8 digits with its own scale (~15 bits).
+That keeps greedy output on fp32's tokens where one digit does not
+(benchmarks/int8_accuracy.py), at the price of two integer dot products per block.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,23 +21,41 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.ops.cpu_features import gguf_kernel_isa
 from pagedllm.ops.extension import load
 from pagedllm.utils import round_up
 
 BLOCK = 32
+SUPER_BLOCK = 256
 TILE_COLS = 8
-# GGUF type -> (bytes per 32-weight block, bits the kernel stores per weight).
-KERNEL_TYPES: dict[GGMLQuantizationType, tuple[int, int]] = {
-    GGMLQuantizationType.Q4_0: (18, 4),
-    GGMLQuantizationType.Q4_1: (20, 4),
-    GGMLQuantizationType.Q8_0: (34, 8),
+_T = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class KernelType:
+    """How the kernel holds one GGUF type."""
+
+    block_bytes: int  # the file's bytes per block
+    block_weights: int  # weights per block in the file: 32, or 256 for K-quants
+    bits: int  # bits of q the kernel keeps per weight
+    kquant: bool  # integer scales per sub-block under a float per super-block
+    sub_block: int = BLOCK  # weights per scale
+
+
+KERNEL_TYPES: dict[GGMLQuantizationType, KernelType] = {
+    _T.Q4_0: KernelType(18, 32, 4, False),
+    _T.Q4_1: KernelType(20, 32, 4, False),
+    _T.Q8_0: KernelType(34, 32, 8, False),
+    _T.Q4_K: KernelType(144, 256, 4, True),
+    _T.Q5_K: KernelType(176, 256, 5, True),
+    _T.Q6_K: KernelType(210, 256, 6, True, sub_block=16),
 }
 # Two int8 digits per activation; 1 is one digit (faster, and far from fp32's tokens).
 DEFAULT_DIGITS = 2
 
 
-def _fp16(raw: np.ndarray, offset: int) -> np.ndarray:
-    return raw[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
+    return blocks[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -41,52 +63,169 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
+def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
+    """A raw [N, row bytes] tensor as [N, blocks, block bytes]."""
+    if ggml_type not in KERNEL_TYPES:
+        raise ValueError(f"GGUF type {ggml_type.name} has no quantized kernel")
+    block_bytes = KERNEL_TYPES[ggml_type].block_bytes
+    rows, row_bytes = raw.shape
+    if row_bytes % block_bytes:
+        raise ValueError(f"a {ggml_type.name} row of {row_bytes} bytes is not whole blocks")
+    return raw.reshape(rows, row_bytes // block_bytes, block_bytes)
+
+
 def unpack_blocks(
     raw: np.ndarray, ggml_type: GGMLQuantizationType
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32]) of a raw [N, row bytes]
-    tensor, with every weight equal to d*q + m of its block."""
-    if ggml_type not in KERNEL_TYPES:
-        raise ValueError(f"GGUF type {ggml_type.name} has no quantized kernel")
-    block_bytes, _ = KERNEL_TYPES[ggml_type]
-    rows, row_bytes = raw.shape
-    if row_bytes % block_bytes:
-        raise ValueError(f"a {ggml_type.name} row of {row_bytes} bytes is not whole blocks")
-    blocks = raw.reshape(rows, row_bytes // block_bytes, block_bytes)
+    Q4_0 / Q4_1 / Q8_0 tensor, with every weight equal to d*q + m of its block."""
+    blocks = _blocks(raw, ggml_type)
+    if KERNEL_TYPES[ggml_type].kquant:
+        raise ValueError(f"{ggml_type.name} has scales per super-block: use unpack_k_blocks")
     d = _fp16(blocks, 0)
-    if ggml_type == GGMLQuantizationType.Q8_0:
+    if ggml_type == _T.Q8_0:
         # Stored signed; the kernel multiplies unsigned weights, so q + 128 and m = -128 d.
         q = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         m = -128.0 * d
-    elif ggml_type == GGMLQuantizationType.Q4_1:
+    elif ggml_type == _T.Q4_1:
         q, m = _nibbles(blocks[:, :, 4:]), _fp16(blocks, 2)
     else:  # Q4_0: w = d * (q - 8)
         q, m = _nibbles(blocks[:, :, 2:]), -8.0 * d
-    return q.reshape(rows, -1), d, m.astype(np.float32)
+    return q.reshape(blocks.shape[0], -1), d, m.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class KBlocks:
+    """A K-quant tensor as integers: weight [n, i] = super_d * sc * q + super_m * mn, with
+    super_d / super_m of its super-block of 256 and sc / mn of its sub-block."""
+
+    q: np.ndarray  # uint8 [N, K], below 2^bits
+    super_d: np.ndarray  # float32 [N, K/256]
+    super_m: np.ndarray  # float32 [N, K/256]
+    sub_sc: np.ndarray  # int8 [N, K/sub_block]
+    sub_mn: np.ndarray  # int8 [N, K/sub_block]; Q6_K: the same array as sub_sc
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit scales and mins (llama.cpp's get_scale_min_k4)."""
+    low, high = packed[..., :4], packed[..., 8:]
+    sc = np.concatenate([low & 63, (high & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mid = packed[..., 4:8]
+    mn = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc.astype(np.int8), mn.astype(np.int8)
+
+
+def _q4k_values(qs: np.ndarray) -> np.ndarray:
+    """128 bytes -> 256 values: chunk c of 32 bytes holds sub-block 2c (low nibbles) and
+    2c + 1 (high nibbles)."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([chunks & 0x0F, chunks >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _q6k_values(ql: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q6_K's 128 low and 64 high bytes -> 256 values in 0..63: per half of 128, four runs
+    of 32 from the low nibbles of ql[0:32], ql[32:64], then their high nibbles, each with
+    2 high bits from qh at shifts 0, 2, 4, 6."""
+    lead = ql.shape[:-1]
+    low = ql.reshape(*lead, 2, 2, 32)  # half, which 32 of the 64 bytes, l
+    nibbles = np.stack([low & 0x0F, low >> 4], axis=-3)  # half, nibble, byte run, l
+    nibbles = nibbles.reshape(*lead, 2, 4, 32)
+    high = qh.reshape(*lead, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    return (nibbles | ((high & 3) << 4)).reshape(*lead, 256)
+
+
+def unpack_k_blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> KBlocks:
+    """The integers and scales of a raw [N, row bytes] Q4_K / Q5_K / Q6_K tensor."""
+    blocks = _blocks(raw, ggml_type)
+    rows = blocks.shape[0]
+    if ggml_type == _T.Q6_K:
+        d = _fp16(blocks, 208)
+        q = _q6k_values(blocks[:, :, :128], blocks[:, :, 128:192])
+        sc = blocks[:, :, 192:208].copy().view(np.int8).reshape(rows, -1)
+        return KBlocks(q.reshape(rows, -1), d, -32.0 * d, sc, sc)
+    if ggml_type not in (_T.Q4_K, _T.Q5_K):
+        raise ValueError(f"{ggml_type.name} is not a K-quant: use unpack_blocks")
+    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
+    sc, mn = _k_scales(blocks[:, :, 4:16])
+    if ggml_type == _T.Q4_K:
+        q = _q4k_values(blocks[:, :, 16:144])
+    else:  # Q5_K: sub-block j's high bits are bit j of qh[l]
+        qh = blocks[:, :, 16:48].reshape(rows, -1, 1, 32)
+        high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        q = _q4k_values(blocks[:, :, 48:176]) | (high.reshape(rows, -1, 256) << 4)
+    return KBlocks(q.reshape(rows, -1), d, -dmin, sc.reshape(rows, -1), mn.reshape(rows, -1))
+
+
+def _pad_rows(values: torch.Tensor, padded: int) -> torch.Tensor:
+    """Zero rows up to `padded` (zero columns of the output, never written out)."""
+    if values.shape[0] == padded:
+        return values
+    return torch.cat([values, values.new_zeros(padded - values.shape[0], *values.shape[1:])])
+
+
+def pack_q(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The kernel's layout of q [N, K]: columns in tiles of 8; per tile and block, groups of
+    4 consecutive k for the tile's 8 columns. 4-, 5- and 6-bit: two groups' low nibbles a
+    byte (g and g + 4), then 32 bytes of bit g of group g's (5-bit) or two planes of 2 bits
+    (6-bit: plane v, bits 2s..2s+1 of group 4v + s); 8-bit: one byte a weight."""
+    q = _pad_rows(q, round_up(q.shape[0], TILE_COLS))
+    tiles, blocks = q.shape[0] // TILE_COLS, q.shape[1] // BLOCK
+    # [tile, col, block, group, 4] -> [tile, block, group, col * 4]
+    grouped = q.reshape(tiles, TILE_COLS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(tiles, blocks, 8, 32)
+    if bits == 8:
+        return grouped.contiguous().reshape(-1)
+    low = grouped & 0x0F
+    planes = [low[:, :, :4] | (low[:, :, 4:] << 4)]
+    high = grouped >> 4
+    if bits == 5:
+        plane = torch.zeros_like(high[:, :, 0])
+        for g in range(8):
+            plane |= (high[:, :, g] & 1) << g
+        planes.append(plane[:, :, None])
+    elif bits == 6:
+        for v in range(2):
+            plane = torch.zeros_like(high[:, :, 0])
+            for s in range(4):
+                plane |= (high[:, :, 4 * v + s] & 3) << (2 * s)
+            planes.append(plane[:, :, None])
+    return torch.cat(planes, dim=2).contiguous().reshape(-1)
+
+
+def per_tile(values: torch.Tensor) -> torch.Tensor:
+    """[N, n] per-row values -> [tiles, n, 8]: each tile's 8 columns side by side."""
+    values = _pad_rows(values, round_up(values.shape[0], TILE_COLS))
+    tiles = values.shape[0] // TILE_COLS
+    return values.reshape(tiles, TILE_COLS, -1).permute(0, 2, 1).contiguous()
 
 
 def pack_weights(
     q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's layout: columns in tiles of 8; per tile and block, groups of 4
-    consecutive k for the tile's 8 columns (two groups per byte when 4-bit)."""
-    rows, k = q.shape
-    padded = round_up(rows, TILE_COLS)
-    if padded != rows:  # zero columns, never written out
-        q = torch.cat([q, q.new_zeros(padded - rows, k)])
-        d = torch.cat([d, d.new_zeros(padded - rows, d.shape[1])])
-        m = torch.cat([m, m.new_zeros(padded - rows, m.shape[1])])
-    tiles, blocks = padded // TILE_COLS, k // BLOCK
-    # [tile, col, block, group, 4] -> [tile, block, group, col, 4]
-    grouped = q.reshape(tiles, TILE_COLS, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 4:
-        grouped = grouped[:, :, :4] | (grouped[:, :, 4:] << 4)
-    packed = grouped.contiguous().reshape(-1)
+    """Q4_0 / Q4_1 / Q8_0 in the kernel's layout: (packed q, d and m per tile)."""
+    return pack_q(q, bits), per_tile(d.float()), per_tile(m.float())
 
-    def per_tile(values: torch.Tensor) -> torch.Tensor:
-        return values.reshape(tiles, TILE_COLS, blocks).permute(0, 2, 1).contiguous()
 
-    return packed, per_tile(d.float()), per_tile(m.float())
+def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, torch.Tensor]:
+    """The tensors the kernel reads for one raw GGUF weight, by buffer name."""
+    kind = KERNEL_TYPES.get(ggml_type)
+    if kind is not None and kind.kquant:
+        k = unpack_k_blocks(raw, ggml_type)
+        tables = {
+            "super_d": per_tile(torch.from_numpy(k.super_d)),
+            "super_m": per_tile(torch.from_numpy(k.super_m.astype(np.float32))),
+            "sub_sc": per_tile(torch.from_numpy(k.sub_sc)),
+        }
+        # Q6_K's min is its scale (m = -32 d sc): one table serves both.
+        tables["sub_mn"] = (
+            tables["sub_sc"] if k.sub_mn is k.sub_sc else per_tile(torch.from_numpy(k.sub_mn))
+        )
+        return {"packed": pack_q(torch.from_numpy(k.q), kind.bits), **tables}
+    q, d, m = unpack_blocks(raw, ggml_type)
+    packed, scales, mins = pack_weights(
+        torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), KERNEL_TYPES[ggml_type].bits
+    )
+    return {"packed": packed, "scales": scales, "mins": mins}
 
 
 class GGUFLinear(nn.Module):
@@ -100,19 +239,21 @@ class GGUFLinear(nn.Module):
         digits: int = DEFAULT_DIGITS,
     ) -> None:
         super().__init__()
-        q, d, m = unpack_blocks(raw, ggml_type)
-        self.out_features, self.in_features = q.shape
+        if ggml_type not in KERNEL_TYPES:
+            raise ValueError(f"GGUF type {ggml_type.name} has no quantized kernel")
+        kind = KERNEL_TYPES[ggml_type]
+        self.out_features = raw.shape[0]
+        self.in_features = raw.shape[1] // kind.block_bytes * kind.block_weights
         self.ggml_type = ggml_type
-        self.bits = KERNEL_TYPES[ggml_type][1]
+        self.bits = kind.bits
+        self.kquant = kind.kquant
         self.digits = digits
-        self.allow_vnni = True  # tests turn it off to check the portable path
+        # The widest kernel path allowed (0 portable, 1 AVX2, 2 AVX-512 VNNI); the kernel
+        # lowers it to what the CPU has. Tests lower it to check the other paths' bits.
+        self.isa = gguf_kernel_isa()
         self._ops = load()
-        packed, scales, mins = pack_weights(
-            torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), self.bits
-        )
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        for name, tensor in pack_gguf(raw, ggml_type).items():
+            self.register_buffer(name, tensor)
         bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.register_buffer("bias", bias)
 
@@ -120,15 +261,23 @@ class GGUFLinear(nn.Module):
         leading = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        self._ops.gguf_linear(
-            out, x2, self.packed, self.scales, self.mins, self.bits, self.digits, self.allow_vnni
-        )
+        if self.kquant:
+            self._ops.gguf_linear_k(
+                out, x2, self.packed, self.super_d, self.super_m, self.sub_sc, self.sub_mn,
+                self.bits, self.digits, self.isa,
+            )  # fmt: skip
+        else:
+            self._ops.gguf_linear(
+                out, x2, self.packed, self.scales, self.mins, self.bits, self.digits, self.isa
+            )
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*leading, self.out_features)
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+        """Bytes of the kernel's tables (a table shared by two names counted once)."""
+        tensors = {t.data_ptr(): t for name, t in self.named_buffers() if name != "bias"}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def extra_repr(self) -> str:
         return (
