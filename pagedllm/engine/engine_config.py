@@ -21,6 +21,7 @@ from pagedllm.config import (
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
+from pagedllm.ops.cpu_features import cpu_features
 from pagedllm.parallel_config import (
     ParallelConfig,
     num_kv_heads_per_rank,
@@ -95,6 +96,40 @@ def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource,
     return source, tokenizer, build_engine_config(args, source.path, hf_config, tokenizer, log)
 
 
+def checkpoint_dtype(hf_config: Any, is_gguf: bool) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in (a GGUF file's are dequantized to
+    float32); float32 where the config does not say."""
+    if is_gguf:
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def model_dtype(args: EngineArgs, hf_config: Any, is_gguf: bool, log: bool = True) -> torch.dtype:
+    """`dtype`, with "auto" resolved by vLLM's rule: the checkpoint's dtype, except that on
+    the CPU bfloat16 is kept only where the CPU has bf16 arithmetic (AVX512-BF16 or AMX;
+    elsewhere every bf16 product is converted to fp32 and runs slower than fp32 itself) and
+    float16, which the CPU kernels do not take, becomes float32 (exact: every fp16 value is
+    an fp32 value). Quantized models compute in float32."""
+    if args.dtype != "auto":
+        return resolve_dtype(args.dtype)
+    stored = checkpoint_dtype(hf_config, is_gguf)
+    if args.quantization is not None or stored == torch.float32:
+        return torch.float32
+    on_cpu = torch.device(args.device).type == "cpu"
+    if stored == torch.bfloat16 and (not on_cpu or cpu_features().bf16_arithmetic):
+        chosen, why = torch.bfloat16, "the checkpoint's dtype"
+    elif stored == torch.bfloat16:
+        chosen, why = torch.float32, "this CPU has no bf16 arithmetic (AVX512-BF16 or AMX)"
+    else:
+        chosen, why = torch.float32, f"the kernels take float32 or bfloat16, not {stored}"
+    if log:
+        logger.info("dtype=auto: %s for a %s checkpoint (%s)", chosen, stored, why)
+    return chosen
+
+
 def build_engine_config(
     args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any, log: bool = True
 ):
@@ -104,7 +139,7 @@ def build_engine_config(
     model_config = ModelConfig(
         model=source_path,
         hf_config=hf_config,
-        dtype=resolve_dtype(args.dtype),
+        dtype=model_dtype(args, hf_config, source_path.endswith(".gguf"), log),
         max_model_len=derive_max_model_len(hf_config, args.max_model_len),
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         seed=args.seed,

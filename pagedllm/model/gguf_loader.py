@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
+from pagedllm.model.gguf_tensors import GGUFTensor, read_gguf_tensors
 from pagedllm.utils import cache_root
 
 __all__ = ["iter_gguf_weights", "load_gguf_config", "load_gguf_tokenizer"]
@@ -107,6 +108,12 @@ def _open_gguf(path: str) -> GGUFReader:
     return _open_gguf_cached(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
 
 
+def release_gguf_readers() -> None:
+    """Forget the parsed files: once the weights are loaded, nothing should keep a file
+    mapped (its touched pages would count in the process's resident size)."""
+    _open_gguf_cached.cache_clear()
+
+
 @functools.lru_cache(maxsize=2)
 def _open_gguf_cached(path: str, mtime_ns: int, size: int) -> GGUFReader:
     # Parsing walks every tokenizer string (~3.5 s for a 49k vocabulary); config,
@@ -165,7 +172,7 @@ def _model_type(reader: GGUFReader, arch: str, path: str) -> tuple[str, str]:
     return _ARCHITECTURES[arch]
 
 
-def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+def _hf_shape(tensor: ReaderTensor | GGUFTensor) -> tuple[int, ...]:
     # GGUF lists dimensions fastest-varying first, i.e. reversed from torch.
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
@@ -413,7 +420,7 @@ def _hf_name(gguf_name: str, path: str) -> str | None:
     raise ValueError(f"{path}: unknown GGUF tensor name {gguf_name!r}")
 
 
-def _dequantize(tensor: ReaderTensor, path: str) -> torch.Tensor:
+def _dequantize(tensor: ReaderTensor | GGUFTensor, path: str) -> torch.Tensor:
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise ValueError(
             f"{path}: tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}"
@@ -438,10 +445,10 @@ def _unpermute(weight: torch.Tensor, n_head: int, name: str) -> torch.Tensor:
     return split.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _plan(reader: GGUFReader, path: str) -> list[tuple[ReaderTensor, str]]:
+def _plan(tensors: list[GGUFTensor], path: str) -> list[tuple[GGUFTensor, str]]:
     """Map and type-check every tensor before any is dequantized."""
     plan = []
-    for tensor in reader.tensors:
+    for tensor in tensors:
         hf_name = _hf_name(tensor.name, path)
         if hf_name is None:
             continue
@@ -454,7 +461,7 @@ def _plan(reader: GGUFReader, path: str) -> list[tuple[ReaderTensor, str]]:
 
 
 def iter_gguf_weights(
-    path: str, config: PreTrainedConfig | None = None
+    path: str, config: PreTrainedConfig | None = None, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every parameter stored in GGUF file ``path``.
 
@@ -464,28 +471,31 @@ def iter_gguf_weights(
     ``config.num_key_value_heads``. ``config`` defaults to ``load_gguf_config(path)``.
     ``lm_head.weight`` is only yielded when the file stores it (untied models).
     The file is validated (format, tensor names, tensor types) before this returns.
+    Tensors named in ``skip`` (layers that keep the file's blocks) are neither dequantized
+    nor yielded.
     """
     cache_dir = _cache_dir(path, "gguf-weights", _WEIGHTS_CACHE_VERSION)
     cached = os.path.join(cache_dir, "model.safetensors")
     if os.path.isfile(cached):
-        return _stream_cached(cached)
-    reader = _open_gguf(path)
-    plan = _plan(reader, path)
+        return _stream_cached(cached, skip)
+    tensors, metadata = read_gguf_tensors(path)
+    plan = [(tensor, name) for tensor, name in _plan(tensors, path) if name not in skip]
     heads: dict[str, int] = {}
     if config is None:
-        config = _config_from_reader(reader, path)
-    if _get(reader, "general.architecture") in _PERMUTED_ARCHITECTURES:
+        config = load_gguf_config(path)
+    if metadata.get("general.architecture") in _PERMUTED_ARCHITECTURES:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     weights = _stream(plan, heads, path)
-    if os.path.getsize(path) < _MIN_WEIGHTS_CACHE_BYTES:
+    if skip or os.path.getsize(path) < _MIN_WEIGHTS_CACHE_BYTES:  # the cache holds all
         return weights
     return _stream_and_cache(weights, cache_dir)
 
 
-def _stream_cached(cached: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream_cached(cached: str, skip: frozenset[str]) -> Iterator[tuple[str, torch.Tensor]]:
     with safe_open(cached, framework="pt") as checkpoint:
         for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-            yield name, checkpoint.get_tensor(name)
+            if name not in skip:
+                yield name, checkpoint.get_tensor(name)
 
 
 def _stream_and_cache(
@@ -506,7 +516,7 @@ def _stream_and_cache(
 
 
 def _stream(
-    plan: list[tuple[ReaderTensor, str]], heads: dict[str, int], path: str
+    plan: list[tuple[GGUFTensor, str]], heads: dict[str, int], path: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor, hf_name in plan:
         weight = _dequantize(tensor, path)
@@ -522,11 +532,11 @@ def iter_gguf_raw_weights(
     """Yield ``(hf_name, type, raw rows)`` for every 2-D weight of GGUF file ``path``, its
     blocks left as stored: a uint8 array [rows, bytes per row] (q/k rows un-permuted like
     `iter_gguf_weights`), for layers that compute on the blocks themselves."""
-    reader = _open_gguf(path)
+    tensors, metadata = read_gguf_tensors(path)
     heads: dict[str, int] = {}
-    if _get(reader, "general.architecture") in _PERMUTED_ARCHITECTURES:
+    if metadata.get("general.architecture") in _PERMUTED_ARCHITECTURES:
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    for tensor, hf_name in _plan(reader, path):
+    for tensor, hf_name in _plan(tensors, path):
         if not hf_name.endswith(".weight") or len(tensor.shape) != 2:
             continue
         raw = np.asarray(tensor.data)

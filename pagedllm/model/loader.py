@@ -110,14 +110,15 @@ class CheckpointSlice:
 
 
 def iter_weights(
-    source: ModelSource, hf_config: Any, lazy: bool = False
+    source: ModelSource, hf_config: Any, lazy: bool = False, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     """(HF name, tensor) pairs; with `lazy`, safetensors tensors come as `CheckpointSlice`s
-    (GGUF tensors are dequantized whole, one at a time, either way)."""
+    (GGUF tensors are dequantized whole, one at a time, either way). GGUF tensors named in
+    `skip` (held by layers on the file's blocks) are not read."""
     if source.is_gguf:
         from pagedllm.model.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(source.path, hf_config)
+        yield from iter_gguf_weights(source.path, hf_config, skip)
         return
     yield from _iter_safetensors(source.path, lazy)
 
@@ -150,13 +151,15 @@ def load_weights(
     load_format: str = "auto",
     seed: int = 0,
     lazy: bool = False,
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Fill `model` from the checkpoint ("auto"), or with random values ("dummy": no file is
-    read). `lazy`: read safetensors through `CheckpointSlice`s (tensor-parallel ranks)."""
+    read). `lazy`: read safetensors through `CheckpointSlice`s (tensor-parallel ranks);
+    `skip`: GGUF tensors already held by layers on the file's blocks."""
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
     elif load_format == "auto":
-        model.load_weights(iter_weights(source, hf_config, lazy=lazy))
+        model.load_weights(iter_weights(source, hf_config, lazy=lazy, skip=skip))
     else:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
 

@@ -30,7 +30,13 @@ _EXTENSION_NAME = "pagedllm_cpu_ops"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("paged_attention.cpp", "cpu_ops.cpp", "skinny_linear.cpp", "gguf_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "cpu_ops.cpp",
+        "skinny_linear.cpp",
+        "gguf_linear.cpp",
+        "gguf_pack.cpp",
+    )
 ]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by
 # machines of different generations. AVX2 + FMA + F16C is the baseline; gguf_linear.cpp's
@@ -141,6 +147,7 @@ _TENSOR_OPS = (
     "skinny_linear",
     "gguf_linear",
     "gguf_linear_k",
+    "gguf_pack",
 )
 
 

@@ -40,6 +40,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
+from pagedllm.model.gguf_loader import release_gguf_readers
+from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, load_weights
@@ -55,7 +57,7 @@ from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
-from pagedllm.worker.huge_pages import place_weights_on_huge_pages
+from pagedllm.worker.huge_pages import place_weights_on_huge_pages, release_free_heap
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
 
@@ -163,6 +165,9 @@ class ModelRunner:
                 model_config.max_model_len,
                 kernels=self.kernels,
             )
+        quantization = model_config.quantization
+        # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
+        on_blocks = keep_gguf_blocks(model, source.path) if quantization == "gguf" else set()
         load_weights(
             model,
             source,
@@ -171,15 +176,16 @@ class ModelRunner:
             seed=model_config.seed,
             # Tensor-parallel ranks read only their shard of each safetensors tensor.
             lazy=self.config.parallel_config.tensor_parallel_size > 1,
+            skip=frozenset(on_blocks),
         )
-        if model_config.quantization is not None:
-            # int8 quantizes the loaded fp32 weights (one loader serves every format); gguf
-            # replaces them with the file's own blocks.
-            gguf_path = source.path if source.is_gguf else None
-            quantize_model(model, model_config.quantization, gguf_path=gguf_path)
+        if source.is_gguf:
+            release_gguf_readers()
+        if quantization == "int8":
+            quantize_model(model, quantization)
         if self.device.type == "cpu":
             pack_linear_weights(model)
             place_weights_on_huge_pages(model)
+            release_free_heap()  # what loading and the moves above freed, back to the OS
         return model.eval()
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

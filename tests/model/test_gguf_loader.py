@@ -26,6 +26,7 @@ from gguf_writer import (
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+from pagedllm.model.gguf_tensors import read_gguf_tensors
 from pagedllm.model.loader import default_model_path
 
 # --------------------------------------------------------------------------- writing GGUF
@@ -340,6 +341,22 @@ def test_random_bytes_are_not_gguf(tmp_path: Path) -> None:
             load(str(path))
 
 
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_tensor_table_is_gguf_readers(which, tiny_llama) -> None:
+    path = str(tiny_llama[0]) if which == "tiny" else _smollm2_path()
+    reader = gguf.GGUFReader(path)
+    tensors, metadata = read_gguf_tensors(path)
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(tensors, reader.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.shape.tolist() == theirs.shape.tolist()
+        assert ours.data.dtype == theirs.data.dtype and ours.data.shape == theirs.data.shape
+        assert np.array_equal(ours.data, theirs.data)
+    assert metadata["general.architecture"] == "llama"
+    assert metadata["llama.block_count"] == reader.fields["llama.block_count"].parts[-1][0]
+    assert "tokenizer.ggml.tokens" not in metadata  # arrays are skipped, not parsed
+
+
 def test_empty_and_truncated_files_are_not_gguf(tiny_llama, tmp_path: Path) -> None:
     data = tiny_llama[0].read_bytes()
     for length in (0, 3, 4, 12, 40, 200, len(data) // 2, len(data) - 100):
@@ -349,6 +366,8 @@ def test_empty_and_truncated_files_are_not_gguf(tiny_llama, tmp_path: Path) -> N
             load_gguf_config(str(path))
         with pytest.raises(ValueError, match="not a valid GGUF"):
             iter_gguf_weights(str(path))  # raised at call time, before iterating
+        with pytest.raises(ValueError, match="not a valid GGUF"):
+            read_gguf_tensors(str(path))
 
 
 def _single_tensor_file(path: Path, name: str, array: np.ndarray) -> str:

@@ -17,9 +17,13 @@ from model_utils import compare_to_reference_engine, greedy_with_logprobs, model
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
+from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
 from pagedllm.model.layers.gguf_linear import (
+    GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
+    pack_gguf,
+    reference_pack_gguf,
     unpack_blocks,
     unpack_k_blocks,
 )
@@ -92,6 +96,17 @@ def test_unpacked_k_blocks_are_the_dequantized_weights(qtype):
     m = per_sub(k.super_m) * k.sub_mn.reshape(12, -1, 1)
     weights = k.q.reshape(12, -1, width) * d + m
     np.testing.assert_allclose(weights.reshape(12, 512), dequantized.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
+def test_one_pass_packing_equals_the_reference(qtype):
+    raw, _ = _any_raw(21, 512, qtype)  # 21 rows: the last tile is part padding
+    packed, reference = pack_gguf(raw, qtype), reference_pack_gguf(raw, qtype)
+    assert packed.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(packed[name], tensor), name
+    if qtype == Q.Q6_K:
+        assert packed["sub_mn"] is packed["sub_sc"]
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
@@ -215,16 +230,23 @@ def test_kernel_layers_replace_the_linear_layers_they_can(engines):
     model = model_runner(engines[1]).model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
     kept = {n for n, m in model.named_modules() if isinstance(m, Linear)}
-    assert set(layers) == {
+    assert set(layers) >= {
         "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
         "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj",
         "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj", "lm_head",
     }  # fmt: skip
-    # q/k/v of mixed types and the F16 down projection stay fp32.
-    assert kept == {"model.layers.1.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"}
+    # Only the F16 down projection stays fp32.
+    assert kept == {"model.layers.1.mlp.down_proj"}
     assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], GGUFMergedLinear)
+    # q/k/v of mixed types: one kernel layer per run of equal types.
+    qkv = model.get_submodule("model.layers.1.self_attn.qkv_proj")
+    assert isinstance(qkv, GGUFConcatLinear)
+    assert [p.ggml_type for p in qkv.parts] == [Q.Q4_0, Q.Q8_0, Q.Q4_0]
     assert layers["lm_head"].ggml_type == Q.Q8_0
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays fp32
+    # The tied embedding looks its rows up in the head's own blocks.
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, GGUFEmbedding)
+    assert embedding.packed.data_ptr() == layers["lm_head"].packed.data_ptr()
 
 
 def test_greedy_output_is_fp32s_up_to_ties(engines):
@@ -266,3 +288,17 @@ def test_compiled_decode_step_equals_eager(tiny_gguf, engines):
             assert b.logprobs[position][token].logprob == pytest.approx(
                 a.logprobs[position][token].logprob, abs=1e-6
             )
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
+def test_embedding_rows_are_ggufs_dequantized_rows(qtype):
+    # 21 rows: the last tile of 8 is part padding.
+    raw, weight = _any_raw(21, 512, qtype)
+    layer = GGUFLinear(raw, qtype)
+    tables = dict(layer.named_buffers(remove_duplicate=False))
+    tables.pop("bias", None)
+    embedding = GGUFEmbedding(tables, qtype, 21, 512)
+    ids = torch.tensor([[0, 20, 3], [7, 8, 3]])
+    rows = embedding(ids)
+    assert rows.shape == (2, 3, 512)
+    assert torch.equal(rows, weight[ids])  # gguf's own formula, bit for bit

@@ -13,6 +13,7 @@ That keeps greedy output on fp32's tokens where one digit does not
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,8 @@ KERNEL_TYPES: dict[GGMLQuantizationType, KernelType] = {
     _T.Q5_K: KernelType(176, 256, 5, True),
     _T.Q6_K: KernelType(210, 256, 6, True, sub_block=16),
 }
+# Bytes of one block of 32 weights for a tile's 8 columns, by bits kept per weight.
+TILE_BLOCK_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}
 # Two int8 digits per activation; 1 is one digit (faster, and far from fp32's tokens).
 DEFAULT_DIGITS = 2
 
@@ -206,8 +209,11 @@ def pack_weights(
     return pack_q(q, bits), per_tile(d.float()), per_tile(m.float())
 
 
-def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, torch.Tensor]:
-    """The tensors the kernel reads for one raw GGUF weight, by buffer name."""
+def reference_pack_gguf(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType
+) -> dict[str, torch.Tensor]:
+    """`pack_gguf` in numpy and torch, step by step: the reference the C++ pass is tested
+    against (and ~20x slower: ~15 passes over the weights)."""
     kind = KERNEL_TYPES.get(ggml_type)
     if kind is not None and kind.kquant:
         k = unpack_k_blocks(raw, ggml_type)
@@ -216,7 +222,6 @@ def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, tor
             "super_m": per_tile(torch.from_numpy(k.super_m.astype(np.float32))),
             "sub_sc": per_tile(torch.from_numpy(k.sub_sc)),
         }
-        # Q6_K's min is its scale (m = -32 d sc): one table serves both.
         tables["sub_mn"] = (
             tables["sub_sc"] if k.sub_mn is k.sub_sc else per_tile(torch.from_numpy(k.sub_mn))
         )
@@ -226,6 +231,32 @@ def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, tor
         torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), KERNEL_TYPES[ggml_type].bits
     )
     return {"packed": packed, "scales": scales, "mins": mins}
+
+
+def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, torch.Tensor]:
+    """The tensors the kernel reads for one raw GGUF weight [N, row bytes], by buffer name,
+    built in one C++ pass (`ops/csrc/gguf_pack.cpp`). Q6_K's min table is its scale table
+    (m = -32 d sc): one tensor under both names."""
+    blocks = _blocks(raw, ggml_type)  # checks the type and the row length
+    kind = KERNEL_TYPES[ggml_type]
+    rows, k = blocks.shape[0], blocks.shape[1] * kind.block_weights
+    tiles, k_blocks = -(-rows // TILE_COLS), k // BLOCK
+    # Uninitialized: the pass writes every byte (zeroing 5 GB would cost seconds).
+    packed = torch.empty(tiles * k_blocks * TILE_BLOCK_BYTES[kind.bits], dtype=torch.uint8)
+    with warnings.catch_warnings():  # the file's read-only mapping: the pass only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        raw_tensor = torch.from_numpy(raw.reshape(rows, -1))
+    if not kind.kquant:
+        d, m = torch.empty(tiles, k_blocks, TILE_COLS), torch.empty(tiles, k_blocks, TILE_COLS)
+        no_table = torch.empty(0, dtype=torch.int8)
+        load().gguf_pack(raw_tensor, ggml_type.value, packed, d, m, no_table, no_table)
+        return {"packed": packed, "scales": d, "mins": m}
+    d, m = (torch.empty(tiles, k // SUPER_BLOCK, TILE_COLS) for _ in range(2))
+    subs = k_blocks * BLOCK // kind.sub_block
+    sc = torch.empty(tiles, subs, TILE_COLS, dtype=torch.int8)
+    mn = sc if ggml_type == _T.Q6_K else torch.empty_like(sc)
+    load().gguf_pack(raw_tensor, ggml_type.value, packed, d, m, sc, mn)
+    return {"packed": packed, "super_d": d, "super_m": m, "sub_sc": sc, "sub_mn": mn}
 
 
 class GGUFLinear(nn.Module):
@@ -254,8 +285,13 @@ class GGUFLinear(nn.Module):
         self._ops = load()
         for name, tensor in pack_gguf(raw, ggml_type).items():
             self.register_buffer(name, tensor)
-        bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        self.register_buffer("bias", bias)
+        if isinstance(bias, nn.Parameter):
+            # The model's own parameter, with its loader: swapped in before loading, the
+            # layer gets its bias from the checkpoint like the fp32 layer would.
+            self.bias = bias
+        else:
+            bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+            self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
@@ -276,8 +312,7 @@ class GGUFLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of the kernel's tables (a table shared by two names counted once)."""
-        tensors = {t.data_ptr(): t for name, t in self.named_buffers() if name != "bias"}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() * t.element_size() for n, t in self.named_buffers() if n != "bias")
 
     def extra_repr(self) -> str:
         return (
@@ -299,3 +334,31 @@ class GGUFMergedLinear(SplitOutputs, GGUFLinear):
     ) -> None:
         super().__init__(raw, ggml_type, bias, digits)
         self.output_sizes = list(output_sizes)
+
+
+class GGUFConcatLinear(SplitOutputs, nn.Module):
+    """A fused projection whose parts have different GGUF types: one kernel layer per run of
+    equal types, outputs side by side (then split like the fp32 layer's)."""
+
+    def __init__(
+        self,
+        parts: list[GGUFLinear],
+        output_sizes: list[int],
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.output_sizes = list(output_sizes)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        if isinstance(bias, nn.Parameter):
+            self.bias = bias
+        else:
+            self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def weight_bytes(self) -> int:
+        return sum(part.weight_bytes() for part in self.parts)

@@ -1,7 +1,7 @@
 """Weight quantization (`quantization="int8"` or `"gguf"`): the quantized layers and the swap.
 
-Owns the list of methods, the swap for `quantization="gguf"` (GGUF blocks kept, see
-`gguf_linear.py`), `Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
+Owns the list of methods (`quantization="gguf"`, GGUF blocks kept, is `gguf_swap.py`),
+`Int8Linear` / `Int8MergedLinear` (per-output-channel symmetric
 int8 weights, prepacked once for fbgemm; activations quantized to 8 bits on every call,
 per token: each row is scaled by its own max |x| before fbgemm's per-tensor dynamic
 quantization) and `quantize_model`, which replaces the `Linear` layers of a loaded fp32
@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -131,11 +130,8 @@ class Int8MergedLinear(SplitOutputs, Int8Linear):
         return cls(linear.weight, linear.bias, linear.output_sizes)
 
 
-def quantize_model(
-    model: nn.Module, method: str, quantize_head: bool = True, gguf_path: str | None = None
-) -> list[str]:
-    """Replace every `Linear` of a loaded model with its int8 layer, in place (for "gguf":
-    with a layer on the blocks of the GGUF file at `gguf_path`, see `keep_gguf_blocks`).
+def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) -> list[str]:
+    """Replace every `Linear` of a loaded model with its int8 layer, in place.
 
     The head is quantized too unless `quantize_head` is false: on W1 that is ~15% more
     throughput (median of 11 paired runs, 2-43%) for +0.008 mean |logprob error|, 0.109 ->
@@ -143,13 +139,12 @@ def quantize_model(
     A tied head gets an int8 copy of the embedding's weight, which itself stays fp32 for
     the lookup. Per-output-channel scales make each row of a fused weight keep its own
     range, so quantizing q/k/v or gate/up fused equals quantizing them apart. Returns the
-    names of the replaced modules.
+    names of the replaced modules. ("gguf" swaps its layers in before loading instead:
+    `gguf_swap.keep_gguf_blocks`.)
     """
     verify_quantization(method)
-    if method == "gguf":
-        if gguf_path is None:
-            raise ValueError("quantization='gguf' needs a .gguf model file")
-        return keep_gguf_blocks(model, gguf_path)
+    if method != "int8":
+        raise ValueError(f"quantize_model quantizes loaded weights to int8, not {method!r}")
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -171,64 +166,3 @@ def quantize_model(
         int8_bytes / 1e6,
     )
     return names
-
-
-def keep_gguf_blocks(model: nn.Module, path: str) -> list[str]:
-    """Replace every `Linear` whose GGUF tensors have a block kernel (Q4_0, Q4_1, Q8_0) with a
-    `GGUFLinear` on the file's own blocks, in place; the tied head gets the embedding's
-    blocks (the embedding itself stays fp32 for the lookup). Layers of other types (K-quants,
-    F16, shards of mixed types) keep their fp32 weights. Returns the replaced modules' names."""
-    from pagedllm.ops.extension import load
-
-    try:
-        load()
-    except RuntimeError as error:
-        raise ValueError(f"quantization='gguf' needs the CPU kernels: {error}") from error
-    shards = _gguf_shards(model, path)
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    replaced, kept = [], []
-    for name, module in targets:
-        layer = _gguf_layer(module, shards.get(name, {}))
-        if layer is None:
-            kept.append(name)
-            continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, layer)
-        replaced.append(name)
-    logger.info(
-        "quantization=gguf: %d layers compute on their GGUF blocks (%.0f MB); %d kept fp32 (%s)",
-        len(replaced),
-        sum(model.get_submodule(name).weight_bytes() for name in replaced) / 1e6,
-        len(kept),
-        ", ".join(kept[:4]) or "none",
-    )
-    return replaced
-
-
-def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, tuple]]:
-    """Module name -> {shard id (None unless fused): (GGUF type, raw rows)}."""
-    from pagedllm.model.gguf_loader import iter_gguf_raw_weights
-    from pagedllm.model.models.llama import _fused_name
-
-    tied = getattr(model, "tie_word_embeddings", False)
-    shards: dict[str, dict[str | None, tuple]] = {}
-    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
-        if tied and hf_name == "model.embed_tokens.weight":
-            hf_name = "lm_head.weight"
-        param_name, shard_id = _fused_name(hf_name)
-        shards.setdefault(param_name.removesuffix(".weight"), {})[shard_id] = (ggml_type, raw)
-    return shards
-
-
-def _gguf_layer(module: Linear, parts: dict[str | None, tuple]) -> nn.Module | None:
-    """The GGUF layer for `module` from its shards, if a kernel fits."""
-    from pagedllm.model.layers.gguf_linear import KERNEL_TYPES, GGUFLinear, GGUFMergedLinear
-
-    order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
-    types = {parts[shard][0] for shard in order if shard in parts}
-    if set(parts) != set(order) or len(types) != 1 or next(iter(types)) not in KERNEL_TYPES:
-        return None
-    raw = np.concatenate([parts[shard][1] for shard in order])
-    if isinstance(module, MergedLinear):
-        return GGUFMergedLinear(raw, types.pop(), module.output_sizes, module.bias)
-    return GGUFLinear(raw, types.pop(), module.bias)

@@ -1,0 +1,147 @@
+"""`quantization="gguf"`: which of a model's layers compute on the GGUF file's blocks.
+
+`keep_gguf_blocks` replaces every `Linear` whose tensors have a block kernel (Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K, Q6_K) with a layer on the file's own blocks, and the token embedding with
+a `GGUFEmbedding` on them (a tied head and the embedding share one copy), and returns the
+checkpoint names it consumed. The runner calls it before any weight is read: the model's
+fp32 storage for those layers is allocated but never written, so it never becomes
+resident, and the loader dequantizes only the rest (norms, biases, types without a
+kernel). An 8B Q4_K_M model therefore loads in about its file's size, not in fp32's 32 GB.
+A fused projection whose parts have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) gets
+one kernel layer per run of equal types, its outputs concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
+from pagedllm.model.layers.gguf_linear import (
+    KERNEL_TYPES,
+    GGUFConcatLinear,
+    GGUFLinear,
+    GGUFMergedLinear,
+)
+from pagedllm.model.layers.linear import Linear, MergedLinear
+
+logger = logging.getLogger("pagedllm")
+
+EMBEDDING = "model.embed_tokens"
+# One shard of a module's weight in the file: (HF name, GGUF type, raw rows).
+Shard = tuple[str, Any, np.ndarray]
+
+
+def keep_gguf_blocks(model: nn.Module, path: str) -> set[str]:
+    """Swap in the GGUF layers (see the module docstring); returns the HF names of the
+    checkpoint tensors they hold, which the loader must not read again."""
+    from pagedllm.ops.extension import load
+
+    try:
+        load()
+    except RuntimeError as error:
+        raise ValueError(f"quantization='gguf' needs the CPU kernels: {error}") from error
+    shards = _gguf_shards(model, path)
+    consumed: set[str] = set()
+    replaced, kept = [], []
+    for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]:
+        layer = _gguf_layer(module, shards.get(name, {}))
+        if layer is None:
+            kept.append(name)
+            continue
+        _replace(model, name, layer)
+        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+        consumed |= {hf_name for hf_name, _, _ in shards[name].values()}
+        replaced.append(name)
+    embedding = _gguf_embedding(model, shards)
+    if embedding is not None:
+        _replace(model, EMBEDDING, embedding)
+        consumed.add(f"{EMBEDDING}.weight")
+        replaced.append(EMBEDDING)
+    elif f"{EMBEDDING}.weight" in consumed:  # a tied head's blocks; the lookup reads fp32
+        consumed.discard(f"{EMBEDDING}.weight")
+    logger.info(
+        "quantization=gguf: %d layers compute on their GGUF blocks (%.0f MB); %d kept fp32 (%s)",
+        len(replaced),
+        _weight_bytes(model, replaced) / 1e6,
+        len(kept),
+        ", ".join(kept[:4]) or "none",
+    )
+    return consumed
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, layer)
+
+
+def _weight_bytes(model: nn.Module, names: list[str]) -> int:
+    tensors = {t.data_ptr(): t for n in names for t in model.get_submodule(n).buffers()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shard]]:
+    """Module name -> {shard id (None unless fused): (HF name, GGUF type, raw rows)}."""
+    from pagedllm.model.gguf_loader import iter_gguf_raw_weights
+    from pagedllm.model.models.llama import _fused_name
+
+    tied = getattr(model, "tie_word_embeddings", False)
+    shards: dict[str, dict[str | None, Shard]] = {}
+    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
+        param_name, shard_id = _fused_name(hf_name)
+        module = param_name.removesuffix(".weight")
+        shards.setdefault(module, {})[shard_id] = (hf_name, ggml_type, raw)
+        if tied and module == EMBEDDING:
+            shards.setdefault("lm_head", {})[None] = (hf_name, ggml_type, raw)
+    return shards
+
+
+def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | None:
+    """The GGUF layer for `module` from its shards, if every shard has a kernel type."""
+    order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
+    if set(parts) != set(order) or any(parts[s][1] not in KERNEL_TYPES for s in order):
+        return None
+    runs: list[tuple[Any, list[np.ndarray]]] = []
+    for shard in order:  # consecutive shards of one type share a kernel call
+        _, ggml_type, raw = parts[shard]
+        if runs and runs[-1][0] == ggml_type:
+            runs[-1][1].append(raw)
+        else:
+            runs.append((ggml_type, [raw]))
+    if len(runs) > 1:
+        layers = [GGUFLinear(np.concatenate(raws), ggml_type) for ggml_type, raws in runs]
+        return GGUFConcatLinear(layers, module.output_sizes, module.bias)
+    ggml_type, raws = runs[0]
+    raw = np.concatenate(raws) if len(raws) > 1 else raws[0]
+    if isinstance(module, MergedLinear):
+        return GGUFMergedLinear(raw, ggml_type, module.output_sizes, module.bias)
+    return GGUFLinear(raw, ggml_type, module.bias)
+
+
+def _gguf_embedding(
+    model: nn.Module, shards: dict[str, dict[str | None, Shard]]
+) -> GGUFEmbedding | None:
+    """The embedding on its blocks: the tied head's tables when the head has them."""
+    embedding = _find(model, EMBEDDING)
+    shard = shards.get(EMBEDDING, {}).get(None)
+    if embedding is None or shard is None or shard[1] not in KERNEL_TYPES:
+        return None
+    _, ggml_type, raw = shard
+    head = _find(model, "lm_head")
+    if isinstance(head, GGUFLinear) and getattr(model, "tie_word_embeddings", False):
+        source = head
+    else:
+        source = GGUFLinear(raw, ggml_type)
+    # Every name, duplicates too: a table stored under two (Q6_K's scale and min) stays one.
+    tables = {n: t for n, t in source.named_buffers(remove_duplicate=False) if n != "bias"}
+    return GGUFEmbedding(tables, ggml_type, source.out_features, source.in_features)
+
+
+def _find(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
