@@ -11,7 +11,8 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
 - the bandwidth bound of single-stream decode: the weights' bytes read per token divided by
   this machine's read bandwidth (measured here: torch sums a 2 GiB tensor on all threads);
 - 32 concurrent requests through each engine's OpenAI server (`pagedllm serve`,
-  `llama-server -np 32`): `--prompt-tokens`-ish prompts, `--concurrent-output` tokens each,
+  `llama-server -np 32`): prompts of `--prompt-sentences` sentences (~16 tokens each),
+  `--concurrent-output` tokens each,
   output tokens/s over the wall time of the batch.
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
@@ -38,7 +39,7 @@ from benchmarks.peers.servers import free_port, start_server
 from benchmarks.random_gguf import FILE_TYPES, SHAPES, write_random_gguf
 
 CONCURRENCY = 32
-PROMPT = "The history of the city begins with a small settlement by the river, and " * 8
+SENTENCE = "The history of the city begins with a small settlement by the river, and "
 
 
 def model_file(shape: str, root: Path) -> Path:
@@ -116,10 +117,10 @@ def llama_bench(binary: Path, path: Path, decode_tokens: int) -> float:
     return round(json.loads(output)[0]["avg_ts"], 2)
 
 
-def concurrent_output_rate(base_url: str, model: str, output_tokens: int) -> dict:
+def concurrent_output_rate(base_url: str, prompt: str, output_tokens: int) -> dict:
     """`CONCURRENCY` completions at once; output tokens/s over the batch's wall time."""
     body = json.dumps(
-        {"model": model, "prompt": PROMPT, "max_tokens": output_tokens, "temperature": 0,
+        {"model": "model", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
          "ignore_eos": True}
     ).encode()  # fmt: skip
     counts: list[int] = []
@@ -141,11 +142,14 @@ def concurrent_output_rate(base_url: str, model: str, output_tokens: int) -> dic
     return {"completed": len(counts), "output_tok_s": round(sum(counts) / wall, 2)}
 
 
-def serve_and_measure(name: str, command: list[str], port: int, output_tokens: int, log: Path):
+def serve_and_measure(
+    name: str, command: list[str], port: int, args: argparse.Namespace, log: Path
+):
     server = start_server(name, command, port, log)
+    prompt = SENTENCE * args.prompt_sentences
     try:
-        concurrent_output_rate(server.base_url, "model", 4)  # warm-up
-        return concurrent_output_rate(server.base_url, "model", output_tokens)
+        concurrent_output_rate(server.base_url, prompt, 2)  # warm-up
+        return concurrent_output_rate(server.base_url, prompt, args.concurrent_output)
     finally:
         server.stop()
 
@@ -173,7 +177,7 @@ def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
                 "--served-model-name", "model", "--max-model-len", "1024",
                 "--kv-cache-memory", f"{args.kv_gib}GiB"]  # fmt: skip
         result["pagedllm_32"] = serve_and_measure(
-            "pagedllm", ours, port, args.concurrent_output, log_dir / f"pagedllm-{shape}.log"
+            "pagedllm", ours, port, args, log_dir / f"pagedllm-{shape}.log"
         )
         if (llama_bin / "llama-server").exists():
             port = free_port()
@@ -181,7 +185,7 @@ def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
                       "--port", str(port), "-np", str(CONCURRENCY), "-c",
                       str(CONCURRENCY * 512), "-t", "2", "-a", "model"]  # fmt: skip
             result["llama_cpp_32"] = serve_and_measure(
-                "llama.cpp", theirs, port, args.concurrent_output, log_dir / f"llama-{shape}.log"
+                "llama.cpp", theirs, port, args, log_dir / f"llama-{shape}.log"
             )
             result["concurrent_vs_llama_cpp"] = round(
                 result["pagedllm_32"]["output_tok_s"] / result["llama_cpp_32"]["output_tok_s"], 3
@@ -194,6 +198,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--concurrent-output", type=int, default=64, help="0: skip")
+    parser.add_argument("--prompt-sentences", type=int, default=8, help="~16 tokens each")
     parser.add_argument("--kv-gib", type=float, default=2.0)
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
     parser.add_argument("--log-dir", default="benchmarks/out/real_size")

@@ -93,7 +93,7 @@ def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource,
     hf_config = load_hf_config(source)
     resolve_model_class(getattr(hf_config, "architectures", None))
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
-    return source, tokenizer, build_engine_config(args, source.path, hf_config, tokenizer, log)
+    return source, tokenizer, build_engine_config(args, source, hf_config, tokenizer, log)
 
 
 def checkpoint_dtype(hf_config: Any, is_gguf: bool) -> torch.dtype:
@@ -131,15 +131,15 @@ def model_dtype(args: EngineArgs, hf_config: Any, is_gguf: bool, log: bool = Tru
 
 
 def build_engine_config(
-    args: EngineArgs, source_path: str, hf_config: Any, tokenizer: Any, log: bool = True
+    args: EngineArgs, source: ModelSource, hf_config: Any, tokenizer: Any, log: bool = True
 ):
     parallel_config = args.parallel_config()
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
     model_config = ModelConfig(
-        model=source_path,
+        model=source.path,
         hf_config=hf_config,
-        dtype=model_dtype(args, hf_config, source_path.endswith(".gguf"), log),
+        dtype=model_dtype(args, hf_config, source.is_gguf, log),
         max_model_len=derive_max_model_len(hf_config, args.max_model_len),
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         seed=args.seed,

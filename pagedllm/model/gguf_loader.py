@@ -480,11 +480,7 @@ def iter_gguf_weights(
         return _stream_cached(cached, skip)
     tensors, metadata = read_gguf_tensors(path)
     plan = [(tensor, name) for tensor, name in _plan(tensors, path) if name not in skip]
-    heads: dict[str, int] = {}
-    if config is None:
-        config = load_gguf_config(path)
-    if metadata.get("general.architecture") in _PERMUTED_ARCHITECTURES:
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    heads = _permuted_heads(metadata, config or load_gguf_config(path))
     weights = _stream(plan, heads, path)
     if skip or os.path.getsize(path) < _MIN_WEIGHTS_CACHE_BYTES:  # the cache holds all
         return weights
@@ -526,18 +522,26 @@ def _stream(
         yield hf_name, weight
 
 
+def _permuted_heads(metadata: dict[str, Any], config: PreTrainedConfig) -> dict[str, int]:
+    """Projection -> heads whose rows llama.cpp's converter permuted (Llama and Mistral)."""
+    if metadata.get("general.architecture") not in _PERMUTED_ARCHITECTURES:
+        return {}
+    return {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+
+
 def iter_gguf_raw_weights(
-    path: str, config: PreTrainedConfig
+    path: str, config: PreTrainedConfig, types: frozenset[GGMLQuantizationType] | None = None
 ) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
-    """Yield ``(hf_name, type, raw rows)`` for every 2-D weight of GGUF file ``path``, its
-    blocks left as stored: a uint8 array [rows, bytes per row] (q/k rows un-permuted like
-    `iter_gguf_weights`), for layers that compute on the blocks themselves."""
+    """Yield ``(hf_name, type, raw rows)`` for every 2-D weight of GGUF file ``path`` (of
+    one of `types`, if given), its blocks left as stored: a uint8 array [rows, bytes per
+    row] (q/k rows un-permuted like `iter_gguf_weights`: a copy), for layers that compute
+    on the blocks themselves."""
     tensors, metadata = read_gguf_tensors(path)
-    heads: dict[str, int] = {}
-    if metadata.get("general.architecture") in _PERMUTED_ARCHITECTURES:
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    heads = _permuted_heads(metadata, config)
     for tensor, hf_name in _plan(tensors, path):
         if not hf_name.endswith(".weight") or len(tensor.shape) != 2:
+            continue
+        if types is not None and tensor.tensor_type not in types:
             continue
         raw = np.asarray(tensor.data)
         projection = hf_name.split(".")[-2]

@@ -3,7 +3,8 @@
 `gguf.GGUFReader` builds a numpy view for every value of every metadata array: a Llama-3
 vocabulary (128,256 tokens and 280,147 merges) takes it 5-10 s on this project's CPUs,
 before any weight is touched. Loading weights needs only the tensor table, so this reader
-walks the header once, skipping array values by their lengths, and maps the file: the
+walks the header once, stepping over array values (strings by their lengths, never
+decoded), and maps the file: the
 tensors it returns have `GGUFReader`'s fields (`name`, `tensor_type`, `shape` in GGUF order,
 `data` as the same numpy views of the mapping), so the loader treats both alike.
 """
@@ -84,6 +85,9 @@ class _Cursor:
         element_type, count = self.unpack("IQ")
         if element_type in _SCALARS:
             self.pos += count * struct.calcsize("<" + _SCALARS[element_type])
+        elif element_type == _STRING:  # the vocabulary: stepped over, never decoded
+            for _ in range(count):
+                self.skip_string()
         else:
             for _ in range(count):
                 self.value(element_type)

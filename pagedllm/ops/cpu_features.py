@@ -112,11 +112,11 @@ GGUF_PORTABLE, GGUF_AVX2, GGUF_VNNI = 0, 1, 2
 def gguf_kernel_isa(features: CpuFeatures | None = None) -> int:
     """The widest GGUF kernel path these features allow."""
     features = features or cpu_features()
-    if features.avx512_vnni and features.avx512bw and features.avx512vl:
+    if not (features.avx2 and features.fma):  # every vector path uses both
+        return GGUF_PORTABLE
+    if features.avx512f and features.avx512_vnni and features.avx512bw and features.avx512vl:
         return GGUF_VNNI
-    if features.avx2 and features.fma:
-        return GGUF_AVX2
-    return GGUF_PORTABLE
+    return GGUF_AVX2
 
 
 def describe_cpu(features: CpuFeatures | None = None) -> str:

@@ -116,4 +116,5 @@ def release_free_heap() -> None:
     pages): at 8B ~1.5 GB that would otherwise stay in the resident size."""
     trim = _libc_function("malloc_trim")
     if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
         trim(0)

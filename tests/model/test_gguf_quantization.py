@@ -302,3 +302,21 @@ def test_embedding_rows_are_ggufs_dequantized_rows(qtype):
     rows = embedding(ids)
     assert rows.shape == (2, 3, 512)
     assert torch.equal(rows, weight[ids])  # gguf's own formula, bit for bit
+
+
+def test_embedding_refuses_ids_past_the_vocabulary():
+    raw, _ = _any_raw(21, 256, Q.Q4_K)
+    tables = dict(GGUFLinear(raw, Q.Q4_K).named_buffers(remove_duplicate=False))
+    tables.pop("bias", None)
+    embedding = GGUFEmbedding(tables, Q.Q4_K, 21, 256)
+    with pytest.raises(IndexError, match="out of range"):
+        embedding(torch.tensor([21]))  # a padding row of the last tile, not a token
+
+
+@pytest.mark.parametrize("rows", [[16, 8, 8], [16, 5, 8]])
+def test_parts_pack_like_their_stack(rows):
+    # Parts of whole tiles go into their own tiles; otherwise they are stacked first.
+    parts = [_raw_k(n, 256, Q.Q6_K, seed=i)[0] for i, n in enumerate(rows)]
+    stacked = pack_gguf(np.concatenate(parts), Q.Q6_K)
+    for name, tensor in pack_gguf(parts, Q.Q6_K).items():
+        assert torch.equal(tensor, stacked[name]), name

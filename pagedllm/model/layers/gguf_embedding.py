@@ -12,7 +12,13 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.model.layers.gguf_linear import BLOCK, KERNEL_TYPES, SUPER_BLOCK, TILE_COLS
+from pagedllm.model.layers.gguf_linear import (
+    BLOCK,
+    KERNEL_TYPES,
+    SUPER_BLOCK,
+    TILE_COLS,
+    distinct_bytes,
+)
 
 _T = GGMLQuantizationType
 _GROUP_BYTES = 32  # one group: 4 consecutive k for a tile's 8 columns
@@ -67,6 +73,11 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1).long()
+        # As nn.Embedding: the last tile's padding rows are no tokens. (Ids are checked
+        # against the vocabulary at the edge; a compiled graph cannot branch on them.)
+        eager = not torch.compiler.is_compiling()
+        if eager and len(ids) and (ids.min() < 0 or ids.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         tile, col = ids // TILE_COLS, ids % TILE_COLS
         q = self._q(tile, col).float()
         rows = len(ids)
@@ -91,8 +102,7 @@ class GGUFEmbedding(nn.Module):
         return weights.reshape(*input_ids.shape, self.embedding_dim)
 
     def weight_bytes(self) -> int:
-        tensors = {t.data_ptr(): t for t in self.buffers()}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return distinct_bytes(self.buffers())
 
     def extra_repr(self) -> str:
         return (

@@ -14,6 +14,7 @@ That keeps greedy output on fp32's tokens where one digit does not
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,30 +234,62 @@ def reference_pack_gguf(
     return {"packed": packed, "scales": scales, "mins": mins}
 
 
-def pack_gguf(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> dict[str, torch.Tensor]:
-    """The tensors the kernel reads for one raw GGUF weight [N, row bytes], by buffer name,
-    built in one C++ pass (`ops/csrc/gguf_pack.cpp`). Q6_K's min table is its scale table
-    (m = -32 d sc): one tensor under both names."""
-    blocks = _blocks(raw, ggml_type)  # checks the type and the row length
-    kind = KERNEL_TYPES[ggml_type]
-    rows, k = blocks.shape[0], blocks.shape[1] * kind.block_weights
+def pack_gguf(
+    raw: np.ndarray | list[np.ndarray], ggml_type: GGMLQuantizationType
+) -> dict[str, torch.Tensor]:
+    """The tensors the kernel reads for a raw GGUF weight [N, row bytes] (or the parts of a
+    fused one, stacked), by buffer name, built in one C++ pass (`ops/csrc/gguf_pack.cpp`).
+    Q6_K's min table is its scale table (m = -32 d sc): one tensor under both names."""
+    parts = raw if isinstance(raw, list) else [raw]
+    if any(len(part) % TILE_COLS for part in parts[:-1]):  # a tile would straddle two parts
+        parts = [np.concatenate(parts)]
+    kind = KERNEL_TYPES.get(ggml_type)
+    blocks = [_blocks(part, ggml_type) for part in parts]  # checks the type and row length
+    rows, k = sum(len(b) for b in blocks), blocks[0].shape[1] * kind.block_weights
     tiles, k_blocks = -(-rows // TILE_COLS), k // BLOCK
     # Uninitialized: the pass writes every byte (zeroing 5 GB would cost seconds).
-    packed = torch.empty(tiles * k_blocks * TILE_BLOCK_BYTES[kind.bits], dtype=torch.uint8)
-    with warnings.catch_warnings():  # the file's read-only mapping: the pass only reads it
-        warnings.simplefilter("ignore", UserWarning)
-        raw_tensor = torch.from_numpy(raw.reshape(rows, -1))
-    if not kind.kquant:
-        d, m = torch.empty(tiles, k_blocks, TILE_COLS), torch.empty(tiles, k_blocks, TILE_COLS)
-        no_table = torch.empty(0, dtype=torch.int8)
-        load().gguf_pack(raw_tensor, ggml_type.value, packed, d, m, no_table, no_table)
-        return {"packed": packed, "scales": d, "mins": m}
-    d, m = (torch.empty(tiles, k // SUPER_BLOCK, TILE_COLS) for _ in range(2))
-    subs = k_blocks * BLOCK // kind.sub_block
-    sc = torch.empty(tiles, subs, TILE_COLS, dtype=torch.int8)
-    mn = sc if ggml_type == _T.Q6_K else torch.empty_like(sc)
-    load().gguf_pack(raw_tensor, ggml_type.value, packed, d, m, sc, mn)
-    return {"packed": packed, "super_d": d, "super_m": m, "sub_sc": sc, "sub_mn": mn}
+    packed = torch.empty(tiles, k_blocks * TILE_BLOCK_BYTES[kind.bits], dtype=torch.uint8)
+    if kind.kquant:
+        scales = {
+            n: torch.empty(tiles, k // SUPER_BLOCK, TILE_COLS) for n in ("super_d", "super_m")
+        }
+        subs = k_blocks * BLOCK // kind.sub_block
+        scales["sub_sc"] = torch.empty(tiles, subs, TILE_COLS, dtype=torch.int8)
+        own_mins = ggml_type != _T.Q6_K
+        scales["sub_mn"] = torch.empty_like(scales["sub_sc"]) if own_mins else scales["sub_sc"]
+    else:
+        scales = {n: torch.empty(tiles, k_blocks, TILE_COLS) for n in ("scales", "mins")}
+    first_tile = 0
+    for part in parts:  # each part into its own tiles of the tables: no stacked copy
+        part_tiles = slice(first_tile, first_tile + -(-len(part) // TILE_COLS))
+        views = [t[part_tiles] for t in scales.values()]
+        if not kind.kquant:
+            views += [torch.empty(0, dtype=torch.int8)] * 2
+        elif not own_mins:
+            views[-1] = torch.empty(0, dtype=torch.int8)  # the kernel fills sc alone
+        with warnings.catch_warnings():  # the file's read-only mapping: the pass only reads
+            warnings.simplefilter("ignore", UserWarning)
+            raw_tensor = torch.from_numpy(part.reshape(len(part), -1))
+        load().gguf_pack(raw_tensor, ggml_type.value, packed[part_tiles], *views)
+        first_tile = part_tiles.stop
+    return {"packed": packed.reshape(-1), **scales}
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors`, each storage counted once (tables shared between layers, or one
+    table under two names)."""
+    unique = {t.data_ptr(): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _keep_bias(module: nn.Module, bias: torch.Tensor | None) -> None:
+    """The model's own bias parameter (with its loader: a layer swapped in before loading
+    gets its bias from the checkpoint like the fp32 layer), or a plain tensor as fp32."""
+    if isinstance(bias, nn.Parameter):
+        module.bias = bias
+    else:
+        bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        module.register_buffer("bias", bias)
 
 
 class GGUFLinear(nn.Module):
@@ -264,17 +297,18 @@ class GGUFLinear(nn.Module):
 
     def __init__(
         self,
-        raw: np.ndarray,
+        raw: np.ndarray | list[np.ndarray],
         ggml_type: GGMLQuantizationType,
         bias: torch.Tensor | None = None,
         digits: int = DEFAULT_DIGITS,
     ) -> None:
         super().__init__()
-        if ggml_type not in KERNEL_TYPES:
-            raise ValueError(f"GGUF type {ggml_type.name} has no quantized kernel")
+        for name, tensor in pack_gguf(raw, ggml_type).items():  # refuses types without kernel
+            self.register_buffer(name, tensor)
         kind = KERNEL_TYPES[ggml_type]
-        self.out_features = raw.shape[0]
-        self.in_features = raw.shape[1] // kind.block_bytes * kind.block_weights
+        parts = raw if isinstance(raw, list) else [raw]
+        self.out_features = sum(len(part) for part in parts)
+        self.in_features = parts[0].shape[1] // kind.block_bytes * kind.block_weights
         self.ggml_type = ggml_type
         self.bits = kind.bits
         self.kquant = kind.kquant
@@ -283,20 +317,19 @@ class GGUFLinear(nn.Module):
         # lowers it to what the CPU has. Tests lower it to check the other paths' bits.
         self.isa = gguf_kernel_isa()
         self._ops = load()
-        for name, tensor in pack_gguf(raw, ggml_type).items():
-            self.register_buffer(name, tensor)
-        if isinstance(bias, nn.Parameter):
-            # The model's own parameter, with its loader: swapped in before loading, the
-            # layer gets its bias from the checkpoint like the fp32 layer would.
-            self.bias = bias
-        else:
-            bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-            self.register_buffer("bias", bias)
+        _keep_bias(self, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        self.matmul_into(x2, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*leading, self.out_features)
+
+    def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        """out [rows, out_features] (rows may be strided) = x2 [rows, in_features] W^T."""
         if self.kquant:
             self._ops.gguf_linear_k(
                 out, x2, self.packed, self.super_d, self.super_m, self.sub_sc, self.sub_mn,
@@ -306,13 +339,10 @@ class GGUFLinear(nn.Module):
             self._ops.gguf_linear(
                 out, x2, self.packed, self.scales, self.mins, self.bits, self.digits, self.isa
             )
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*leading, self.out_features)
 
     def weight_bytes(self) -> int:
         """Bytes of the kernel's tables (a table shared by two names counted once)."""
-        return sum(t.numel() * t.element_size() for n, t in self.named_buffers() if n != "bias")
+        return distinct_bytes(t for n, t in self.named_buffers() if n != "bias")
 
     def extra_repr(self) -> str:
         return (
@@ -326,7 +356,7 @@ class GGUFMergedLinear(SplitOutputs, GGUFLinear):
 
     def __init__(
         self,
-        raw: np.ndarray,
+        raw: np.ndarray | list[np.ndarray],
         ggml_type: GGMLQuantizationType,
         output_sizes: list[int],
         bias: torch.Tensor | None = None,
@@ -338,7 +368,8 @@ class GGUFMergedLinear(SplitOutputs, GGUFLinear):
 
 class GGUFConcatLinear(SplitOutputs, nn.Module):
     """A fused projection whose parts have different GGUF types: one kernel layer per run of
-    equal types, outputs side by side (then split like the fp32 layer's)."""
+    equal types, each writing its own columns of one output (then split like the fp32
+    layer's)."""
 
     def __init__(
         self,
@@ -351,14 +382,19 @@ class GGUFConcatLinear(SplitOutputs, nn.Module):
         self.output_sizes = list(output_sizes)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
-        if isinstance(bias, nn.Parameter):
-            self.bias = bias
-        else:
-            self.register_buffer("bias", bias)
+        _keep_bias(self, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([part(x) for part in self.parts], dim=-1)
-        return out if self.bias is None else out.add_(self.bias)
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        first = 0
+        for part in self.parts:
+            part.matmul_into(x2, out[:, first : first + part.out_features])
+            first += part.out_features
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*leading, self.out_features)
 
     def weight_bytes(self) -> int:
         return sum(part.weight_bytes() for part in self.parts)

@@ -25,6 +25,7 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
+    distinct_bytes,
 )
 from pagedllm.model.layers.linear import Linear, MergedLinear
 
@@ -54,7 +55,8 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> set[str]:
             continue
         _replace(model, name, layer)
         module._parameters.pop("weight", None)  # never loaded: its storage was never touched
-        consumed |= {hf_name for hf_name, _, _ in shards[name].values()}
+        # Done with its blocks (un-permuted q/k rows are copies): only the embedding's stay.
+        consumed |= {hf_name for hf_name, _, _ in shards.pop(name).values()}
         replaced.append(name)
     embedding = _gguf_embedding(model, shards)
     if embedding is not None:
@@ -66,7 +68,7 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> set[str]:
     logger.info(
         "quantization=gguf: %d layers compute on their GGUF blocks (%.0f MB); %d kept fp32 (%s)",
         len(replaced),
-        _weight_bytes(model, replaced) / 1e6,
+        distinct_bytes(t for n in replaced for t in model.get_submodule(n).buffers()) / 1e6,
         len(kept),
         ", ".join(kept[:4]) or "none",
     )
@@ -78,11 +80,6 @@ def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(model.get_submodule(parent_name), child, layer)
 
 
-def _weight_bytes(model: nn.Module, names: list[str]) -> int:
-    tensors = {t.data_ptr(): t for n in names for t in model.get_submodule(n).buffers()}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shard]]:
     """Module name -> {shard id (None unless fused): (HF name, GGUF type, raw rows)}."""
     from pagedllm.model.gguf_loader import iter_gguf_raw_weights
@@ -90,7 +87,8 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shar
 
     tied = getattr(model, "tie_word_embeddings", False)
     shards: dict[str, dict[str | None, Shard]] = {}
-    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config):
+    kernel_types = frozenset(KERNEL_TYPES)
+    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config, kernel_types):
         param_name, shard_id = _fused_name(hf_name)
         module = param_name.removesuffix(".weight")
         shards.setdefault(module, {})[shard_id] = (hf_name, ggml_type, raw)
@@ -102,7 +100,7 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shar
 def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | None:
     """The GGUF layer for `module` from its shards, if every shard has a kernel type."""
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
-    if set(parts) != set(order) or any(parts[s][1] not in KERNEL_TYPES for s in order):
+    if set(parts) != set(order):  # a part of a type without kernel (never yielded)
         return None
     runs: list[tuple[Any, list[np.ndarray]]] = []
     for shard in order:  # consecutive shards of one type share a kernel call
@@ -112,13 +110,12 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
         else:
             runs.append((ggml_type, [raw]))
     if len(runs) > 1:
-        layers = [GGUFLinear(np.concatenate(raws), ggml_type) for ggml_type, raws in runs]
+        layers = [GGUFLinear(raws, ggml_type) for ggml_type, raws in runs]
         return GGUFConcatLinear(layers, module.output_sizes, module.bias)
     ggml_type, raws = runs[0]
-    raw = np.concatenate(raws) if len(raws) > 1 else raws[0]
     if isinstance(module, MergedLinear):
-        return GGUFMergedLinear(raw, ggml_type, module.output_sizes, module.bias)
-    return GGUFLinear(raw, ggml_type, module.bias)
+        return GGUFMergedLinear(raws, ggml_type, module.output_sizes, module.bias)
+    return GGUFLinear(raws[0], ggml_type, module.bias)
 
 
 def _gguf_embedding(

@@ -26,6 +26,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "gguf_layout.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,9 +35,11 @@
 
 namespace {
 
-constexpr int kBlock = 32;
-constexpr int kSuperBlock = 256;
-constexpr int kTileCols = 8;
+using gguf_layout::block_bytes;
+using gguf_layout::check_table;
+using gguf_layout::kBlock;
+using gguf_layout::kSuperBlock;
+using gguf_layout::kTileCols;
 // Tiles per parallel work item: 32 columns, so even a 192-column projection splits into
 // 6 items and two threads share them evenly.
 constexpr int64_t kTilesPerItem = 4;
@@ -76,9 +80,6 @@ struct Output {
   int64_t cols;
 };
 
-constexpr int64_t block_bytes(int bits) {
-  return bits == 8 ? 256 : bits == 6 ? 192 : bits == 5 ? 160 : 128;
-}
 inline __m256i pack_int8(__m256i a, __m256i b, __m256i c, __m256i d) {
   // packs work within 128-bit lanes; the permute puts the four 8-value runs back in order.
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
@@ -207,11 +208,11 @@ void portable_tile(const Activations& a, const Weights& w, int64_t row, int64_t 
 
 namespace avx2_path {
 
-// vpmaddubsw multiplies u8 weights by s8 digits and adds pairs into int16, saturating; with
-// digits in [-127, 127] a pair stays below 2^15 for weights of up to 8 bits only when
-// summed over few groups: 4-bit (|pair| <= 3,810) over 8 groups, 5-bit (7,874) over 4, 6-bit
+// vpmaddubsw multiplies u8 weights by s8 digits and adds pairs into int16, saturating. With
+// digits in [-127, 127] one pair of weights of up to 6 bits stays below 2^15, and so do sums
+// over a few groups: 4-bit (|pair| <= 3,810) over 8 groups, 5-bit (7,874) over 4, 6-bit
 // (16,002) over 2. The int16 sums are widened (vpmaddwd by ones) after that many groups.
-// 8-bit weights are split into two nibbles, each a 4-bit dot.
+// 8-bit weights (a pair reaches 64,770) are split into two nibbles, each a 4-bit dot.
 template <int BITS>
 inline __m256i groups_dot(const __m256i* wv, const int8_t* digits, int count) {
   constexpr int kSpan = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
@@ -321,11 +322,6 @@ void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
               "gguf_linear: packed weight has ", packed.numel(), " bytes, expected ", expected);
 }
 
-void check_table(const at::Tensor& t, at::ScalarType type, int64_t numel, const char* what) {
-  TORCH_CHECK(t.scalar_type() == type && t.is_contiguous() && t.numel() == numel, "gguf_linear: ",
-              what, " must be contiguous ", c10::toString(type), " with ", numel, " values");
-}
-
 void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits, int64_t isa) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const at::Tensor digit_buf = at::empty({2, rows, k}, x.options().dtype(at::kChar));
@@ -365,8 +361,8 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   check_common(out, x, packed, bits, digits, kBlock);
   const int64_t blocks = x.size(1) / kBlock;
   const int64_t tiles = (out.size(1) + kTileCols - 1) / kTileCols;
-  check_table(scales, at::kFloat, tiles * blocks * kTileCols, "scales");
-  check_table(mins, at::kFloat, tiles * blocks * kTileCols, "mins");
+  check_table("gguf_linear", scales, at::kFloat, tiles * blocks * kTileCols, "scales");
+  check_table("gguf_linear", mins, at::kFloat, tiles * blocks * kTileCols, "mins");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, 0, static_cast<int>(bits),
                   blocks * block_bytes(bits), scales.data_ptr<float>(), mins.data_ptr<float>(),
                   nullptr, nullptr, nullptr, nullptr, 1};
@@ -383,18 +379,16 @@ void gguf_linear_k(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   const int64_t blocks = x.size(1) / kBlock, super_blocks = x.size(1) / kSuperBlock;
   const int64_t tiles = (out.size(1) + kTileCols - 1) / kTileCols;
   const int halves = bits == 6 ? 2 : 1;
-  check_table(super_d, at::kFloat, tiles * super_blocks * kTileCols, "super_d");
-  check_table(super_m, at::kFloat, tiles * super_blocks * kTileCols, "super_m");
-  check_table(sub_sc, at::kChar, tiles * blocks * halves * kTileCols, "sub_sc");
-  check_table(sub_mn, at::kChar, tiles * blocks * halves * kTileCols, "sub_mn");
+  check_table("gguf_linear", super_d, at::kFloat, tiles * super_blocks * kTileCols, "super_d");
+  check_table("gguf_linear", super_m, at::kFloat, tiles * super_blocks * kTileCols, "super_m");
+  check_table("gguf_linear", sub_sc, at::kChar, tiles * blocks * halves * kTileCols, "sub_sc");
+  check_table("gguf_linear", sub_mn, at::kChar, tiles * blocks * halves * kTileCols, "sub_mn");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, super_blocks, static_cast<int>(bits),
                   blocks * block_bytes(bits), nullptr, nullptr, super_d.data_ptr<float>(),
                   super_m.data_ptr<float>(), sub_sc.data_ptr<int8_t>(), sub_mn.data_ptr<int8_t>(),
                   halves};
   run(out, x, w, digits, isa);
 }
-
-int64_t gguf_best_isa() { return best_isa(); }
 
 }  // namespace
 
@@ -405,7 +399,6 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_linear_k(Tensor(a!) out, Tensor x, Tensor packed, Tensor super_d, Tensor super_m, "
       "Tensor sub_sc, Tensor sub_mn, int bits, int digits, int isa) -> ()");
-  m.def("gguf_best_isa() -> int", &gguf_best_isa);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

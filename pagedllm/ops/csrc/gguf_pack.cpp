@@ -17,14 +17,17 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "gguf_layout.h"
+
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int kTileCols = 8;
-constexpr int kBlock = 32;
-constexpr int kSuper = 256;
+using gguf_layout::check_table;
+using gguf_layout::kBlock;
+using gguf_layout::kTileCols;
+constexpr int kSuper = gguf_layout::kSuperBlock;
 
 // GGML type ids (gguf's GGMLQuantizationType).
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
@@ -49,7 +52,6 @@ Layout layout_of(int64_t type) {
   TORCH_CHECK(false, "gguf_pack: GGUF type ", type, " has no kernel");
 }
 
-int64_t tile_block_bytes(int bits) { return bits == 8 ? 256 : bits == 6 ? 192 : bits == 5 ? 160 : 128; }
 
 float fp16_at(const uint8_t* p) {
   uint16_t h;
@@ -141,7 +143,8 @@ inline uint32_t load4(const uint8_t* p) {
 
 // One tile-block (32 weights of 8 columns) in the kernel's bytes, from each column's q.
 // A group's 4 values of a column are one 32-bit word, so the layout is built a word at a
-// time (values are below 2^bits: shifting a word by 4 moves no bit into another byte).
+// time: each shift is followed by a per-byte mask, which drops the bits a shift carries
+// from one byte into the next.
 template <int BITS>
 void build_tile_block(const uint8_t* const (&q)[kTileCols], uint8_t* out) {
   uint32_t words[64];
@@ -167,7 +170,7 @@ void build_tile_block(const uint8_t* const (&q)[kTileCols], uint8_t* out) {
       }
     }
   }
-  std::memcpy(out, words, tile_block_bytes(BITS));
+  std::memcpy(out, words, gguf_layout::block_bytes(BITS));
 }
 
 struct Tables {
@@ -201,7 +204,7 @@ void pack_tile(const uint8_t* raw, int64_t row_bytes, int64_t rows, const Layout
       const int64_t b = fb * per_file + j;
       const uint8_t* q[kTileCols];
       for (int col = 0; col < kTileCols; ++col) q[col] = dec[col].q + j * kBlock;
-      build_tile_block<BITS>(q, t.packed + (tile * blocks + b) * tile_block_bytes(BITS));
+      build_tile_block<BITS>(q, t.packed + (tile * blocks + b) * gguf_layout::block_bytes(BITS));
       for (int col = 0; col < kTileCols; ++col) {
         if (!kquant) {
           t.d[(tile * blocks + b) * kTileCols + col] = dec[col].d[0];
@@ -211,7 +214,7 @@ void pack_tile(const uint8_t* raw, int64_t row_bytes, int64_t rows, const Layout
         for (int h = 0; h < l.halves; ++h) {
           const int64_t sub = (tile * blocks + b) * l.halves + h;
           t.sc[sub * kTileCols + col] = dec[col].sc[j * l.halves + h];
-          t.mn[sub * kTileCols + col] = dec[col].mn[j * l.halves + h];
+          if (t.mn != nullptr) t.mn[sub * kTileCols + col] = dec[col].mn[j * l.halves + h];
         }
       }
     }
@@ -235,16 +238,17 @@ void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tenso
   const int64_t rows = raw.size(0), k = raw.size(1) / l.file_block_bytes * l.file_block_weights;
   const int64_t tiles = (rows + kTileCols - 1) / kTileCols, blocks = k / kBlock;
   const bool kquant = l.file_block_weights == kSuper;
-  TORCH_CHECK(packed.is_contiguous() && packed.numel() == tiles * blocks * tile_block_bytes(l.bits),
-              "gguf_pack: packed has the wrong size");
   const int64_t scale_count = tiles * (kquant ? k / kSuper : blocks) * kTileCols;
-  TORCH_CHECK(d.numel() == scale_count && m.numel() == scale_count, "gguf_pack: d/m size");
-  if (kquant) {
-    const int64_t sub_count = tiles * blocks * l.halves * kTileCols;
-    TORCH_CHECK(sc.numel() == sub_count && mn.numel() == sub_count, "gguf_pack: sc/mn size");
-  }
+  const int64_t sub_count = kquant ? tiles * blocks * l.halves * kTileCols : 0;
+  check_table("gguf_pack", packed, at::kByte, tiles * blocks * gguf_layout::block_bytes(l.bits), "packed");
+  check_table("gguf_pack", d, at::kFloat, scale_count, "d");
+  check_table("gguf_pack", m, at::kFloat, scale_count, "m");
+  check_table("gguf_pack", sc, at::kChar, sub_count, "sc");
+  // Q6_K's min is its scale: the caller may pass no mn and read sc for both.
+  if (mn.numel() != 0 || l.type != kQ6_K) check_table("gguf_pack", mn, at::kChar, sub_count, "mn");
   const Tables t{packed.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
-                 kquant ? sc.data_ptr<int8_t>() : nullptr, kquant ? mn.data_ptr<int8_t>() : nullptr};
+                 kquant ? sc.data_ptr<int8_t>() : nullptr,
+                 kquant && mn.numel() != 0 ? mn.data_ptr<int8_t>() : nullptr};
   const uint8_t* data = raw.data_ptr<uint8_t>();
   const int64_t row_bytes = raw.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -264,7 +268,7 @@ void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tenso
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_pack(Tensor raw, int type, Tensor(a!) packed, Tensor(b!) d, Tensor(c!) m, "
-      "Tensor(d!) sc, Tensor(e!) mn) -> ()");
+      "Tensor(d!) sc, Tensor(e!) mn) -> ()");  // Q6_K: mn may be empty (it equals sc)
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("gguf_pack", &gguf_pack); }
