@@ -27,9 +27,15 @@ The CPU step against the machine
     single_stream       Is single-stream decode ahead of llama.cpp's F32 `tg128`, paired round
                         by round?
 
-Quantization
+Quantization and real sizes
     int8_accuracy       How many of fp32's greedy tokens does each quantized variant keep?
     int8_speed          How fast are int8 matmuls per shape, and W1 with and without them?
+    random_gguf         (A tool.) Writes a random-weight GGUF file of a real Llama shape
+                        (1B, 8B) and llama.cpp file type (Q4_K_M, ...), so every engine can
+                        run the same file without a download.
+    real_size           At Llama-3.2-1B and -3.1-8B shapes on Q4_K_M blocks: load time and
+                        memory, single-stream decode against llama.cpp and the bandwidth bound,
+                        32 concurrent requests against llama.cpp's server.
 
 Features' costs and gains
     prefix_caching      What does prefix caching save on a shared prefix and cost without one?

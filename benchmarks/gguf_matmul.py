@@ -4,9 +4,11 @@ SmolLM2-135M's shapes (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 
 576 x 1536) with random Q4_1 blocks (the default model's type), at each row count of
 `--rows`. Prints ms for the layer's four matmuls (median of `--repeats`) and the rate in
 fp32-equivalent GFLOP/s (2 * rows * in * out per matmul), for the gguf kernel with
-`--digits` activation digits and for fp32 oneDNN on prepacked weights.
+`--digits` activation digits on the `--isa` path (default: the widest this CPU has) and for
+fp32 oneDNN on prepacked weights.
 
     .venv/bin/python -m benchmarks.gguf_matmul [--rows 64,256,2048] [--digits 2] [--repeats 10]
+        [--isa 0|1|2]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from benchmarks.timing import median_seconds
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.gguf_linear import pack_weights
 from pagedllm.ops import fused
+from pagedllm.ops.cpu_features import gguf_kernel_isa
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in)
 BLOCK = 32
@@ -38,12 +41,18 @@ def main() -> None:
     parser.add_argument("--rows", default="64,256,2048")
     parser.add_argument("--digits", type=int, default=2, choices=[1, 2])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--isa", type=int, default=gguf_kernel_isa(), help="0 portable, 1 AVX2, 2 VNNI"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     ops = fused.load()
     layers = [random_q4_1(n, k) for n, k in SHAPES]
     packed_fp32 = [onednn.pack(weight) for _, weight in layers]
-    print(f"threads={torch.get_num_threads()}  digits={args.digits}  (one layer's four matmuls)")
+    print(
+        f"threads={torch.get_num_threads()}  digits={args.digits}  isa={args.isa}  "
+        "(one layer's four matmuls)"
+    )
     for rows in (int(r) for r in args.rows.split(",")):
         time_layer(ops, layers, packed_fp32, rows, args)
 
@@ -54,7 +63,7 @@ def time_layer(ops, layers, packed_fp32, rows: int, args: argparse.Namespace) ->
 
     def gguf_layer():
         for (n, k), ((packed, scales, mins), _) in zip(SHAPES, layers, strict=True):
-            ops.gguf_linear(outputs[n], inputs[k], packed, scales, mins, 4, args.digits, 2)
+            ops.gguf_linear(outputs[n], inputs[k], packed, scales, mins, 4, args.digits, args.isa)
 
     def fp32_layer():
         for (_, k), packed in zip(SHAPES, packed_fp32, strict=True):

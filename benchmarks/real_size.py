@@ -117,8 +117,10 @@ def llama_bench(binary: Path, path: Path, decode_tokens: int) -> float:
     return round(json.loads(output)[0]["avg_ts"], 2)
 
 
-def concurrent_output_rate(base_url: str, prompt: str, output_tokens: int) -> dict:
-    """`CONCURRENCY` completions at once; output tokens/s over the batch's wall time."""
+def concurrent_output_rate(
+    base_url: str, prompt: str, output_tokens: int, concurrency: int = CONCURRENCY
+) -> dict:
+    """`concurrency` completions at once; output tokens/s over the batch's wall time."""
     body = json.dumps(
         {"model": "model", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
          "ignore_eos": True}
@@ -132,7 +134,7 @@ def concurrent_output_rate(base_url: str, prompt: str, output_tokens: int) -> di
         with urllib.request.urlopen(request, timeout=3600) as reply:
             counts.append(json.load(reply)["usage"]["completion_tokens"])
 
-    threads = [threading.Thread(target=one) for _ in range(CONCURRENCY)]
+    threads = [threading.Thread(target=one) for _ in range(concurrency)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -148,7 +150,7 @@ def serve_and_measure(
     server = start_server(name, command, port, log)
     prompt = SENTENCE * args.prompt_sentences
     try:
-        concurrent_output_rate(server.base_url, prompt, 2)  # warm-up
+        concurrent_output_rate(server.base_url, prompt, 2, concurrency=1)  # warm-up
         return concurrent_output_rate(server.base_url, prompt, args.concurrent_output)
     finally:
         server.stop()

@@ -248,7 +248,10 @@ def pack_gguf(
     rows, k = sum(len(b) for b in blocks), blocks[0].shape[1] * kind.block_weights
     tiles, k_blocks = -(-rows // TILE_COLS), k // BLOCK
     # Uninitialized: the pass writes every byte (zeroing 5 GB would cost seconds).
-    packed = torch.empty(tiles, k_blocks * TILE_BLOCK_BYTES[kind.bits], dtype=torch.uint8)
+    # One flat tensor (the buffer the layer keeps: a view would keep its base alive when the
+    # weights move onto huge pages), sliced by tiles through a 2-D view.
+    packed = torch.empty(tiles * k_blocks * TILE_BLOCK_BYTES[kind.bits], dtype=torch.uint8)
+    packed_tiles = packed.view(tiles, -1)
     if kind.kquant:
         scales = {
             n: torch.empty(tiles, k // SUPER_BLOCK, TILE_COLS) for n in ("super_d", "super_m")
@@ -270,9 +273,9 @@ def pack_gguf(
         with warnings.catch_warnings():  # the file's read-only mapping: the pass only reads
             warnings.simplefilter("ignore", UserWarning)
             raw_tensor = torch.from_numpy(part.reshape(len(part), -1))
-        load().gguf_pack(raw_tensor, ggml_type.value, packed[part_tiles], *views)
+        load().gguf_pack(raw_tensor, ggml_type.value, packed_tiles[part_tiles], *views)
         first_tile = part_tiles.stop
-    return {"packed": packed.reshape(-1), **scales}
+    return {"packed": packed, **scales}
 
 
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
