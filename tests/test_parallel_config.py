@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.config import EngineArgs, ModelConfig
 from pagedllm.engine.engine_config import build_engine_config, kv_bytes_per_block
+from pagedllm.model.loader import ModelSource
 from pagedllm.parallel_config import ParallelConfig, verify_parallel_layout
 
 SMOLLM2 = SimpleNamespace(
@@ -27,6 +28,7 @@ SMOLLM2 = SimpleNamespace(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+SOURCE = ModelSource("smollm2.gguf", is_gguf=True)  # only its kind is read
 
 
 def _parallel(tp: int = 1, pp: int = 1) -> ParallelConfig:
@@ -54,9 +56,9 @@ def test_more_stages_than_layers_refused():
 def test_engine_config_refuses_tp2_at_start_up():
     args = EngineArgs(tensor_parallel_size=2, max_model_len=64, cpu_threads_bind="nobind")
     with pytest.raises(ValueError, match="Sizes that work: 1, 3"):
-        build_engine_config(args, "smollm2", SMOLLM2, None, log=False)
+        build_engine_config(args, SOURCE, SMOLLM2, None, log=False)
     args = EngineArgs(tensor_parallel_size=3, max_model_len=64, cpu_threads_bind="nobind")
-    config = build_engine_config(args, "smollm2", SMOLLM2, None, log=False)
+    config = build_engine_config(args, SOURCE, SMOLLM2, None, log=False)
     assert config.parallel_config.tensor_parallel_size == 3
     assert config.distributed_executor_backend == "mp"
 
@@ -111,6 +113,6 @@ def test_pool_holds_the_same_blocks_per_rank_in_its_memory():
             cpu_threads_bind="nobind",
         )
         blocks[tp] = build_engine_config(
-            args, "m", SMOLLM2, None, log=False
+            args, SOURCE, SMOLLM2, None, log=False
         ).cache_config.num_blocks
     assert blocks[3] == 3 * blocks[1]
