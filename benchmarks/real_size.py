@@ -35,8 +35,9 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.peers.common import PeerPaths
-from benchmarks.peers.servers import free_port, start_server
+from benchmarks.peers.servers import start_server
 from benchmarks.random_gguf import FILE_TYPES, SHAPES, write_random_gguf
+from pagedllm.utils import free_port
 
 CONCURRENCY = 32
 SENTENCE = "The history of the city begins with a small settlement by the river, and "

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from pagedllm.utils import free_port
 
 BIN = Path(sys.executable).parent
 OUT = Path(__file__).parent / "out"
@@ -34,12 +35,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--plot", default=str(Path(__file__).parent / "plots" / "serve_16.png"))
     return parser.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(port: int, log_path: Path) -> tuple[subprocess.Popen, float]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,11 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pagedllm.utils import free_port
 
 
 def time_to_health(command: list[str], port: int, timeout_s: float) -> float:

@@ -9,7 +9,8 @@ import random
 from pathlib import Path
 
 from benchmarks.peers.common import OUR_BIN
-from benchmarks.peers.servers import Server, free_port, start_server
+from benchmarks.peers.servers import Server, start_server
+from pagedllm.utils import free_port
 
 # Common English words, one token each in BPE vocabularies: N words are about N tokens.
 WORDS = ("the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by")

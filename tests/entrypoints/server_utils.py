@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
+
+from pagedllm.utils import free_port
 
 STARTUP_TIMEOUT_S = 180.0
 API_KEY = "sk-test-key"
@@ -31,12 +32,6 @@ def health(server: RunningServer) -> int:
         return httpx.get(server.base_url + "/health", timeout=5).status_code
     except httpx.HTTPError:
         return 0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RunningServer:
