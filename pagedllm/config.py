@@ -116,6 +116,88 @@ KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfl
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table: the same attention kind (full, or one window)."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """How a model's layers map onto the paged pool (vLLM's hybrid allocator).
+
+    Layers with a sliding window and full layers keep separate block tables (groups), so a
+    windowed group can free the blocks its window has passed. Groups are at most
+    `layers_per_group` layers; the pool holds `layers_per_group` (K, V) tensor pairs, and
+    a block id names one block in each pair: the group that holds the block uses them for
+    its layers, in order. A request therefore takes one block per group per
+    `block_size` tokens, less what its windowed groups have freed.
+    """
+
+    groups: tuple[KVCacheGroup, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups or any(not g.layers for g in self.groups):
+            raise ValueError("KV cache groups must be non-empty")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def layers_per_group(self) -> int:
+        return max(len(group.layers) for group in self.groups)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(group.sliding_window for group in self.groups)
+
+    @property
+    def has_windows(self) -> bool:
+        return any(window is not None for window in self.windows)
+
+    def layer_slots(self, layers: range | None = None) -> dict[int, tuple[int, int]]:
+        """layer -> (its group, its tensor pair in the pool), for `layers` (a pipeline
+        stage's; default all): a group's layers of the stage take pairs 0, 1, ... in order."""
+        slots = {}
+        for g, group in enumerate(self.groups):
+            stage = [layer for layer in group.layers if layers is None or layer in layers]
+            slots.update({layer: (g, slot) for slot, layer in enumerate(stage)})
+        return dict(sorted(slots.items()))
+
+    def num_tensor_pairs(self, layers: range | None = None) -> int:
+        """(K, V) tensor pairs the pool needs for `layers` (default all)."""
+        return max((slot + 1 for _, slot in self.layer_slots(layers).values()), default=0)
+
+    def max_blocks_per_request(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one request of `num_tokens` tokens holds at most: every block for a full
+        group, its window's blocks (and the one being filled) for a windowed group."""
+        full = -(-num_tokens // block_size)
+        return sum(
+            full if w is None else min(full, -(-(w - 1) // block_size) + 1) for w in self.windows
+        )
+
+
+def kv_cache_groups(layer_windows: list[int | None]) -> KVCacheGroups:
+    """Group layers by attention kind, `min(count per kind)` layers a group (vLLM's rule:
+    Gemma 3's 15 local and 3 global layers make five local groups and one global group of
+    three layers), so the pool's tensor pairs are shared without waste."""
+    kinds: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(layer_windows):
+        kinds.setdefault(window, []).append(layer)
+    size = min(len(layers) for layers in kinds.values())
+    groups = [
+        KVCacheGroup(tuple(layers[i : i + size]), window)
+        for window, layers in kinds.items()
+        for i in range(0, len(layers), size)
+    ]
+    # Full-attention groups first: group 0 is then the one every model has, if any.
+    groups.sort(key=lambda g: (g.sliding_window is not None, g.layers[0]))
+    return KVCacheGroups(tuple(groups))
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. `num_blocks` includes the reserved null block (id 0)."""
 
@@ -124,6 +206,8 @@ class CacheConfig:
     kv_cache_memory: int
     enable_prefix_caching: bool = True
     cache_dtype: torch.dtype = torch.float32
+    # None: one full-attention group of every layer.
+    kv_groups: KVCacheGroups | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

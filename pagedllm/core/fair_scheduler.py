@@ -87,7 +87,7 @@ class FairScheduling:
             holding = step.holding(request.tenant)
             seats = 1 + request.num_unforked_samples
             holding.seats += seats
-            holding.blocks += len(kv.req_to_blocks.get(request.request_id, ()))
+            holding.blocks += kv.num_held_blocks(request.request_id)
             step.num_seats += seats
             step.running.setdefault(request.tenant, deque()).append(request)
             step.admission_order[request.request_id] = index
@@ -172,7 +172,7 @@ class FairScheduling:
         share, _, tenant = max(options)
         victim = step.running[tenant][-1]
         seats = 1 + victim.num_unforked_samples
-        blocks = len(kv.req_to_blocks.get(victim.request_id, ()))
+        blocks = kv.num_held_blocks(victim.request_id)
         share_after = self._share(step, tenant, -seats, -blocks)
         if claimant_share <= share_after and self._share(step, claimant) < share:
             return victim
@@ -191,7 +191,7 @@ class FairScheduling:
         """Preempt a running request not yet scheduled this step."""
         holding = step.holding(victim.tenant)
         holding.seats -= 1 + victim.num_unforked_samples
-        holding.blocks -= len(self.kv_cache_manager.req_to_blocks.get(victim.request_id, ()))
+        holding.blocks -= self.kv_cache_manager.num_held_blocks(victim.request_id)
         step.num_seats -= 1 + victim.num_unforked_samples
         step.running[victim.tenant].remove(victim)
         self.running.remove(victim)
@@ -320,7 +320,7 @@ class FairScheduling:
         step.num_seats += seats
         holding = step.holding(tenant)
         holding.seats += seats
-        holding.blocks += len(kv.req_to_blocks[request.request_id])
+        holding.blocks += kv.num_held_blocks(request.request_id)
         if claim is not None:
             used = Holding(min(seats, claim.seats), min(needed, claim.blocks))
             claim.seats -= used.seats

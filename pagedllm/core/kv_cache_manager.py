@@ -1,4 +1,11 @@
-"""`KVCacheManager`: block tables per request, prefix-cache lookups, taking and returning blocks."""
+"""`KVCacheManager`: block tables per request, prefix-cache lookups, taking and returning blocks.
+
+A model's layers may form several KV cache groups (`config.KVCacheGroups`: full-attention
+layers and sliding-window layers keep separate tables). A request's blocks are then one flat
+list, interleaved by group: logical block i of group g is entry `i * num_groups + g`. The
+runner splits the list the same way. A windowed group frees the blocks its window has left
+behind as the request advances; their entries become the null block, which no kernel reads.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +21,14 @@ from pagedllm.utils import cdiv
 class KVAllocation:
     """What `allocate_slots` took for a request's next tokens.
 
-    `block_copy` is set when the request was about to write into a partly filled block that
-    other requests share (parallel samples): the request got a copy of it (copy-on-write),
-    the runner must copy (source, destination) before the forward, and the request's block
-    table changed in place, so it is sent whole.
+    `block_copies` is set when the request was about to write into a partly filled block that
+    other requests share (parallel samples): the request got a copy of it (copy-on-write; one
+    per KV cache group), the runner must copy each (source, destination) before the forward,
+    and the request's block table changed in place, so it is sent whole.
     """
 
     new_blocks: list[KVCacheBlock] = field(default_factory=list)
-    block_copy: tuple[int, int] | None = None
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def new_block_ids(self) -> list[int]:
@@ -41,15 +48,29 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Owns the block pool and one block table (a list of blocks) per request."""
+    """Owns the block pool and one block table (a list of blocks) per request.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    `group_windows` has one entry per KV cache group: its sliding window in tokens, or None
+    for full attention (the default: one full group).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        group_windows: tuple[int | None, ...] = (None,),
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks)
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many leading blocks of each request are already in the prefix cache.
+        # How many leading logical blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Windowed groups: how many leading logical blocks of each request were freed.
+        self.num_dropped_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -75,13 +96,26 @@ class KVCacheManager:
         hits: list[KVCacheBlock] = []
         for index, block_hash in enumerate(request.block_hashes[:max_blocks]):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            extra_keys = hashing.block_extra_keys(index, request.cache_salt)
-            parent = hits[-1] if hits else None
-            block = self.block_pool.prefix_cache.lookup(block_hash, tokens, extra_keys, parent)
-            if block is None:
+            # A logical block is a hit only when every group has it cached.
+            row = []
+            for group in range(self.num_groups):
+                parent = hits[(index - 1) * self.num_groups + group] if index else None
+                block = self.block_pool.prefix_cache.lookup(
+                    block_hash, tokens, self._extra_keys(request, index, group), parent
+                )
+                if block is None:
+                    break
+                row.append(block)
+                hits.append(block)
+            if len(row) < self.num_groups:
+                del hits[len(hits) - len(row) :]
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        return hits, len(hits) // self.num_groups * self.block_size
+
+    def _extra_keys(self, request: Request, index: int, group: int) -> hashing.ExtraKeys:
+        """A cached block proves its group too: groups hold different layers' KV."""
+        extra_keys = hashing.block_extra_keys(index, request.cache_salt)
+        return extra_keys if group == 0 else (*(extra_keys or ()), ("kv_group", group))
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a request waiting for room is not recounted)."""
@@ -97,24 +131,36 @@ class KVCacheManager:
     ) -> KVAllocation | None:
         """Take prefix-cache hits and fresh blocks for `num_new_tokens` more tokens.
 
-        Returns the fresh blocks (and the copy-on-write made, if any), or None (and takes
-        nothing) if too few are free.
+        Returns the fresh blocks (and the copies-on-write made, if any), or None (and takes
+        nothing) if too few are free. Blocks that windowed groups no longer need are freed
+        first, whatever the outcome: the request never reads them again.
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         num_tokens_after, num_new_blocks = self._growth(request, blocks, computed, num_new_tokens)
-        shared_index = self._shared_partial_block(request, blocks)
+        num_computed_after = self._num_computed_after(request, computed)
+        self._drop_outside_windows(request.request_id, blocks, num_computed_after)
+        shared = self._shared_partial_blocks(request, blocks)
         if self.num_blocks_to_allocate(request, num_new_tokens, computed) > self.num_free_blocks:
             return None
-        block_copy = None if shared_index is None else self._copy_on_write(blocks, shared_index)
-        self.block_pool.touch(computed)
+        block_copies = [self._copy_on_write(blocks, index) for index in shared]
+        computed = self._without_dropped(blocks, computed, num_computed_after)
+        self.block_pool.touch(b for b in computed if b is not self.block_pool.null_block)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, blocks)
         blocks.extend(computed)
         blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, len(computed), num_tokens_after)
-        return KVAllocation(new_blocks, block_copy)
+            num_hits = self._num_logical(computed)
+            self._cache_full_blocks(request, blocks, num_hits, num_tokens_after)
+        return KVAllocation(new_blocks, block_copies)
+
+    def _num_logical(self, blocks: list[KVCacheBlock]) -> int:
+        return len(blocks) // self.num_groups
+
+    def _num_computed_after(self, request: Request, computed: list[KVCacheBlock]) -> int:
+        """Tokens computed once the prefix-cache hits `computed` are taken."""
+        return request.num_computed_tokens + self._num_logical(computed) * self.block_size
 
     def _growth(
         self,
@@ -124,11 +170,55 @@ class KVCacheManager:
         num_new_tokens: int,
     ) -> tuple[int, int]:
         """(tokens the request will hold, fresh blocks it needs for them)."""
-        num_tokens_after = (
-            request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_tokens_after = self._num_computed_after(request, computed) + num_new_tokens
+        num_logical = cdiv(num_tokens_after, self.block_size) - self._num_logical(blocks)
+        num_logical -= self._num_logical(computed)
+        return num_tokens_after, max(0, num_logical) * self.num_groups
+
+    def _first_needed_block(self, group: int, num_computed_tokens: int) -> int:
+        """The first logical block a group still reads once `num_computed_tokens` are
+        computed: with a window, the next query (at that position) sees window - 1 keys back."""
+        window = self.group_windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed_tokens - window + 1) // self.block_size
+
+    def _drop_outside_windows(
+        self, request_id: str, blocks: list[KVCacheBlock], num_computed_tokens: int
+    ) -> None:
+        """Free the blocks of windowed groups that lie wholly before their windows."""
+        windowed = [g for g, w in enumerate(self.group_windows) if w is not None]
+        if not windowed or not blocks:
+            return
+        first = self.num_dropped_blocks.get(request_id, 0)
+        null = self.block_pool.null_block
+        freed = []
+        ends = {g: self._first_needed_block(g, num_computed_tokens) for g in windowed}
+        for group, end in ends.items():
+            for index in range(first, min(end, self._num_logical(blocks))):
+                entry = index * self.num_groups + group
+                if blocks[entry] is not null:
+                    freed.append(blocks[entry])
+                    blocks[entry] = null
+        self.num_dropped_blocks[request_id] = max(
+            first, min(min(ends.values()), self._num_logical(blocks))
         )
-        num_blocks = cdiv(num_tokens_after, self.block_size) - len(blocks) - len(computed)
-        return num_tokens_after, max(0, num_blocks)
+        self.block_pool.free_blocks(reversed(freed))
+
+    def _without_dropped(
+        self, blocks: list[KVCacheBlock], computed: list[KVCacheBlock], num_computed_tokens: int
+    ) -> list[KVCacheBlock]:
+        """Prefix-cache hits, with those a windowed group would free at once replaced by the
+        null block (never taken)."""
+        if all(w is None for w in self.group_windows):
+            return computed
+        offset = self._num_logical(blocks)
+        kept = list(computed)
+        for entry in range(len(kept)):
+            index, group = divmod(entry, self.num_groups)
+            if offset + index < self._first_needed_block(group, num_computed_tokens):
+                kept[entry] = self.block_pool.null_block
+        return kept
 
     def num_blocks_to_allocate(
         self,
@@ -136,21 +226,25 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> int:
-        """Free blocks `allocate_slots` would take for these tokens: fresh ones, a copy-on-write,
+        """Free blocks `allocate_slots` would take for these tokens: fresh ones, copies-on-write,
         and prefix-cache hits that sit in the free queue (taking them makes them held)."""
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
         _, num_new_blocks = self._growth(request, blocks, computed, num_new_tokens)
-        num_free_hits = sum(1 for block in computed if block.ref_cnt == 0)
-        num_copies = 0 if self._shared_partial_block(request, blocks) is None else 1
+        kept = self._without_dropped(blocks, computed, self._num_computed_after(request, computed))
+        null = self.block_pool.null_block
+        num_free_hits = sum(1 for block in kept if block is not null and block.ref_cnt == 0)
+        num_copies = len(self._shared_partial_blocks(request, blocks))
         return num_new_blocks + num_copies + num_free_hits
 
-    def _shared_partial_block(self, request: Request, blocks: list[KVCacheBlock]) -> int | None:
-        """Index of the block the next token lands in, if it is partly filled and shared."""
+    def _shared_partial_blocks(self, request: Request, blocks: list[KVCacheBlock]) -> list[int]:
+        """Entries (one per group) of the logical block the next token lands in, where it is
+        partly filled and shared."""
         index, offset = divmod(request.num_computed_tokens, self.block_size)
-        if offset and index < len(blocks) and blocks[index].ref_cnt > 1:
-            return index
-        return None
+        if not offset:
+            return []
+        entries = range(index * self.num_groups, (index + 1) * self.num_groups)
+        return [e for e in entries if e < len(blocks) and blocks[e].ref_cnt > 1]
 
     def _copy_on_write(self, blocks: list[KVCacheBlock], index: int) -> tuple[int, int]:
         """Give the request its own copy of a shared block before it writes into it."""
@@ -163,12 +257,14 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (one more reference each)."""
         blocks = list(self.req_to_blocks.get(parent.request_id, []))
-        self.block_pool.touch(blocks)
+        self.block_pool.touch(b for b in blocks if b is not self.block_pool.null_block)
         self.req_to_blocks[child.request_id] = blocks
         num_prompt_blocks = parent.num_prompt_tokens // self.block_size
         self.num_cached_blocks[child.request_id] = min(
             self.num_cached_blocks.get(parent.request_id, 0), num_prompt_blocks
         )
+        if parent.request_id in self.num_dropped_blocks:
+            self.num_dropped_blocks[child.request_id] = self.num_dropped_blocks[parent.request_id]
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_hits: int, num_tokens: int
@@ -182,16 +278,23 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         token_ids = request.all_token_ids
+        null = self.block_pool.null_block
         for index in range(first, num_full):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent = blocks[index - 1] if index else None
-            self.block_pool.prefix_cache.insert(
-                blocks[index],
-                request.block_hashes[index],
-                tokens,
-                hashing.block_extra_keys(index, request.cache_salt),
-                parent,
-            )
+            for group in range(self.num_groups):
+                entry = index * self.num_groups + group
+                parent = blocks[entry - self.num_groups] if index else None
+                # A window that already passed the parent broke the chain: no lookup can
+                # reach this block through it, so it is not published.
+                if blocks[entry] is null or parent is null:
+                    continue
+                self.block_pool.prefix_cache.insert(
+                    blocks[entry],
+                    request.block_hashes[index],
+                    tokens,
+                    self._extra_keys(request, index, group),
+                    parent,
+                )
 
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
@@ -203,20 +306,31 @@ class KVCacheManager:
         """Return every block of `request`. Tail blocks go first so they are evicted first."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.num_dropped_blocks.pop(request.request_id, None)
+        null = self.block_pool.null_block
+        self.block_pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's flat block table (interleaved by group; freed entries are 0)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (its table less the entries its windows freed)."""
+        null = self.block_pool.null_block
+        return sum(1 for block in self.req_to_blocks.get(request_id, ()) if block is not null)
 
     def check_integrity(self) -> None:
         """Assert free + held blocks == usable blocks, ref counts match holders, cache is sound."""
         holders: dict[int, int] = {}
+        null = self.block_pool.null_block
         for blocks in self.req_to_blocks.values():
+            assert len(blocks) % self.num_groups == 0, "a table of whole logical blocks"
             for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                if block is not null:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         pool = self.block_pool
         assert len(holders) + pool.num_free_blocks == pool.num_usable_blocks, (
             f"{len(holders)} held + {pool.num_free_blocks} free != {pool.num_usable_blocks} blocks"

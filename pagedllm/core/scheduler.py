@@ -300,10 +300,9 @@ class Scheduler(FairScheduling):
             output.scheduled_new_reqs.append(self._new_request_data(request))
         else:
             # A table changed in place (resumed, or copied on write) is sent whole.
-            rewritten = request_id in self._resumed or allocation.block_copy is not None
+            rewritten = request_id in self._resumed or bool(allocation.block_copies)
             self._resumed.discard(request_id)
-            if allocation.block_copy is not None:
-                output.blocks_to_copy.append(allocation.block_copy)
+            output.blocks_to_copy.extend(allocation.block_copies)
             output.scheduled_cached_reqs.append(
                 CachedRequestData(
                     request_id=request_id,

@@ -53,8 +53,12 @@ class EngineCore:
             self.model_executor.shutdown()
             raise
         cache_config = config.cache_config
+        groups = cache_config.kv_groups
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            groups.windows if groups is not None else (None,),
         )
         model_config = config.model_config
         self.structured_output = StructuredOutputManager(

@@ -13,11 +13,14 @@ from pagedllm.config import (
     CacheConfig,
     EngineArgs,
     EngineConfig,
+    KVCacheGroups,
     ModelConfig,
     SchedulerConfig,
+    kv_cache_groups,
     parse_memory_size,
     resolve_dtype,
 )
+from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
@@ -29,17 +32,13 @@ from pagedllm.parallel_config import (
     verify_cpu_binding,
     verify_parallel_layout,
 )
-from pagedllm.utils import cdiv
 
 logger = logging.getLogger("pagedllm")
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """The model's context window, narrowed to its sliding window (served as full attention)."""
+    """The model's context window (a sliding window does not narrow it: those layers mask)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, sliding_window)
     if requested is None:
         return limit
     if requested > limit:
@@ -67,16 +66,19 @@ def kv_bytes_per_block(
     block_size: int,
     cache_dtype: torch.dtype,
     parallel_config: ParallelConfig | None = None,
+    kv_groups: KVCacheGroups | None = None,
 ) -> int:
     """One block's K and V on one rank: its KV heads (tensor parallel: a share, or one
-    replicated head) for its stage's layers (pipeline parallel: the largest stage's, so
-    every rank's pool of `num_blocks` fits its `kv_cache_memory`)."""
+    replicated head) for the tensor pairs its stage's layers need (pipeline parallel: the
+    largest stage's, so every rank's pool of `num_blocks` fits its `kv_cache_memory`). One
+    group of every layer needs a pair per layer; several groups share pairs."""
     parallel_config = parallel_config or ParallelConfig()
     num_kv_heads = num_kv_heads_per_rank(
         model_config.num_kv_heads, parallel_config.tensor_parallel_size
     )
+    groups = kv_groups or kv_cache_groups([None] * model_config.num_layers)
     num_layers = max(
-        len(
+        groups.num_tensor_pairs(
             pipeline_stage_layers(
                 model_config.num_layers, parallel_config.pipeline_parallel_size, r
             )
@@ -85,6 +87,27 @@ def kv_bytes_per_block(
     )
     per_token = 2 * num_layers * num_kv_heads * model_config.head_dim
     return per_token * cache_dtype.itemsize * block_size
+
+
+def model_kv_groups(hf_config: Any, max_model_len: int) -> KVCacheGroups:
+    """The model's KV cache groups. A window no shorter than `max_model_len` never drops a
+    key, so such layers count as full attention."""
+    windows = [
+        None if window is None or window >= max_model_len else window
+        for window in layer_sliding_windows(hf_config)
+    ]
+    return kv_cache_groups(windows)
+
+
+def _describe_groups(kv_groups: KVCacheGroups) -> str:
+    if kv_groups.num_groups == 1 and not kv_groups.has_windows:
+        return ""
+    kinds = ", ".join(
+        f"layers {list(g.layers)}: "
+        + ("full" if g.sliding_window is None else f"window {g.sliding_window}")
+        for g in kv_groups.groups
+    )
+    return f" in {kv_groups.num_groups} KV cache groups ({kinds})"
 
 
 def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource, Any, Any]:
@@ -176,34 +199,45 @@ def _cache_config(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or model_config.dtype
-    bytes_per_block = kv_bytes_per_block(model_config, block_size, cache_dtype, parallel_config)
     max_len = model_config.max_model_len
+    kv_groups = model_kv_groups(model_config.hf_config, max_len)
+    bytes_per_block = kv_bytes_per_block(
+        model_config, block_size, cache_dtype, parallel_config, kv_groups
+    )
+    blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
     if args.kv_cache_memory is None:
         # Enough for every sequence at full length, capped: most traffic is far shorter.
-        blocks_wanted = args.max_num_seqs * cdiv(max_len, block_size) + 1
+        blocks_wanted = args.max_num_seqs * blocks_per_request + 1
         memory = min(DEFAULT_KV_CACHE_MEMORY, blocks_wanted * bytes_per_block)
     else:
         memory = parse_memory_size(args.kv_cache_memory)
     num_blocks = memory // bytes_per_block
     cache_config = CacheConfig(
-        block_size, num_blocks, memory, args.enable_prefix_caching, cache_dtype
+        block_size,
+        num_blocks,
+        memory,
+        args.enable_prefix_caching,
+        cache_dtype,
+        kv_groups if kv_groups.num_groups > 1 or kv_groups.has_windows else None,
     )
-    num_tokens = (num_blocks - 1) * block_size
-    if num_tokens < max_len:
+    num_tokens = (num_blocks - 1) // kv_groups.num_groups * block_size
+    if num_blocks - 1 < blocks_per_request:
         raise ValueError(
-            f"kv_cache_memory={memory} bytes holds {num_tokens} tokens, fewer than "
-            f"max_model_len={max_len}; raise kv_cache_memory or lower max_model_len"
+            f"kv_cache_memory={memory} bytes holds {num_blocks - 1} blocks, fewer than the "
+            f"{blocks_per_request} one request of max_model_len={max_len} tokens needs; "
+            "raise kv_cache_memory or lower max_model_len"
         )
     if not log:
         return cache_config
     logger.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s; max concurrency at "
         "max_model_len=%d: %.2fx",
         num_blocks - 1,
         block_size,
         num_tokens,
         num_blocks * bytes_per_block / 1024**3,
+        _describe_groups(kv_groups),
         max_len,
-        num_tokens / max_len,
+        (num_blocks - 1) / blocks_per_request,
     )
     return cache_config

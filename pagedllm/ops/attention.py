@@ -65,7 +65,10 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """With `sliding_window` W a query at position i sees keys i - W + 1 .. i (as
+        Transformers' sliding-window mask): blocks wholly before that may be the null block."""
 
 
 def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None = None):

@@ -70,7 +70,9 @@ class CpuAttentionBackend(AttentionBackend):
             seq_lens=to_device(layout.seq_lens, device, torch.int32),
         )
 
-    def forward(self, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale):
+    def forward(
+        self, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale, sliding_window=None
+    ):
         self._write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=torch.float32)
         query = q.float()  # no copy when q is fp32 already
@@ -85,6 +87,7 @@ class CpuAttentionBackend(AttentionBackend):
             metadata.query_start_loc,
             metadata.seq_lens,
             scale,
+            sliding_window or 0,
         )
         return out.to(q.dtype)
 

@@ -20,6 +20,10 @@ from pagedllm.ops.attention import (
 from pagedllm.utils import cdiv
 
 
+def cdiv_tensor(a: torch.Tensor, b: int) -> torch.Tensor:
+    return (a + b - 1) // b
+
+
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks], padded with the null block 0
@@ -64,15 +68,21 @@ class TorchAttentionBackend(AttentionBackend):
             prefill_req_indices=np.flatnonzero(~is_decode).tolist(),
         )
 
-    def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, scale):
+    def forward(
+        self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, scale, sliding_window=None
+    ):
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if len(metadata.decode_req_indices):
-            out[metadata.decode_token_indices] = self._decode(q, kv_cache, metadata, scale)
+            out[metadata.decode_token_indices] = self._decode(
+                q, kv_cache, metadata, scale, sliding_window
+            )
         for req_index in metadata.prefill_req_indices:
             start = metadata.query_start_loc[req_index]
             end = metadata.query_start_loc[req_index + 1]
-            out[start:end] = self._prefill(q[start:end], kv_cache, metadata, req_index, scale)
+            out[start:end] = self._prefill(
+                q[start:end], kv_cache, metadata, req_index, scale, sliding_window
+            )
         return out
 
     def _gather(
@@ -89,19 +99,32 @@ class TorchAttentionBackend(AttentionBackend):
         # A 16-bit cache (kv_cache_dtype) under a float32 model computes in float32.
         return out if out.dtype == dtype else out.to(dtype)
 
-    def _decode(self, q, kv_cache, metadata: TorchAttentionMetadata, scale: float):
+    def _decode(self, q, kv_cache, metadata: TorchAttentionMetadata, scale: float, window):
         key_cache, value_cache = kv_cache
         block_size = key_cache.shape[1]
-        num_blocks = cdiv(int(metadata.decode_seq_lens.max()), block_size)
-        tables = metadata.block_tables[metadata.decode_req_indices, :num_blocks].reshape(-1)
+        seq_lens = metadata.decode_seq_lens.long()
+        tables = metadata.block_tables[metadata.decode_req_indices]
+        # Blocks read from each request's first block in its window on (all of them with no
+        # window): a block wholly outside it may be the null block, whose contents are not
+        # keys and must not reach the softmax (0 x NaN is NaN).
+        first_block = torch.zeros_like(seq_lens)
+        if window is not None:
+            first_block = (seq_lens - window).clamp(min=0) // block_size
+        num_blocks = int((cdiv_tensor(seq_lens, block_size) - first_block).max())
+        columns = first_block[:, None] + torch.arange(num_blocks, device=q.device)
+        columns = columns.clamp(max=tables.shape[1] - 1)
+        tables = tables.gather(1, columns).reshape(-1)
         batch = len(metadata.decode_req_indices)
         # [B, Hkv, L, D] views of the gathered blocks
         keys = self._gather(key_cache, tables, "k", q.dtype).view(batch, -1, *key_cache.shape[2:])
         values = self._gather(value_cache, tables, "v", q.dtype).view(
             batch, -1, *value_cache.shape[2:]
         )
-        positions = torch.arange(keys.shape[1], device=q.device)
-        mask = (positions[None, :] < metadata.decode_seq_lens[:, None])[:, None, None, :]
+        positions = first_block[:, None] * block_size + torch.arange(keys.shape[1], device=q.device)
+        mask = positions < seq_lens[:, None]
+        if window is not None:
+            mask &= positions >= (seq_lens - window)[:, None]
+        mask = mask[:, None, None, :]
         query = q[metadata.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
         out = F.scaled_dot_product_attention(
             query,
@@ -113,26 +136,33 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out.squeeze(2)
 
-    def _prefill(self, q, kv_cache, metadata: TorchAttentionMetadata, req_index: int, scale):
+    def _prefill(
+        self, q, kv_cache, metadata: TorchAttentionMetadata, req_index: int, scale, window
+    ):
         key_cache, value_cache = kv_cache
         block_size = key_cache.shape[1]
         seq_len = metadata.seq_lens[req_index]
-        table = metadata.block_tables[req_index, : cdiv(seq_len, block_size)]
-        keys = self._gather(key_cache, table, "k", q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
-        values = (
-            self._gather(value_cache, table, "v", q.dtype).flatten(0, 1)[:seq_len].transpose(0, 1)
-        )
-        query = q.transpose(0, 1)  # [H, n, D]
         num_queries = q.shape[0]
         context_start = seq_len - num_queries
-        if context_start == 0:
+        # From the block of the first query's first key in its window on (see _decode).
+        first_block = 0 if window is None else max(0, context_start - window + 1) // block_size
+        first_key = first_block * block_size
+        table = metadata.block_tables[req_index, first_block : cdiv(seq_len, block_size)]
+        num_keys = seq_len - first_key
+        keys = self._gather(key_cache, table, "k", q.dtype).flatten(0, 1)[:num_keys]
+        values = self._gather(value_cache, table, "v", q.dtype).flatten(0, 1)[:num_keys]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        query = q.transpose(0, 1)  # [H, n, D]
+        if context_start == 0 and window is None:
             out = F.scaled_dot_product_attention(
                 query, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            key_positions = torch.arange(seq_len, device=q.device)
+            key_positions = torch.arange(first_key, seq_len, device=q.device)
             query_positions = torch.arange(context_start, seq_len, device=q.device)
             mask = key_positions[None, :] <= query_positions[:, None]
+            if window is not None:
+                mask &= key_positions[None, :] > query_positions[:, None] - window
             out = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )

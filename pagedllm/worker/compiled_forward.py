@@ -56,11 +56,15 @@ def compiled_batch_limit(model: torch.nn.Module) -> int:
 class CompiledDecode:
     """The model's forward compiled for decode-only steps (one token per request)."""
 
-    def __init__(self, model: torch.nn.Module, max_batch_size: int = MAX_BATCH_SIZE) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_batch_size: int = MAX_BATCH_SIZE, num_kv_groups: int = 1
+    ) -> None:
         """`max_batch_size`: the largest decode step to run compiled (at most
         MAX_BATCH_SIZE); the model runner lowers it where oneDNN's packed weights serve
-        larger batches faster than the compiled graph's skinny kernel."""
+        larger batches faster than the compiled graph's skinny kernel. `num_kv_groups`:
+        the model's KV cache groups (a step's metadata is then a tuple, one per group)."""
         self.max_batch_size = min(max_batch_size, MAX_BATCH_SIZE)
+        self.num_kv_groups = num_kv_groups
         _use_pagedllm_cache()
         # Sizes that happen to be equal while tracing (a batch of 2 and a 2-column block
         # table) must not become one symbol, or the next step recompiles.
@@ -79,14 +83,17 @@ class CompiledDecode:
         )
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata | tuple[AttentionMetadata, ...],
     ) -> torch.Tensor:
         return self._forward(input_ids, positions, metadata)
 
     def warm_up(self, device: torch.device) -> float:
         """Compile now, on a dummy decode of two requests; returns the seconds it took."""
         started = time.perf_counter()
-        self(*_dummy_decode(2, device, self._attention_backend))
+        self(*_dummy_decode(2, device, self._attention_backend, self.num_kv_groups))
         elapsed = time.perf_counter() - started
         logger.info(
             "Compiled the decode step (batches of 1 to %d) in %.1f s", self.max_batch_size, elapsed
@@ -95,8 +102,8 @@ class CompiledDecode:
 
 
 def _dummy_decode(
-    batch_size: int, device: torch.device, backend: AttentionBackend
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    batch_size: int, device: torch.device, backend: AttentionBackend, num_kv_groups: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
     """Requests of one token at position 0 in the null block (block 0, never handed out)."""
 
     def zeros() -> torch.Tensor:  # a new tensor each: the graph guards on aliasing
@@ -108,4 +115,7 @@ def _dummy_decode(
         query_start_loc=np.arange(batch_size + 1, dtype=np.int64),
         seq_lens=np.ones(batch_size, dtype=np.int64),
     )
-    return zeros(), zeros(), backend.build_metadata(layout, device)
+    if num_kv_groups == 1:
+        return zeros(), zeros(), backend.build_metadata(layout, device)
+    metadata = tuple(backend.build_metadata(layout, device) for _ in range(num_kv_groups))
+    return zeros(), zeros(), metadata

@@ -36,7 +36,7 @@ import weakref
 import numpy as np
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
@@ -90,9 +90,16 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
-        max_blocks = cdiv(model_config.max_model_len, self.block_size)
+        # One table per KV cache group, interleaved in each row (see core/kv_cache_manager.py).
+        self.kv_groups = config.cache_config.kv_groups or kv_cache_groups(
+            [None] * model_config.num_layers
+        )
+        self.num_kv_groups = self.kv_groups.num_groups
+        max_blocks = cdiv(model_config.max_model_len, self.block_size) * self.num_kv_groups
         self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
+        # One (K, V) pair per layer of the stage; layers of different groups share pairs.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_cache_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         tp_group, self.pp_group = get_tp_group(), get_pp_group()
         self.tp_size = tp_group.world_size
         self.rank_name = (
@@ -113,13 +120,19 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.kv_cache_pool = self._allocate_kv_cache(num_blocks)
+        slots = self.kv_groups.layer_slots(self.layers)
+        self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
         self._prefaulter = self._start_prefault()
 
     def load_model(self, source: ModelSource) -> None:
         """Load the weights, bind the KV cache, and compile the decode step when asked."""
         self.model = self._load_model(source)
-        self.model.bind_kv_cache(self.kv_caches)
+        if self.num_kv_groups == 1:
+            self.model.bind_kv_cache(self.kv_caches)
+        else:
+            groups = [group for group, _ in self.kv_groups.layer_slots(self.layers).values()]
+            self.model.bind_kv_cache(self.kv_caches, groups)
         self.sampler = Sampler(self.kernels)
         # Eager with several ranks: a compiled graph traces neither the collectives of
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
@@ -134,7 +147,9 @@ class ModelRunner:
                 "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
             )
             return None
-        compiled = CompiledDecode(self.model, compiled_batch_limit(self.model))
+        compiled = CompiledDecode(
+            self.model, compiled_batch_limit(self.model), self.num_kv_groups
+        )
         try:
             with torch.inference_mode():
                 compiled.warm_up(self.device)
@@ -195,7 +210,7 @@ class ModelRunner:
                 self._zeros(shape, cache_config.cache_dtype),
                 self._zeros(shape, cache_config.cache_dtype),
             )
-            for _ in self.layers
+            for _ in range(self.kv_groups.num_tensor_pairs(self.layers))
         ]
 
     def _kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
@@ -209,7 +224,7 @@ class ModelRunner:
     def _start_prefault(self) -> KVCachePrefaulter | None:
         if self.device.type != "cpu" or not prefault_enabled():
             return None
-        prefaulter = KVCachePrefaulter([t for pair in self.kv_caches for t in pair]).start()
+        prefaulter = KVCachePrefaulter([t for pair in self.kv_cache_pool for t in pair]).start()
         # Stop with the runner, so a dropped engine's pool is not kept alive and faulted in.
         weakref.finalize(self, prefaulter.stop)
         return prefaulter
@@ -310,12 +325,20 @@ class ModelRunner:
                 problems.append(f"no row for running request {request_id!r}")
                 continue
             got = batch.block_table[row, : batch.num_blocks[row]].tolist()
+            # A block a window has freed is the null block in the scheduler's table; the
+            # runner keeps the old id there, which no kernel reads.
+            null = expected.null_block_id
+            got = [w if w == null else g for g, w in zip(got, want, strict=False)] + got[
+                len(want) :
+            ]
             if got != want:
                 problems.append(
                     f"request {request_id!r}: block table {got} != the scheduler's {want}"
                 )
             wrong = [
-                b for b in got if b == expected.null_block_id or not 0 <= b < expected.num_blocks
+                b
+                for b, w in zip(got, want, strict=False)
+                if (b == null and w != null) or not 0 <= b < expected.num_blocks
             ]
             if wrong:
                 problems.append(
@@ -517,7 +540,7 @@ class ModelRunner:
             return
         sources = self._tensor(np.array([source for source, _ in copies]))
         destinations = self._tensor(np.array([destination for _, destination in copies]))
-        for key_cache, value_cache in self.kv_caches:
+        for key_cache, value_cache in self.kv_cache_pool:
             key_cache[destinations] = key_cache[sources]
             value_cache[destinations] = value_cache[sources]
 
@@ -576,20 +599,22 @@ class ModelRunner:
         )
         token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
-        slot_mapping = (
-            batch.block_table[token_rows, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
         seq_lens = num_computed + num_scheduled
         sample_mask = seq_lens >= batch.num_tokens[rows]
-        layout = AttentionLayout(
-            slot_mapping=slot_mapping,
-            block_tables=batch.block_table[rows, : cdiv(int(seq_lens.max()), self.block_size)],
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-        )
-        # The backend builds only the metadata its forward reads.
-        metadata = self.attention_backend.build_metadata(layout, self.device)
+        num_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        metadata = []
+        for group in range(self.num_kv_groups):
+            table = batch.block_table[:, group :: self.num_kv_groups]
+            layout = AttentionLayout(
+                slot_mapping=table[token_rows, positions // self.block_size] * self.block_size
+                + positions % self.block_size,
+                block_tables=table[rows, :num_blocks],
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+            )
+            # The backend builds only the metadata its forward reads.
+            metadata.append(self.attention_backend.build_metadata(layout, self.device))
+        metadata = metadata[0] if self.num_kv_groups == 1 else tuple(metadata)
         logits_indices = self._tensor(query_start_loc[1:][sample_mask] - 1)
         return (
             self._tensor(input_ids),

@@ -111,7 +111,7 @@ class Worker:
         """Bytes this rank holds: its weights (each parameter once) and its KV cache."""
         runner = self._runner
         weights = {p.data_ptr(): p.numel() * p.element_size() for p in runner.model.parameters()}
-        kv_cache = sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+        kv_cache = sum(t.numel() * t.element_size() for pair in runner.kv_cache_pool for t in pair)
         return {
             "rank": self.rank,
             "weight_bytes": sum(weights.values()),

@@ -100,3 +100,20 @@ def test_a_model_compile_cannot_trace_runs_eagerly(tiny_llama, caplog):
     assert "compile failed" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids) == 4
+
+
+def test_compiled_decode_serves_several_kv_cache_groups(tiny_model_factory):
+    """A model with a full and a windowed group: one graph takes both groups' metadata, and
+    its tokens equal the eager forward's as the window moves past the prompts."""
+    directory = tiny_model_factory("Qwen2ForCausalLM:hybrid24")
+    eager = small_engine(directory)
+    graphs_before = counters["stats"]["unique_graphs"]
+    compiled = small_engine(directory, compile=True)
+    assert model_runner(compiled).num_kv_groups == 2
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (5, 20, 30)]
+    want, got = _generate(eager, prompts), _generate(compiled, prompts)
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids

@@ -4,6 +4,7 @@ and mixed prefill; and greedy engine output is the same with either backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -347,3 +348,52 @@ def test_fp32_keys_and_values_go_into_a_16_bit_cache(cpu_backend, dtype):
     for got, want in zip(kernel, reference, strict=True):
         assert torch.equal(got, want)
     assert_matches_torch(cpu_backend, batch)
+
+
+def dense_reference(batch: Batch, window: int) -> torch.Tensor:
+    """Windowed causal attention of every query over its request's keys, by explicit
+    softmax on the whole (un-nulled) tables: query at position p sees keys p - window + 1..p."""
+    key_cache, value_cache = (c.clone() for c in batch.kv_cache)
+    write_kv_cache(
+        batch.k, batch.v, (key_cache, value_cache), torch.from_numpy(batch.layout.slot_mapping)
+    )
+    layout, block_size = batch.layout, key_cache.shape[1]
+    group = batch.q.shape[1] // key_cache.shape[2]
+    out = torch.empty_like(batch.q)
+    for req, seq_len in enumerate(layout.seq_lens.tolist()):
+        start, end = layout.query_start_loc[req], layout.query_start_loc[req + 1]
+        table = torch.from_numpy(layout.block_tables[req, : cdiv(seq_len, block_size)])
+        keys = key_cache[table].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+        values = value_cache[table].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+        positions = torch.arange(seq_len - (end - start), seq_len)
+        key_positions = torch.arange(seq_len)
+        visible = (key_positions[None] <= positions[:, None]) & (
+            key_positions[None] > positions[:, None] - window
+        )
+        scores = torch.einsum("qhd,khd->hqk", batch.q[start:end], keys) * batch.scale
+        weights = scores.masked_fill(~visible, -math.inf).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 6, 16, 45])
+def test_sliding_window_skips_blocks_before_it(cpu_backend, window):
+    """Both backends equal a dense windowed reference when the blocks wholly before each
+    request's window are the null block."""
+    requests = [(0, 37), (30, 1), (50, 9), (3, 20), (100, 1), (64, 1)]
+    batch = make_batch(requests, block_size=7, num_heads=4, num_kv_heads=2, share_blocks=False)
+    reference = dense_reference(batch, window)
+    tables = batch.layout.block_tables.copy()
+    for req, (cached, _) in enumerate(requests):
+        first_needed_block = max(0, cached - window + 1) // 7
+        tables[req, :first_needed_block] = 0
+    batch.layout = dataclasses.replace(batch.layout, block_tables=tables)
+    # The kernel must never read the null block: NaN there would show. The torch reference
+    # pads short decodes with it and masks them, so it gets finite garbage.
+    for backend, garbage in ((TorchAttentionBackend(), 100.0), (cpu_backend, math.nan)):
+        kv_cache = tuple(c.clone() for c in batch.kv_cache)
+        for cache in kv_cache:
+            cache[0] = garbage
+        metadata = backend.build_metadata(batch.layout, torch.device("cpu"))
+        out = backend.forward(batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale, window)
+        torch.testing.assert_close(out, reference, **FP32_TOLERANCE)

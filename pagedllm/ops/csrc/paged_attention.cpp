@@ -4,7 +4,9 @@
 // Layout (see pagedllm/ops/attention.py): query [T, H, D] fp32, caches
 // [num_blocks, block_size, Hkv, D] in fp32 / bf16 / fp16, block tables [R, M] int32,
 // query_start_loc [R + 1] and seq_lens [R] int32. Request r's queries sit at positions
-// seq_len - query_len .. seq_len - 1 and see keys 0 .. their own position (causal).
+// seq_len - query_len .. seq_len - 1 and see keys 0 .. their own position (causal), or
+// with a sliding window W only the last W of those (position - W + 1 .. position): blocks
+// wholly before a row's window are never read (they may be the null block).
 //
 // A work item is (request, kv head, tile of query tokens): a decode is one item per kv
 // head (or one for all its kv heads when decodes are many), a prefill chunk one per kv
@@ -157,6 +159,7 @@ struct Problem {
   const int32_t* seq_lens;
   int num_heads, group, head_dim, block_size;
   float scale;
+  int window;  // sliding window in tokens; 0: none
 };
 
 // Query tokens [q_begin, q_end) of a request (indices within its chunk) against kv heads
@@ -182,17 +185,17 @@ constexpr int kSliceKeys = 16;
 
 struct Scratch {
   std::vector<float> q, acc, m, l, scores;
-  std::vector<int> limit;
+  std::vector<int> limit, first;
   std::vector<int64_t> head_offset;  // of the row's kv head within a cache token, elements
   std::vector<float> key_t;          // a slice's keys transposed: head_dim x kSliceKeys
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
   Scratch(int max_rows, int head_dim, int block_size)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
-        scores((block_size + 7) / 8 * 8), limit(max_rows), head_offset(max_rows),
+        scores((block_size + 7) / 8 * 8), limit(max_rows), first(max_rows), head_offset(max_rows),
         key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys) {}
 };
 
-// Scaled queries into scratch; a row's `limit` is the number of keys it may see (causal).
+// Scaled queries into scratch; a row sees keys [first, limit) (causal, and windowed).
 template <int NV, typename T>
 void load_rows(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
   constexpr int D = NV * 8;
@@ -208,6 +211,7 @@ void load_rows(const Problem<T>& p, const WorkItem& w, int context_start, Scratc
       s.m[r] = kNegInf;
       s.l[r] = 0.0f;
       s.limit[r] = context_start + t + 1;
+      s.first[r] = p.window > 0 ? std::max(0, s.limit[r] - p.window) : 0;
       s.head_offset[r] = static_cast<int64_t>(head / p.group) * D;
     }
   }
@@ -287,10 +291,13 @@ inline void group_scores(const float* q, const float* key_t, __m256 (&scores)[R]
   }
 }
 
-// Row r's online-softmax update over a slice whose first n keys it may see: weights (0 past
-// n) to p, running max and sum updated; returns the factor for its accumulator.
-inline float slice_softmax(const __m256 (&scores)[2], int n, int r, Scratch& s, float* p) {
-  const __m256 in0 = lanes_below(0, n), in1 = lanes_below(8, n);
+// Row r's online-softmax update over a slice whose keys lo .. n - 1 it may see (lo > 0: a
+// window starts inside the slice): weights (0 outside) to p, running max and sum updated;
+// returns the factor for its accumulator.
+inline float slice_softmax(const __m256 (&scores)[2], int lo, int n, int r, Scratch& s,
+                           float* p) {
+  const __m256 in0 = _mm256_andnot_ps(lanes_below(0, lo), lanes_below(0, n));
+  const __m256 in1 = _mm256_andnot_ps(lanes_below(8, lo), lanes_below(8, n));
   const __m256 neg_inf = _mm256_set1_ps(kNegInf);
   const __m256 s0 = _mm256_blendv_ps(neg_inf, scores[0], in0);
   const __m256 s1 = _mm256_blendv_ps(neg_inf, scores[1], in1);
@@ -357,11 +364,11 @@ inline void attend_block(const T* keys, const T* values, int64_t stride, int n, 
 }
 
 // Rows r0 .. r0 + R - 1 (one kv head) against the first n keys of a slice (its keys in
-// s.key_t), row r seeing its first valid[r] of them: the online-softmax update. A row's
-// weights past its own valid keys are zero, so the shared value pass leaves it as it was.
+// s.key_t), row r seeing keys lo[r] .. valid[r] - 1 of them: the online-softmax update. A
+// row's weights outside its own keys are zero, so the shared value pass leaves it as it was.
 template <int NV, int R, typename T>
-inline void attend_group(const T* values, int64_t stride, int n, int r0, const int* valid,
-                         const Ahead<T>& ahead, Scratch& s) {
+inline void attend_group(const T* values, int64_t stride, int n, int r0, const int* lo,
+                         const int* valid, const Ahead<T>& ahead, Scratch& s) {
   constexpr int D = NV * 8;
   float* p = s.group_scores.data();
   prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
@@ -369,7 +376,8 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
   group_scores<NV, R>(&s.q[r0 * D], s.key_t.data(), scores);
   float rescale[R];
   for (int i = 0; i < R; ++i) {
-    rescale[i] = slice_softmax(scores[i], std::max(valid[i], 0), r0 + i, s, p + i * kSliceKeys);
+    rescale[i] = slice_softmax(scores[i], lo[i], std::max(valid[i], 0), r0 + i, s,
+                               p + i * kSliceKeys);
   }
   prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
   group_values<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
@@ -377,27 +385,30 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
 
 template <int NV, typename T>
 inline void attend_rows(const T* values, int64_t stride, int n, int r0, int count,
-                        const int* valid, const Ahead<T>& ahead, Scratch& s) {
+                        const int* lo, const int* valid, const Ahead<T>& ahead, Scratch& s) {
   switch (count) {
-    case 1: return attend_group<NV, 1>(values, stride, n, r0, valid, ahead, s);
-    case 2: return attend_group<NV, 2>(values, stride, n, r0, valid, ahead, s);
-    case 3: return attend_group<NV, 3>(values, stride, n, r0, valid, ahead, s);
-    case 4: return attend_group<NV, 4>(values, stride, n, r0, valid, ahead, s);
-    case 5: return attend_group<NV, 5>(values, stride, n, r0, valid, ahead, s);
-    default: return attend_group<NV, 6>(values, stride, n, r0, valid, ahead, s);
+    case 1: return attend_group<NV, 1>(values, stride, n, r0, lo, valid, ahead, s);
+    case 2: return attend_group<NV, 2>(values, stride, n, r0, lo, valid, ahead, s);
+    case 3: return attend_group<NV, 3>(values, stride, n, r0, lo, valid, ahead, s);
+    case 4: return attend_group<NV, 4>(values, stride, n, r0, lo, valid, ahead, s);
+    case 5: return attend_group<NV, 5>(values, stride, n, r0, lo, valid, ahead, s);
+    default: return attend_group<NV, 6>(values, stride, n, r0, lo, valid, ahead, s);
   }
 }
 
-// Calls visit(t0, n, block, next_n, next) for each block of the item's context in order:
-// its first position t0, its n keys at element offset `block`, and the next block's first
-// next_n tokens at `next` (its kv-head run), to prefetch while this one is used.
+// Calls visit(t0, n, block, next_n, next) for each block of the item's context in order,
+// from the one holding key kv_begin: its first position t0, its n keys at element offset
+// `block`, and the next block's first next_n tokens at `next` (its kv-head run), to
+// prefetch while this one is used.
 template <int NV, typename T, typename Visit>
-inline void for_each_block(const Problem<T>& p, const WorkItem& w, int kv_end, Visit&& visit) {
+inline void for_each_block(const Problem<T>& p, const WorkItem& w, int kv_begin, int kv_end,
+                           Visit&& visit) {
   constexpr int D = NV * 8;
   const int32_t* table = p.block_tables + w.req * p.table_stride;
   // The item's heads are adjacent in a cache token: one contiguous run to prefetch.
   const int64_t run_offset = static_cast<int64_t>(w.kv_head) * D;
-  for (int b = 0, t0 = 0; t0 < kv_end; ++b, t0 += p.block_size) {
+  const int b0 = kv_begin / p.block_size;
+  for (int b = b0, t0 = b0 * p.block_size; t0 < kv_end; ++b, t0 += p.block_size) {
     const int next_n = std::clamp(kv_end - t0 - p.block_size, 0, p.block_size);
     visit(t0, std::min(p.block_size, kv_end - t0), table[b] * p.block_stride, next_n,
           next_n ? table[b + 1] * p.block_stride + run_offset : int64_t{0});
@@ -409,19 +420,22 @@ inline void for_each_block(const Problem<T>& p, const WorkItem& w, int kv_end, V
 // This loop is kept apart from the tiles' (below) because sharing one function with it
 // slowed it by 10-18% in the A/B runs of RESULTS.md.
 template <int NV, typename T>
-void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
+void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_begin,
+                   int kv_end) {
   const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * NV * 8;
-  for_each_block<NV>(p, w, kv_end, [&](int t0, int n, int64_t block, int next_n, int64_t next) {
+  for_each_block<NV>(p, w, kv_begin, kv_end, [&](int t0, int n, int64_t block, int next_n,
+                                                 int64_t next) {
     for (int r = 0; r < rows; ++r) {
       const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
       const int64_t ahead = next + j0 * p.token_stride;
       prefetch_rows(p.key_cache + ahead, p.token_stride, j1 - j0, run_elements);
       prefetch_rows(p.value_cache + ahead, p.token_stride, j1 - j0, run_elements);
-      const int valid = std::min(n, s.limit[r] - t0);
-      if (valid <= 0) continue;  // a causal row that ends before this block
-      const int64_t offset = block + s.head_offset[r];
-      attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride, valid, r,
-                       s);
+      const int begin = std::max(0, s.first[r] - t0);
+      const int end = std::min(n, s.limit[r] - t0);
+      if (end <= begin) continue;  // a row that ends before this block or starts after it
+      const int64_t offset = block + s.head_offset[r] + begin * p.token_stride;
+      attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride,
+                       end - begin, r, s);
     }
   });
 }
@@ -430,9 +444,11 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
 // once for all rows), in groups of up to kMaxGroupRows rows. A tile item has one kv head
 // (attend routes only those here), so all its rows read the same keys and values.
 template <int NV, typename T>
-void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_end) {
+void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, int kv_begin,
+                 int kv_end) {
   const int64_t run_elements = NV * 8;
-  for_each_block<NV>(p, w, kv_end, [&](int t0, int n, int64_t block, int next_n, int64_t next) {
+  for_each_block<NV>(p, w, kv_begin, kv_end, [&](int t0, int n, int64_t block, int next_n,
+                                                 int64_t next) {
     for (int k0 = 0; k0 < n; k0 += kSliceKeys) {
       const int slice_n = std::min(kSliceKeys, n - k0);
       const int64_t offset = block + s.head_offset[0] + k0 * p.token_stride;
@@ -444,14 +460,18 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
         const int64_t next_offset = next + j0 * p.token_stride;
         const Ahead<T> ahead{p.key_cache + next_offset, p.value_cache + next_offset, j1 - j0,
                              run_elements};
-        int valid[kMaxGroupRows], group_n = 0;
+        int lo[kMaxGroupRows], valid[kMaxGroupRows], group_n = 0;
+        bool any = false;
         for (int i = 0; i < count; ++i) {
+          lo[i] = std::max(0, s.first[r + i] - t0 - k0);
           valid[i] = std::min(slice_n, s.limit[r + i] - t0 - k0);
           group_n = std::max(group_n, valid[i]);
+          any |= valid[i] > lo[i];
         }
-        if (group_n <= 0) continue;  // causal rows that all end before this slice
-        attend_rows<NV>(p.value_cache + offset, p.token_stride, group_n, r, count, valid, ahead,
-                        s);
+        // Rows that all end before this slice (causal) or start after it (window).
+        if (!any) continue;
+        attend_rows<NV>(p.value_cache + offset, p.token_stride, group_n, r, count, lo, valid,
+                        ahead, s);
       }
     }
   });
@@ -467,11 +487,13 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
   const int kv_end = context_start + w.q_end;
   // attend_tile transposes one kv head's keys for all its rows; plan_work gives tiles one
-  // kv head, and the row-at-a-time loop takes anything else.
+  // kv head, and the row-at-a-time loop takes anything else. Both start at the block of
+  // the item's first row's first key (a window's start; 0 without one).
+  const int kv_begin = s.first[0];
   if (w.q_end - w.q_begin == 1 || w.kv_head_end - w.kv_head != 1) {
-    attend_decode<NV>(p, w, s, rows, kv_end);
+    attend_decode<NV>(p, w, s, rows, kv_begin, kv_end);
   } else {
-    attend_tile<NV>(p, w, s, rows, kv_end);
+    attend_tile<NV>(p, w, s, rows, kv_begin, kv_end);
   }
   store_rows<NV>(p, w, s);
 }
@@ -592,7 +614,8 @@ void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tens
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale) {
+                     double scale, int64_t sliding_window) {
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0");
   check_layout(out, query, key_cache, value_cache, {&block_tables, &query_start_loc, &seq_lens});
   const int64_t num_requests = seq_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == num_requests + 1 && block_tables.dim() == 2 &&
@@ -620,7 +643,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
         query.data_ptr<float>(), query.stride(0), query.stride(1), out.data_ptr<float>(),
         key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
         key_cache.stride(1), block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
-        lens, num_heads, group, head_dim, block_size, static_cast<float>(scale)};
+        lens, num_heads, group, head_dim, block_size, static_cast<float>(scale),
+        static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int>::max()))};
     dispatch_head_dim(problem, items, max_rows);
   };
   switch (key_cache.scalar_type()) {
@@ -715,7 +739,8 @@ std::vector<int64_t> supported_head_dims() {
 TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "int sliding_window=0) -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
       "Tensor slots) -> ()");
