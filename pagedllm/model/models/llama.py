@@ -1,4 +1,5 @@
-"""Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (full attention), Qwen2 (q/k/v bias).
+"""Llama-family decoder: Llama 2/3 and SmolLM2, Mistral (sliding window), Qwen2 (q/k/v bias),
+Qwen3 (per-head q/k RMSNorm); other decoders (MoE, Phi-3) build on its layers.
 
 Tensor parallel (the TP group of `get_tp_group()`): q/k/v and gate/up are column-parallel,
 o and down row-parallel (one all-reduce each), the embedding and head vocabulary-parallel;
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.model.layers.attention import Attention, bind_kv_caches, layer_sliding_windows
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.parallel_linear import (
@@ -51,10 +53,18 @@ def _num_kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+# Architectures whose attention normalizes each query and key head (RMSNorm over head_dim)
+# before RoPE.
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _architecture(config: Any) -> str:
+    return (getattr(config, "architectures", None) or [""])[0]
+
+
 def _biases(config: Any) -> tuple[bool, bool]:
     """(q/k/v bias, o_proj bias): Qwen2 always biases q/k/v only; Llama follows attention_bias."""
-    architecture = (getattr(config, "architectures", None) or [""])[0]
-    if architecture == "Qwen2ForCausalLM":
+    if _architecture(config) == "Qwen2ForCausalLM":
         return True, False
     attention_bias = bool(getattr(config, "attention_bias", False))
     return attention_bias, attention_bias
@@ -62,12 +72,16 @@ def _biases(config: Any) -> tuple[bool, bool]:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: Any, backend: AttentionBackend, dtype: torch.dtype, kernels: KernelSelection
+        self,
+        config: Any,
+        layer_index: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        kernels: KernelSelection,
     ) -> None:
         super().__init__()
         total_num_heads = config.num_attention_heads
         self.head_dim = _head_dim(config)
-        self.scale = self.head_dim**-0.5
         qkv_bias, o_bias = _biases(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -83,8 +97,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             total_num_heads * self.head_dim, config.hidden_size, o_bias, dtype, kernels
         )
-        self.backend = backend
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.q_norm = self.k_norm = None
+        if _architecture(config) in _QK_NORM_ARCHITECTURES:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, kernels)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, kernels)
+        window = layer_sliding_windows(config)[layer_index]
+        self.attn = Attention(backend, self.head_dim**-0.5, window)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, metadata: AttentionMetadata):
         num_tokens = x.shape[0]
@@ -96,10 +114,12 @@ class LlamaAttention(nn.Module):
             .view(num_tokens, -1, self.head_dim)
             .split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         )
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, -1, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(num_tokens, -1, self.head_dim)
         q, k = rotary(positions, q, k)
-        assert self.kv_cache is not None, "bind_kv_cache() before running the model"
         # k and v stay strided views of the fused output: the cache write reads them so.
-        out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        out = self.attn(q, k, v, metadata)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -122,14 +142,25 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, backend: AttentionBackend, dtype: torch.dtype, kernels: KernelSelection
+        self,
+        config: Any,
+        layer_index: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        kernels: KernelSelection,
     ) -> None:
         super().__init__()
         hidden_size, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype, kernels)
-        self.self_attn = LlamaAttention(config, backend, dtype, kernels)
+        self.self_attn = LlamaAttention(config, layer_index, backend, dtype, kernels)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype, kernels)
-        self.mlp = LlamaMLP(config, dtype, kernels)
+        self.mlp = self.make_mlp(config, layer_index, dtype, kernels)
+
+    def make_mlp(
+        self, config: Any, layer_index: int, dtype: torch.dtype, kernels: KernelSelection
+    ) -> nn.Module:
+        """The feed-forward block of layer `layer_index` (a mixture of experts overrides it)."""
+        return LlamaMLP(config, dtype, kernels)
 
     def forward(self, x, residual, positions, rotary, metadata):
         """(this layer's output, the residual stream before it): the stream's add is left to
@@ -144,6 +175,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage. A subclass changes its norms, RoPE and
+    embedding through `make_norm`, `make_rotary`, `rotary_for` and `embed`."""
+
     def __init__(
         self,
         config: Any,
@@ -151,6 +185,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         max_len: int,
         kernels: KernelSelection,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
     ):
         super().__init__()
         pp = get_pp_group()
@@ -163,15 +198,29 @@ class LlamaModel(nn.Module):
         if self.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype, kernels)
+            layer_class(config, i, backend, dtype, kernels)
             if i in self.stage_layers
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm: RMSNorm | None = None
+        self.norm: nn.Module | None = None
         if self.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
-        self.rotary = RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config), kernels)
+            self.norm = self.make_norm(config, dtype, kernels)
+        self.rotary = self.make_rotary(config, max_len, kernels)
+
+    def make_norm(self, config: Any, dtype: torch.dtype, kernels: KernelSelection) -> nn.Module:
+        """The final norm."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+
+    def make_rotary(self, config: Any, max_len: int, kernels: KernelSelection) -> nn.Module:
+        """The RoPE the stage's layers take (`rotary_for` picks a layer's)."""
+        return RotaryEmbedding(_head_dim(config), max_len, rope_parameters(config), kernels)
+
+    def rotary_for(self, layer: nn.Module) -> nn.Module:
+        return self.rotary
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def own_layers(self) -> list[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -185,7 +234,7 @@ class LlamaModel(nn.Module):
         intermediate_tensors: IntermediateTensors | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         if self.is_first_stage:
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         else:
             assert intermediate_tensors is not None, "a later stage starts from the previous one"
             x, residual = intermediate_tensors  # IntermediateTensors or a plain pair
@@ -193,18 +242,30 @@ class LlamaModel(nn.Module):
         if self.pipelined:  # one stage: the plain loop, as the compiled decode step traces it
             layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
         for layer in layers:
-            x, residual = layer(x, residual, positions, self.rotary, metadata)
+            x, residual = layer(x, residual, positions, self.rotary_for(layer), metadata)
         if not self.is_last_stage:
             return IntermediateTensors(x, residual)
         return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
+    """Serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM
+    checkpoints.
 
     `kernels` (the engine's one `KernelSelection`) is handed to every layer at construction;
     `backend` must be the attention backend it names.
     """
+
+    # The decoder layer a subclass's architecture builds (an MoE layer, say).
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+    # The stack it builds them in (Gemma 3's scales its embedding and keeps a RoPE per
+    # attention kind).
+    model_class: type[LlamaModel] = LlamaModel
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse, before anything is built, a config this architecture cannot serve exactly
+        (ValueError naming what is supported)."""
 
     def __init__(
         self,
@@ -215,10 +276,11 @@ class LlamaForCausalLM(nn.Module):
         kernels: KernelSelection = TORCH_KERNELS,
     ):
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.kernels = kernels
         self.attention_backend = backend
-        self.model = LlamaModel(config, backend, dtype, max_len, kernels)
+        self.model = self.model_class(config, backend, dtype, max_len, kernels, self.layer_class)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: Linear | None = None  # a ParallelLMHead with several TP ranks
         if self.model.is_last_stage:
@@ -247,10 +309,14 @@ class LlamaForCausalLM(nn.Module):
         assert self.lm_head is not None, "logits are computed on the last pipeline stage"
         return self.lm_head(hidden_states)
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One (K, V) pair per layer of this stage, in layer order."""
-        for layer, kv_cache in zip(self.model.own_layers(), kv_caches, strict=True):
-            layer.self_attn.kv_cache = kv_cache
+    def bind_kv_cache(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_groups: list[int] | None = None,
+    ) -> None:
+        """One (K, V) pair (and KV cache group) per layer of this stage, in layer order."""
+        layers = [layer.self_attn.attn for layer in self.model.own_layers()]
+        bind_kv_caches(layers, kv_caches, kv_groups)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; all must be filled."""
@@ -268,7 +334,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if own_tied_head and name == "model.embed_tokens.weight":
                 name = "lm_head.weight"
-            param_name, shard_id = _fused_name(name)
+            param_name, shard_id = self.checkpoint_target(name)
             if param_name not in params:
                 if self._on_other_stage(param_name):
                     continue
@@ -288,6 +354,12 @@ class LlamaForCausalLM(nn.Module):
             unloaded.discard(param_name)
         if unloaded:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unloaded)[:8]}")
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any]:
+        """(parameter name, shard id or None) that checkpoint tensor `name` loads into. A
+        subclass maps its own names first (an MoE's per-expert tensors, whose gate_proj and
+        up_proj are no dense gate/up shards)."""
+        return _fused_name(name)
 
     def _on_other_stage(self, param_name: str) -> bool:
         """A parameter another pipeline stage holds (this one skips it)."""

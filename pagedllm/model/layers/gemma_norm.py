@@ -1,0 +1,40 @@
+"""Gemma's RMSNorm: the weight is stored as an offset from one and the whole normalization,
+scaling included, runs in float32 before the result is cast back (Transformers'
+`Gemma3RMSNorm`; Llama's norm instead casts before scaling, so the two differ in bf16).
+
+Like `RMSNorm` it can take the residual stream and add it first, returning
+(norm(x + residual), x + residual), so decoder layers use either norm the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.linear import default_weight_loader, set_weight_loader
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        # Zero offset: the identity scale, as Transformers initializes it.
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False),
+            default_weight_loader,
+        )
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(norm(x), None), or with a residual (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual  # in the model's dtype, as Transformers adds the stream
+            residual = x
+        return self._normalize(x), residual
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
+        # Transformers' operation order, so fp32 results are the same bits.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
