@@ -23,6 +23,7 @@ import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from pagedllm.engine.template_sandbox import (
@@ -156,6 +157,23 @@ def _tool_schemas(tools: Sequence[Any] | None) -> list[dict] | None:
         else:
             raise ValueError("tools: each tool is a JSON schema or a function with type hints")
     return schemas
+
+
+def load_chat_template(value: str) -> str:
+    """`--chat-template`'s value, as vLLM reads it: a file holding a Jinja template, or the
+    template itself. Compiled once here, so a broken template fails at start-up."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        source = path.read_text(encoding="utf-8")
+    elif any(mark in value for mark in "{}\n"):
+        source = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    try:
+        compile_template(source)
+    except Exception as error:  # jinja's syntax errors, and the sandbox's refusals
+        raise ValueError(f"--chat-template: the template does not compile: {error}") from None
+    return source
 
 
 def template_source(tokenizer: Any, chat_template: str | None, tools: Any = None) -> str:

@@ -186,6 +186,13 @@ def _tenant_overrides(args: argparse.Namespace) -> dict:
 
 def _add_template_and_tls_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="the chat template to render instead of the model's (needed where the model has "
+        "none, e.g. a base model's GGUF): a file holding a Jinja template, or the template",
+    )
+    parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="render a chat_template sent in a request (chat completions, /tokenize); by "
@@ -219,9 +226,14 @@ def _add_template_and_tls_args(parser: argparse.ArgumentParser) -> None:
 def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
     from pagedllm.entrypoints.openai.server_config import check_tls
 
-    # Checked here so a missing or mismatched file fails before the model loads.
+    # Checked here so a missing or mismatched file, or a broken template, fails before the
+    # model loads.
     check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    from pagedllm.engine.chat_template import load_chat_template
+
+    chat_template = args.chat_template
     return {
+        "chat_template": None if chat_template is None else load_chat_template(chat_template),
         "trust_request_chat_template": args.trust_request_chat_template,
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,

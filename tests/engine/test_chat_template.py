@@ -13,7 +13,11 @@ import jinja2
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.chat_template import apply_chat_template, render_template
+from pagedllm.engine.chat_template import (
+    apply_chat_template,
+    load_chat_template,
+    render_template,
+)
 from pagedllm.engine.processor import render_chat
 from pagedllm.errors import InvalidRequestError
 from pagedllm.model.loader import load_tokenizer, resolve_model
@@ -312,3 +316,16 @@ def test_offline_chat_template_is_bounded_and_the_engine_goes_on(tiny_llama):
         messages[0]["content"], add_special_tokens=False
     )
     assert len(output.outputs[0].token_ids) == 2
+
+
+def test_load_chat_template_reads_a_file_or_takes_the_template(tmp_path):
+    """`--chat-template`: a file or the template itself, compiled at start-up."""
+    source = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(source)
+    assert load_chat_template(str(path)) == source
+    assert load_chat_template(source) == source
+    with pytest.raises(ValueError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")

@@ -1,7 +1,8 @@
 """Request-level chat templates against the server: refused unless the operator passes
 `--trust-request-chat-template`; when trusted, a benign one renders and a hostile one (nested
 loops, or output past the context window) is refused with a 400 naming `chat_template` within
-the time bound, while the server goes on answering everyone else."""
+the time bound, while the server goes on answering everyone else. The operator's own
+`--chat-template` replaces the model's."""
 
 from __future__ import annotations
 
@@ -21,12 +22,20 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BENIGN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
 NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
+# The trusted server's --chat-template (a file), in place of the model's.
+SERVER_TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<bot>> "
 
 
 @pytest.fixture(scope="module")
 def trusted(tmp_path_factory):
-    log = tmp_path_factory.mktemp("trusted") / "server.log"
-    running = RunningServer(["--trust-request-chat-template"], log, api_key=API_KEY)
+    directory = tmp_path_factory.mktemp("trusted")
+    template = directory / "template.jinja"
+    template.write_text(SERVER_TEMPLATE)
+    running = RunningServer(
+        ["--trust-request-chat-template", "--chat-template", str(template)],
+        directory / "server.log",
+        api_key=API_KEY,
+    )
     yield running
     assert running.stop() == 0, running.log()
 
@@ -124,3 +133,16 @@ def test_trusted_template_past_a_bound_is_refused(trusted, path, body):
     assert time.monotonic() - started < 4 * RENDER_TIMEOUT_S
     assert "too large" in message or "did not finish rendering" in message
     assert_healthy(trusted)
+
+
+def test_server_chat_template_replaces_the_models(trusted):
+    tokenizer = load_tokenizer(resolve_model(None))
+    expected = tokenizer.encode(
+        "<<user>> What is the capital of France?\n<<bot>> ", add_special_tokens=False
+    )
+    tokenized = trusted.post("/tokenize", {"messages": QUESTION})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == expected
+    response = trusted.post("/v1/chat/completions", chat())
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(expected)

@@ -64,6 +64,10 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
             default_served_model_name(engine_args, engine.model_config.model),
         )
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
+        if config.chat_template is not None:
+            # The server's template stands in for the model's everywhere one is rendered
+            # (chat completions, /tokenize, tool prompts), as the model's own would.
+            engine.tokenizer.chat_template = config.chat_template
         metrics = PrometheusMetrics(
             config.served_model_names[0],
             engine.model_config.max_model_len,

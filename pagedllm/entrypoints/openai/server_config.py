@@ -43,6 +43,8 @@ class ServerConfig:
     disable_uvicorn_access_log: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # The chat template rendered in place of the model's (`--chat-template`); None: the model's.
+    chat_template: str | None = None
     # A request's own chat template (`chat_template`) is refused unless this is set (vLLM's
     # --trust-request-chat-template); every template renders bounded either way.
     trust_request_chat_template: bool = False
