@@ -45,6 +45,10 @@ Features' costs and gains
     structured_output   What does an enforced JSON schema cost, and how long do grammars take
                         to compile?
     kv_waste            How much of the KV cache is allocated but empty at peak?
+    moe_vs_dense        Does a mixture of experts decode at the speed of its active
+                        parameters, against dense models of equal active and equal total size?
+    sliding_window_kv   How much KV does a long Gemma 3 request hold with the windowed layers'
+                        blocks freed, against every layer whole, and how many fit at once?
     fair_share          Does a tenant that floods the server delay another tenant's first
                         token, under fcfs and under fair scheduling?
 

@@ -10,6 +10,7 @@ scattered over the cache as after a while of serving.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16] [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
+        [--sliding-window 512]
 """
 
 from __future__ import annotations
@@ -65,17 +66,19 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float3
     return q, k, v, kv_cache, layout
 
 
-def time_call(backend: AttentionBackend, step, repeats: int) -> tuple[float, float]:
+def time_call(
+    backend: AttentionBackend, step, repeats: int, window: int | None = None
+) -> tuple[float, float]:
     """(median, min) ms per forward (the backend's metadata, built once per step for all
     layers, is not timed)."""
     q, k, v, kv_cache, layout = step
     metadata = backend.build_metadata(layout, torch.device("cpu"))
     scale = HEAD_DIM**-0.5
-    backend.forward(q, k, v, kv_cache, metadata, scale)  # warm-up: page faults, buffers
+    backend.forward(q, k, v, kv_cache, metadata, scale, window)  # warm-up: page faults, buffers
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        backend.forward(q, k, v, kv_cache, metadata, scale)
+        backend.forward(q, k, v, kv_cache, metadata, scale, window)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), min(times)
 
@@ -103,6 +106,9 @@ def main() -> None:
         "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
     )
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    parser.add_argument(
+        "--sliding-window", type=int, default=None, help="each query sees this many keys at most"
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.kv_cache_dtype)
     if args.threads:
@@ -111,7 +117,7 @@ def main() -> None:
     backends = {name: get_attention_backend(name) for name in ("torch", "cpu")}
     print(
         f"threads={torch.get_num_threads()}  repeats={args.repeats}  "
-        f"cache {args.kv_cache_dtype}  (one layer, ms/call)"
+        f"cache {args.kv_cache_dtype}  window {args.sliding_window}  (one layer, ms/call)"
     )
     print(f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}")
     wanted = None if args.cases is None else set(args.cases.split(","))
@@ -119,7 +125,10 @@ def main() -> None:
         if wanted is not None and name not in wanted:
             continue
         step = make_step(requests, dtype=dtype)
-        ms = {label: time_call(backend, step, args.repeats) for label, backend in backends.items()}
+        ms = {
+            label: time_call(backend, step, args.repeats, args.sliding_window)
+            for label, backend in backends.items()
+        }
         ratio = ms["torch"][0] / ms["cpu"][0]
         torch_ms, cpu_ms = (f"{m[0]:8.2f} /{m[1]:8.2f}" for m in (ms["torch"], ms["cpu"]))
         print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x")

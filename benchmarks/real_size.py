@@ -10,13 +10,17 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
   the tokens after the first over their time; llama.cpp `llama-bench -p 0 -n N` (`tgN`);
 - the bandwidth bound of single-stream decode: the weights' bytes read per token divided by
   this machine's read bandwidth (measured here: torch sums a 2 GiB tensor on all threads);
-- 32 concurrent requests through each engine's OpenAI server (`pagedllm serve`,
-  `llama-server -np 32`): prompts of `--prompt-sentences` sentences (~16 tokens each),
-  `--concurrent-output` tokens each,
-  output tokens/s over the wall time of the batch.
+- `--concurrency` (32) concurrent requests through each engine's OpenAI server
+  (`pagedllm serve`, `llama-server -np 32`): prompts of `--prompt-sentences` sentences (~16
+  tokens each), `--concurrent-output` tokens each, output tokens/s over the wall time of
+  the batch.
+
+`--gguf` runs given files (a real model's, e.g. Gemma 3 270M's Q4_K_M) in place of the
+random shapes.
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
-        [--decode-tokens 64] [--concurrent-output 64] [--llama-cpp DIR] [--output-json F]
+        [--gguf FILE,...] [--decode-tokens 64] [--concurrent-output 64] [--concurrency 32]
+        [--llama-cpp DIR] [--output-json F]
 
 Prints one JSON object per shape; record the CPU's flags beside it (`lscpu`).
 """
@@ -119,7 +123,7 @@ def llama_bench(binary: Path, path: Path, decode_tokens: int) -> float:
 
 
 def concurrent_output_rate(
-    base_url: str, prompt: str, output_tokens: int, concurrency: int = CONCURRENCY
+    base_url: str, prompt: str, output_tokens: int, concurrency: int
 ) -> dict:
     """`concurrency` completions at once; output tokens/s over the batch's wall time."""
     body = json.dumps(
@@ -152,14 +156,15 @@ def serve_and_measure(
     prompt = SENTENCE * args.prompt_sentences
     try:
         concurrent_output_rate(server.base_url, prompt, 2, concurrency=1)  # warm-up
-        return concurrent_output_rate(server.base_url, prompt, args.concurrent_output)
+        return concurrent_output_rate(
+            server.base_url, prompt, args.concurrent_output, args.concurrency
+        )
     finally:
         server.stop()
 
 
-def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dict:
+def measure_file(shape: str, path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     paths = PeerPaths()
-    path = model_file(shape, paths.root)
     result = {"shape": shape, "file_gb": round(path.stat().st_size / 1e9, 3)}
     result["pagedllm"] = run_pagedllm(path, args.decode_tokens, args.kv_gib)
     weights = result["pagedllm"]["weight_buffers_gb"]
@@ -179,19 +184,21 @@ def measure_shape(shape: str, args: argparse.Namespace, bandwidth: float) -> dic
                 "127.0.0.1", "--port", str(port), "--quantization", "gguf",
                 "--served-model-name", "model", "--max-model-len", "1024",
                 "--kv-cache-memory", f"{args.kv_gib}GiB"]  # fmt: skip
-        result["pagedllm_32"] = serve_and_measure(
+        result["pagedllm_concurrent"] = serve_and_measure(
             "pagedllm", ours, port, args, log_dir / f"pagedllm-{shape}.log"
         )
         if (llama_bin / "llama-server").exists():
             port = free_port()
             theirs = [str(llama_bin / "llama-server"), "-m", str(path), "--host", "127.0.0.1",
-                      "--port", str(port), "-np", str(CONCURRENCY), "-c",
-                      str(CONCURRENCY * 512), "-t", "2", "-a", "model"]  # fmt: skip
-            result["llama_cpp_32"] = serve_and_measure(
+                      "--port", str(port), "-np", str(args.concurrency), "-c",
+                      str(args.concurrency * 512), "-t", "2", "-a", "model"]  # fmt: skip
+            result["llama_cpp_concurrent"] = serve_and_measure(
                 "llama.cpp", theirs, port, args, log_dir / f"llama-{shape}.log"
             )
             result["concurrent_vs_llama_cpp"] = round(
-                result["pagedllm_32"]["output_tok_s"] / result["llama_cpp_32"]["output_tok_s"], 3
+                result["pagedllm_concurrent"]["output_tok_s"]
+                / result["llama_cpp_concurrent"]["output_tok_s"],
+                3,
             )
     return result
 
@@ -200,7 +207,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--gguf", help="comma-separated GGUF files to run instead of --shapes")
     parser.add_argument("--concurrent-output", type=int, default=64, help="0: skip")
+    parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests at once")
     parser.add_argument("--prompt-sentences", type=int, default=8, help="~16 tokens each")
     parser.add_argument("--kv-gib", type=float, default=2.0)
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
@@ -214,8 +223,13 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s()
     print(json.dumps({"read_bandwidth_gb_s": round(bandwidth, 1), "cpus": os.cpu_count()}))
     results = []
-    for shape in args.shapes.split(","):
-        results.append(measure_shape(shape, args, bandwidth))
+    files = (
+        [(Path(f).stem, Path(f)) for f in args.gguf.split(",")]
+        if args.gguf
+        else [(shape, model_file(shape, PeerPaths().root)) for shape in args.shapes.split(",")]
+    )
+    for name, path in files:
+        results.append(measure_file(name, path, args, bandwidth))
         print(json.dumps(results[-1]), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as out:
