@@ -98,9 +98,29 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"model: cannot read {source.path}/config.json: {error}") from error
+    _refuse_checkpoint_quantization(config)
+    return config
+
+
+def _refuse_checkpoint_quantization(config: Any) -> None:
+    """A checkpoint stored quantized (GPTQ, AWQ, FP8, bitsandbytes, ...) holds tensors the
+    models cannot read: refused by name, with what is served instead."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    raise ValueError(
+        f"model: checkpoints quantized with {str(method or 'an unnamed method')!r} are not "
+        "supported; supported: unquantized safetensors (optionally quantization='int8' at "
+        "load) and GGUF files (quantization='gguf' keeps their blocks)"
+    )
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:

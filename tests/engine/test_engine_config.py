@@ -1,8 +1,12 @@
 """Building the engine configuration checks the attention backend's name without building
 the backend: the server's API process builds the configuration but never runs the model,
-so it must not compile or load the C++ extension."""
+so it must not compile or load the C++ extension. Models it cannot serve are refused there,
+by name."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
@@ -26,3 +30,21 @@ def test_unknown_backend_is_refused_by_name(tiny_llama):
     args = EngineArgs(model=str(tiny_llama), attention_backend="flash", max_model_len=64)
     with pytest.raises(ValueError, match="attention_backend 'flash' is unknown"):
         load_engine_config(args, log=False)
+
+
+@pytest.mark.parametrize(
+    ("config_field", "refused"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "supported: Gemma3ForCausalLM"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq' are not supported"),
+    ],
+)
+def test_unsupported_models_are_refused_naming_what_is(tiny_llama, tmp_path, config_field, refused):
+    """An architecture or a checkpoint quantization pagedllm does not serve is refused at
+    start-up, naming what it serves, before any weight is read."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_llama, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **config_field}))
+    with pytest.raises(ValueError, match=refused):
+        load_engine_config(EngineArgs(model=str(directory), max_model_len=64), log=False)
