@@ -22,6 +22,7 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
+    as_kernel_type,
     pack_gguf,
     reference_pack_gguf,
     unpack_blocks,
@@ -185,6 +186,18 @@ def test_in_features_must_be_whole_blocks():
         )  # fmt: skip
 
 
+def test_q5_0_repacks_exactly_as_q8_0():
+    """Q5_0 (which the kernel does not take) becomes Q8_0 blocks of the very same weights."""
+    weight = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
+    weight[3] *= 30
+    raw = gguf.quants.quantize(weight, Q.Q5_0)
+    repacked, kernel_type = as_kernel_type(raw, Q.Q5_0)
+    assert kernel_type == Q.Q8_0 and repacked.shape == (6, 4 * 34)
+    np.testing.assert_array_equal(
+        gguf.quants.dequantize(repacked, Q.Q8_0), gguf.quants.dequantize(raw, Q.Q5_0)
+    )
+
+
 def test_unsupported_type_is_refused():
     raw = gguf.quants.quantize(np.zeros((4, 32), np.float32), Q.F16)
     with pytest.raises(ValueError, match="no quantized kernel"):
@@ -195,16 +208,17 @@ def test_unsupported_type_is_refused():
 
 
 def _qtype(gguf_name: str) -> Q:
-    """Layer 0 all Q4_1; layer 1 mixes types inside q/k/v (kept fp32) and has Q4_0, Q8_0
-    and F16 elsewhere; the tied embedding is Q8_0, as in the default model."""
+    """Layer 0 all Q4_1; layer 1 mixes types inside q/k/v (kept fp32) and has Q4_0, Q5_0
+    (repacked as Q8_0), Q8_0 and F16 elsewhere; the tied embedding is Q8_0, as in the default
+    model."""
     if gguf_name.startswith("token_embd"):
         return Q.Q8_0
     layer, part = gguf_name.split(".")[1:3]
     if layer == "0":
         return Q.Q4_1
-    return {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "ffn_down": Q.F16}.get(
-        part, Q.Q4_0 if part == "attn_output" else Q.Q8_0
-    )
+    types = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "ffn_down": Q.F16}
+    types.update(ffn_gate=Q.Q5_0, ffn_up=Q.Q5_0)
+    return types.get(part, Q.Q4_0 if part == "attn_output" else Q.Q8_0)
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +252,7 @@ def test_kernel_layers_replace_the_linear_layers_they_can(engines):
     # Only the F16 down projection stays fp32.
     assert kept == {"model.layers.1.mlp.down_proj"}
     assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], GGUFMergedLinear)
+    assert layers["model.layers.1.mlp.gate_up_proj"].ggml_type == Q.Q8_0  # the file's Q5_0
     # q/k/v of mixed types: one kernel layer per run of equal types.
     qkv = model.get_submodule("model.layers.1.self_attn.qkv_proj")
     assert isinstance(qkv, GGUFConcatLinear)

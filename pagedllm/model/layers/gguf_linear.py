@@ -52,6 +52,11 @@ KERNEL_TYPES: dict[GGMLQuantizationType, KernelType] = {
     _T.Q5_K: KernelType(176, 256, 5, True),
     _T.Q6_K: KernelType(210, 256, 6, True, sub_block=16),
 }
+# Types the kernel takes after an exact repack at load: type -> the kernel type it becomes.
+# Q5_0's 5-bit q (w = d * (q - 16)) fits Q8_0's int8 q under the same d, at 8.5 bits a
+# weight instead of 5.5 (fp32 would be 32).
+REPACKED_TYPES: dict[GGMLQuantizationType, GGMLQuantizationType] = {_T.Q5_0: _T.Q8_0}
+Q5_0_BLOCK_BYTES = 22  # fp16 d, 32 high bits, 16 bytes of nibbles
 # Bytes of one block of 32 weights for a tile's 8 columns, by bits kept per weight.
 TILE_BLOCK_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}
 # Two int8 digits per activation; 1 is one digit (faster, and far from fp32's tokens).
@@ -65,6 +70,32 @@ def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """GGUF's 4-bit block: byte j holds element j (low nibble) and element j + 16 (high)."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def repack_q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
+    """A raw Q5_0 tensor [N, row bytes] as the Q8_0 blocks of the same weights, bit for bit:
+    each block keeps its d, and its q - 16 (-16..15) becomes Q8_0's int8 q."""
+    rows, row_bytes = raw.shape
+    if row_bytes % Q5_0_BLOCK_BYTES:
+        raise ValueError(f"a Q5_0 row of {row_bytes} bytes is not whole blocks")
+    blocks = raw.reshape(rows, row_bytes // Q5_0_BLOCK_BYTES, Q5_0_BLOCK_BYTES)
+    high_bits = blocks[:, :, 2:6].copy().view("<u4")  # [N, blocks, 1]: bit j is element j's
+    fifth = (high_bits >> np.arange(BLOCK, dtype=np.uint32)) & 1
+    q = (_nibbles(blocks[:, :, 6:]) | (fifth << 4).astype(np.uint8)).astype(np.int16) - 16
+    out = np.empty((rows, blocks.shape[1], KERNEL_TYPES[_T.Q8_0].block_bytes), np.uint8)
+    out[:, :, :2] = blocks[:, :, :2]
+    out[:, :, 2:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def as_kernel_type(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType
+) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """(raw blocks, type) the kernel takes: a REPACKED_TYPES tensor repacked, others as
+    they are."""
+    if ggml_type == _T.Q5_0:
+        return repack_q5_0_as_q8_0(raw), REPACKED_TYPES[ggml_type]
+    return raw, ggml_type
 
 
 def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:

@@ -1,12 +1,13 @@
 """`quantization="gguf"`: which of a model's layers compute on the GGUF file's blocks.
 
 `keep_gguf_blocks` replaces every `Linear` whose tensors have a block kernel (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K) with a layer on the file's own blocks, and the token embedding with
-a `GGUFEmbedding` on them (a tied head and the embedding share one copy), and returns the
-checkpoint names it consumed. The runner calls it before any weight is read: the model's
-fp32 storage for those layers is allocated but never written, so it never becomes
-resident, and the loader dequantizes only the rest (norms, biases, types without a
-kernel). An 8B Q4_K_M model therefore loads in about its file's size, not in fp32's 32 GB.
+Q8_0, Q4_K, Q5_K, Q6_K; Q5_0 repacked exactly as Q8_0) with a layer on the file's own
+blocks, and the token embedding with a `GGUFEmbedding` on them (a tied head and the
+embedding share one copy), and returns the checkpoint names it consumed. The runner calls
+it before any weight is read: the model's fp32 storage for those layers is allocated but
+never written, so it never becomes resident, and the loader dequantizes only the rest
+(norms, biases, types without a kernel). An 8B Q4_K_M model therefore loads in about its
+file's size, not in fp32's 32 GB.
 A fused projection whose parts have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) gets
 one kernel layer per run of equal types, its outputs concatenated.
 """
@@ -22,9 +23,11 @@ from torch import nn
 from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
 from pagedllm.model.layers.gguf_linear import (
     KERNEL_TYPES,
+    REPACKED_TYPES,
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
+    as_kernel_type,
     distinct_bytes,
 )
 from pagedllm.model.layers.linear import Linear, MergedLinear
@@ -87,8 +90,9 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shar
 
     tied = getattr(model, "tie_word_embeddings", False)
     shards: dict[str, dict[str | None, Shard]] = {}
-    kernel_types = frozenset(KERNEL_TYPES)
-    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config, kernel_types):
+    kernel_types = frozenset(KERNEL_TYPES) | frozenset(REPACKED_TYPES)
+    for hf_name, file_type, file_raw in iter_gguf_raw_weights(path, model.config, kernel_types):
+        raw, ggml_type = as_kernel_type(file_raw, file_type)
         param_name, shard_id = _fused_name(hf_name)
         module = param_name.removesuffix(".weight")
         shards.setdefault(module, {})[shard_id] = (hf_name, ggml_type, raw)
