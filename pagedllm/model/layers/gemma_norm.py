@@ -3,7 +3,9 @@ scaling included, runs in float32 before the result is cast back (Transformers'
 `Gemma3RMSNorm`; Llama's norm instead casts before scaling, so the two differ in bf16).
 
 Like `RMSNorm` it can take the residual stream and add it first, returning
-(norm(x + residual), x + residual), so decoder layers use either norm the same way.
+(norm(x + residual), x + residual), so decoder layers use either norm the same way. In
+float32 the two orders are one computation, so an fp32 model runs the fused RMSNorm kernel
+with the scale 1 + w (one pass over memory where the torch sequence makes six).
 """
 
 from __future__ import annotations
@@ -12,12 +14,21 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.linear import default_weight_loader, set_weight_loader
+from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
 class GemmaRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        kernels: KernelSelection = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         # Zero offset: the identity scale, as Transformers initializes it.
         self.weight = set_weight_loader(
             nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False),
@@ -28,6 +39,8 @@ class GemmaRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norm(x), None), or with a residual (norm(x + residual), x + residual)."""
+        if x.dtype == torch.float32 and self.kernels.fused_ops:
+            return fused.rms_norm(x, 1.0 + self.weight, self.eps, residual, self.kernels)
         if residual is not None:
             x = x + residual  # in the model's dtype, as Transformers adds the stream
             residual = x

@@ -94,8 +94,8 @@ class Gemma3Attention(LlamaAttention):
         kernels: KernelSelection,
     ) -> None:
         super().__init__(config, layer_index, backend, dtype, kernels)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, kernels)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype, kernels)
         window = layer_sliding_windows(config)[layer_index]
         self.attn = Attention(backend, config.query_pre_attn_scalar**-0.5, window)
 
@@ -129,12 +129,12 @@ class Gemma3DecoderLayer(nn.Module):
         size, eps = config.hidden_size, config.rms_norm_eps
         # Which RoPE the layer takes: "sliding_attention" or "full_attention".
         self.layer_type: str = config.layer_types[layer_index]
-        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype, kernels)
         self.self_attn = Gemma3Attention(config, layer_index, backend, dtype, kernels)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype, kernels)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, kernels)
         self.mlp = Gemma3MLP(config, dtype, kernels)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype, kernels)
 
     def forward(self, x, residual, positions, rotary: RotaryEmbedding, metadata):
         """(this layer's output, the residual stream before it), as Llama's layers: adding
@@ -171,7 +171,7 @@ class Gemma3Model(LlamaModel):
         self.register_buffer("embed_scale", scale, persistent=False)
 
     def make_norm(self, config: Any, dtype: torch.dtype, kernels: KernelSelection) -> nn.Module:
-        return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
 
     def make_rotary(self, config: Any, max_len: int, kernels: KernelSelection) -> nn.Module:
         kinds = sorted({config.layer_types[i] for i in self.stage_layers})
