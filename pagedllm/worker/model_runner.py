@@ -147,9 +147,7 @@ class ModelRunner:
                 "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
             )
             return None
-        compiled = CompiledDecode(
-            self.model, compiled_batch_limit(self.model), self.num_kv_groups
-        )
+        compiled = CompiledDecode(self.model, compiled_batch_limit(self.model), self.num_kv_groups)
         try:
             with torch.inference_mode():
                 compiled.warm_up(self.device)
