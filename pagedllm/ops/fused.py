@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.ops.cpu_features import cpu_features
 from pagedllm.ops.extension import load
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
@@ -52,10 +53,19 @@ def rms_norm(
 # torch's sgemm, which runs the fewest rows on one thread and blocks for larger problems
 # (the two met between 96 and 128 rows): benchmarks/results/matmul.md.
 SKINNY_MAX_ROWS = 96
-# From this many rows on, a weight prepacked for oneDNN (`packed`) beats the skinny kernel
-# (the default model's projections: 18.7 against 19.4 ms at four rows, 22.2 against 17.9 at
-# one): benchmarks/results/matmul.md.
-PACKED_MIN_ROWS = 4
+
+
+def _packed_min_rows() -> int:
+    """From this many rows on, a weight prepacked for oneDNN (`packed`) beats the skinny
+    kernel. oneDNN's fp32 kernels use AVX-512 where the CPU has it: there it wins from four
+    rows (the default model's projections: 18.7 against 19.4 ms at four, 22.2 against 17.9
+    at one); on AVX2 alone it loses up to 16 rows (65.1 against 42.2 ms at five, 94.3
+    against 79.2 at 16) and wins from 32 (114.3 against 135.7):
+    benchmarks/results/matmul.md."""
+    return 4 if cpu_features().avx512f else 24
+
+
+PACKED_MIN_ROWS = _packed_min_rows()
 
 
 def linear(
