@@ -19,6 +19,7 @@ from pagedllm.parallel_config import (
     ParallelConfig,
     default_executor_backend,
 )
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 _MEMORY_UNITS = {
     "": 1,
@@ -343,6 +344,9 @@ class EngineConfig:
     # Decode-only steps run a torch.compile'd forward (EngineArgs.compile).
     compile: bool = False
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    # method "draft_model" / "self_quantized": the model that proposes (None otherwise).
+    draft_model_config: ModelConfig | None = None
 
     @property
     def distributed_executor_backend(self) -> str:
@@ -388,6 +392,8 @@ class EngineArgs:
     # "auto": the checkpoint's weights; "dummy": seeded random weights of the config's
     # shapes, no weight file read (vLLM's name; for memory and speed measurements).
     load_format: str = "auto"
+    # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or None (off).
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -418,6 +424,7 @@ class EngineArgs:
                 f"got {self.kv_cache_dtype!r}"
             )
         self.parallel_config()  # a bad size, backend or binding fails here
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "

@@ -41,6 +41,8 @@ VARIANTS = {
             "long_factor": [2.0, 3.0, 4.5, 6.0, 8.0, 12.0],
         },
     },
+    # A context shorter than the tests' usual max_model_len (a draft that cannot keep up).
+    "short-context": {"max_position_embeddings": 128},
     # A window shorter than most prompts, so windowed layers drop blocks.
     "window24": {"sliding_window": 24},
     # Qwen2's windowed upper layers: layer 0 full, layer 1 windowed (two KV cache groups).

@@ -64,6 +64,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.worker.compiled_forward",
             "pagedllm.worker.huge_pages",
             "pagedllm.worker.kv_prefault",
+            # Speculative decoding's proposers and rejection sampler run in the runner.
+            "pagedllm.spec_decode.*",
         ],
     ),
     (
@@ -93,6 +95,10 @@ SHARED: list[str] = [
     "pagedllm.core.scheduler_output",
     "pagedllm.engine.messages",
     "pagedllm.metrics.stats",
+    # Speculative decoding's settings and counters: read by the config, core and metrics.
+    "pagedllm.spec_decode.config",
+    "pagedllm.spec_decode.metrics",
+    "pagedllm.spec_decode",
     # Packages' own (empty or docstring-only) __init__ modules.
     "pagedllm.core",
     "pagedllm.distributed",

@@ -128,8 +128,10 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> KVAllocation | None:
-        """Take prefix-cache hits and fresh blocks for `num_new_tokens` more tokens.
+        """Take prefix-cache hits and fresh blocks for `num_new_tokens` more tokens, and for
+        `num_lookahead_tokens` slots after them (a draft model's proposals; never cached).
 
         Returns the fresh blocks (and the copies-on-write made, if any), or None (and takes
         nothing) if too few are free. Blocks that windowed groups no longer need are freed
@@ -137,11 +139,17 @@ class KVCacheManager:
         """
         computed = new_computed_blocks or []
         blocks = self.req_to_blocks.get(request.request_id, [])
-        num_tokens_after, num_new_blocks = self._growth(request, blocks, computed, num_new_tokens)
+        num_tokens_after, num_new_blocks = self._growth(
+            request, blocks, computed, num_new_tokens + num_lookahead_tokens
+        )
+        num_tokens_after -= num_lookahead_tokens
         num_computed_after = self._num_computed_after(request, computed)
         self._drop_outside_windows(request.request_id, blocks, num_computed_after)
         shared = self._shared_partial_blocks(request, blocks)
-        if self.num_blocks_to_allocate(request, num_new_tokens, computed) > self.num_free_blocks:
+        needed = self.num_blocks_to_allocate(
+            request, num_new_tokens + num_lookahead_tokens, computed
+        )
+        if needed > self.num_free_blocks:
             return None
         block_copies = [self._copy_on_write(blocks, index) for index in shared]
         computed = self._without_dropped(blocks, computed, num_computed_after)
@@ -253,6 +261,24 @@ class KVCacheManager:
         blocks[index] = copy
         self.block_pool.free_blocks([shared])
         return shared.block_id, copy.block_id
+
+    def trim(self, request: Request, num_lookahead_tokens: int = 0) -> bool:
+        """Speculative decoding: return the blocks past the request's computed tokens (and
+        `num_lookahead_tokens` slots after them) once rejected drafts no longer count. They
+        were never published to the prefix cache: only verified tokens are. True if any
+        block was freed (the request's table changed)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return False
+        num_needed = request.num_computed_tokens + num_lookahead_tokens
+        keep = cdiv(num_needed, self.block_size) * self.num_groups
+        if len(blocks) <= keep:
+            return False
+        surplus = blocks[keep:]
+        del blocks[keep:]
+        null = self.block_pool.null_block
+        self.block_pool.free_blocks(b for b in reversed(surplus) if b is not null)
+        return True
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (one more reference each)."""

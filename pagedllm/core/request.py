@@ -81,6 +81,8 @@ class Request:
     structured_output: Any = None
     # n > 1: whether the scheduler has made the other samples their own requests yet.
     samples_forked: bool = False
+    # Speculative decoding: tokens proposed after the last one, to verify in the next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_unforked_samples(self) -> int:

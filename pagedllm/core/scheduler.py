@@ -21,6 +21,8 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.errors import describe_error
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
@@ -34,10 +36,19 @@ class Scheduler(FairScheduling):
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         structured_output: StructuredOutputManager | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.structured_output = structured_output
+        self.speculative_config = speculative_config
+        # Slots held past each scheduled request's tokens (a draft model's own proposals).
+        self.num_lookahead_tokens = (
+            speculative_config.num_lookahead_tokens if speculative_config else 0
+        )
+        self.spec_decoding_stats = SpecDecodingStats.for_config(speculative_config)
+        # Requests whose rejected drafts' blocks were freed: their next table is sent whole.
+        self._trimmed: set[str] = set()
         # Outputs decided outside a model step (a grammar that failed to compile).
         self._pending_outputs: list[EngineCoreOutput] = []
         # Fault isolation: requests whose own grammar raised while scheduling (id -> what
@@ -136,13 +147,19 @@ class Scheduler(FairScheduling):
         num_preemptions_before = self.num_preemptions
         if self.config.policy == "priority":
             self.running.sort(key=priority_key)
+        speculating = self._speculating()
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             if self._pipelined and request.request_id in self._in_flight:
                 index += 1
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if not speculating:
+                request.spec_token_ids = []
+            num_new_tokens = min(
+                request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids),
+                token_budget,
+            )
             allocation = self._allocate_or_preempt(request, num_new_tokens)
             if allocation is None:
                 break
@@ -153,13 +170,19 @@ class Scheduler(FairScheduling):
         if self.num_preemptions == num_preemptions_before:
             self._admit_waiting(output, token_budget)
 
+    def _speculating(self) -> bool:
+        """Whether this step verifies drafts (`disable_by_batch_size` counts the running)."""
+        config = self.speculative_config
+        return config is not None and config.speculates(len(self.running))
+
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
         if self.structured_output is None:
             return
+        # Drafts run past num_tokens until the step's outcome rolls them back.
         sampling = [
             request
             for request_id in output.num_scheduled_tokens
-            if (request := self.requests[request_id]).num_computed_tokens == request.num_tokens
+            if (request := self.requests[request_id]).num_computed_tokens >= request.num_tokens
         ]
         result = self._grammar_bitmask(output, sampling)
         if result is not None:
@@ -171,13 +194,14 @@ class Scheduler(FairScheduling):
         their row) and are left out; an error no single request reproduces raises."""
         manager = self.structured_output
         assert manager is not None
+        drafts = output.scheduled_spec_decode_tokens
         try:
-            return manager.bitmask(sampling)
+            return manager.bitmask(sampling, drafts)
         except Exception:
             healthy = []
             for request in sampling:
                 try:
-                    manager.bitmask([request])
+                    manager.bitmask([request], drafts)
                     healthy.append(request)
                 except Exception as error:
                     logger.exception("Request %s: its grammar bitmask failed", request.request_id)
@@ -189,7 +213,7 @@ class Scheduler(FairScheduling):
                         self._failed[request_id] = message
             if len(healthy) == len(sampling):
                 raise
-        return manager.bitmask(healthy)
+        return manager.bitmask(healthy, drafts)
 
     def _grammar_pending(self, request: Request) -> bool:
         """True while the request's grammar compiles; a failed one ends the request here."""
@@ -224,13 +248,26 @@ class Scheduler(FairScheduling):
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int) -> KVAllocation | None:
         """Blocks for the request's next tokens, preempting the newest requests as needed."""
         while True:
-            allocation = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            allocation = self.kv_cache_manager.allocate_slots(
+                request,
+                num_new_tokens,
+                num_lookahead_tokens=self._lookahead(request, num_new_tokens),
+            )
             if allocation is not None:
                 return allocation
             victim = self._preemption_victim() if self._pipelined else self.running.pop()
             self._preempt(victim)
             if victim is request:
                 return None
+
+    def _lookahead(self, request: Request, num_new_tokens: int, num_hit_tokens: int = 0) -> int:
+        """Slots held past the step's tokens for a draft model's proposals, within the
+        context (a block table holds max_model_len tokens)."""
+        if not self.num_lookahead_tokens:
+            return 0
+        num_computed = max(request.num_computed_tokens, num_hit_tokens)
+        room = self.config.max_model_len - num_computed - num_new_tokens
+        return max(0, min(self.num_lookahead_tokens, room))
 
     def _preemption_victim(self) -> Request:
         """The newest running request not in flight (the one asking, at worst: those before
@@ -244,6 +281,8 @@ class Scheduler(FairScheduling):
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        self._trimmed.discard(request.request_id)
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._seen_by_runner:
@@ -265,7 +304,12 @@ class Scheduler(FairScheduling):
                 break
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
-            allocation = kv.allocate_slots(request, num_new_tokens, hits)
+            allocation = kv.allocate_slots(
+                request,
+                num_new_tokens,
+                hits,
+                num_lookahead_tokens=self._lookahead(request, num_new_tokens, num_hit_tokens),
+            )
             if allocation is None:
                 break
             self.waiting.pop()
@@ -299,9 +343,12 @@ class Scheduler(FairScheduling):
             self._seen_by_runner.add(request_id)
             output.scheduled_new_reqs.append(self._new_request_data(request))
         else:
-            # A table changed in place (resumed, or copied on write) is sent whole.
-            rewritten = request_id in self._resumed or bool(allocation.block_copies)
+            # A table changed in place (resumed, copied on write, or cut back past rejected
+            # drafts) is sent whole.
+            preempted = request_id in self._resumed
+            rewritten = preempted or bool(allocation.block_copies) or request_id in self._trimmed
             self._resumed.discard(request_id)
+            self._trimmed.discard(request_id)
             output.blocks_to_copy.extend(allocation.block_copies)
             output.scheduled_cached_reqs.append(
                 CachedRequestData(
@@ -313,6 +360,7 @@ class Scheduler(FairScheduling):
                     ),
                     num_computed_tokens=request.num_computed_tokens,
                     resumed_from_preemption=rewritten,
+                    preempted=preempted,
                     token_ids=(
                         _token_ids(request, num_new_tokens, to_end=rewritten)
                         if self.config.send_token_ids
@@ -321,6 +369,10 @@ class Scheduler(FairScheduling):
                 )
             )
         output.num_scheduled_tokens[request_id] = num_new_tokens
+        num_drafts = num_new_tokens - (request.num_tokens - request.num_computed_tokens)
+        if num_drafts > 0:
+            output.scheduled_spec_decode_tokens[request_id] = request.spec_token_ids[:num_drafts]
+        request.spec_token_ids = []
         if self._pipelined:
             self._in_flight.add(request_id)
         computed = request.num_computed_tokens
@@ -417,10 +469,10 @@ class Scheduler(FairScheduling):
                 outputs.append(self._fail_request(request, message))
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            token_id = runner_output.sampled_token_ids.get(request_id)
+            token_ids = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             # None: aborted or failed while the step ran; or a prefill chunk with nothing to say.
-            if request is not None and (token_id is not None or prompt_logprobs is not None):
+            if request is not None and (token_ids is not None or prompt_logprobs is not None):
                 output = EngineCoreOutput(
                     request_id,
                     [],
@@ -428,8 +480,10 @@ class Scheduler(FairScheduling):
                     new_prompt_logprobs=prompt_logprobs,
                     first_scheduled_time=request.first_scheduled_time,
                 )
-                if token_id is not None:
-                    self._append_token(request, token_id, runner_output, output)
+                if token_ids is not None:
+                    drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, ())
+                    self._roll_back_rejected(request, len(drafts), len(token_ids))
+                    self._append_tokens(request, token_ids, runner_output, output)
                 outputs.append(output)
             # A failed parent's samples go on: each drew from the parent's raw logits.
             for child_id in scheduler_output.forked_samples.get(request_id, ()):
@@ -437,42 +491,91 @@ class Scheduler(FairScheduling):
                 if child is None:
                     continue
                 child_output = EngineCoreOutput(child_id, [], False)
-                child_token = runner_output.sampled_token_ids[child_id]
-                self._append_token(child, child_token, runner_output, child_output)
+                child_tokens = runner_output.sampled_token_ids[child_id]
+                self._append_tokens(child, child_tokens, runner_output, child_output)
                 outputs.append(child_output)
         return outputs
 
-    def _append_token(
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_emitted: int) -> None:
+        """Speculative decoding: the step computed the request's last token and `num_drafts`
+        drafts; `num_emitted - 1` drafts were accepted. The rejected ones' KV is not the
+        request's: they no longer count as computed, and blocks holding only them go back
+        to the pool (the runner then gets the request's table whole)."""
+        if not num_drafts:
+            return
+        num_accepted = num_emitted - 1
+        self.spec_decoding_stats.observe(num_drafts, num_accepted)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        if self.kv_cache_manager.trim(request, self._lookahead(request, 0)):
+            self._trimmed.add(request.request_id)
+
+    def _append_tokens(
         self,
         request: Request,
-        token_id: int,
+        token_ids: list[int],
         runner_output: ModelRunnerOutput,
         output: EngineCoreOutput,
     ) -> None:
+        """Append the step's tokens one at a time, each checked for a stop: a stop inside an
+        accepted run of drafts drops the tokens after it. A request still running takes the
+        tokens proposed to follow."""
         request_id = request.request_id
-        request.append_output_token(token_id, runner_output.logprobs.get(request_id))
+        logprobs = runner_output.logprobs.get(request_id)
+        num_appended = 0
+        for index, token_id in enumerate(token_ids):
+            request.append_output_token(token_id, logprobs[index] if logprobs else None)
+            num_appended += 1
+            if self._check_stop_and_grammar(request, token_id, output):
+                break
+        if output.finished:
+            self.running.remove(request)
+            self._free(request)
+        else:
+            request.spec_token_ids = self._usable_drafts(
+                request, runner_output.draft_token_ids.get(request_id)
+            )
+        output.new_token_ids = list(token_ids[:num_appended])
+        output.cumulative_logprob = request.cumulative_logprob
+        output.num_cached_tokens = request.num_cached_tokens
+        output.finish_reason = request.status.finish_reason
+        output.stop_reason = request.stop_reason
+        if request_id in runner_output.sample_logprobs:
+            output.new_logprobs = runner_output.sample_logprobs[request_id][:num_appended]
+
+    def _check_stop_and_grammar(
+        self, request: Request, token_id: int, output: EngineCoreOutput
+    ) -> bool:
         output.finished = self._check_stop(request)
         if request.structured_output is not None and self.structured_output is not None:
             try:
                 grammar_done = self.structured_output.accept(request, token_id)
             except Exception as error:  # its grammar alone: it ends, the batch goes on
-                logger.exception("Request %s: its grammar failed", request_id)
+                logger.exception("Request %s: its grammar failed", request.request_id)
                 request.status = RequestStatus.FINISHED_ERROR
                 output.error = f"structured_outputs: the grammar failed: {describe_error(error)}"
                 grammar_done = output.finished = True
             if grammar_done and not output.finished:
                 request.status = RequestStatus.FINISHED_STOPPED
                 output.finished = True
-        if output.finished:
-            self.running.remove(request)
-            self._free(request)
-        output.new_token_ids = [token_id]
-        output.cumulative_logprob = request.cumulative_logprob
-        output.num_cached_tokens = request.num_cached_tokens
-        output.finish_reason = request.status.finish_reason
-        output.stop_reason = request.stop_reason
-        if request_id in runner_output.sample_logprobs:
-            output.new_logprobs = [runner_output.sample_logprobs[request_id]]
+        return output.finished
+
+    def _usable_drafts(self, request: Request, drafts: list[int] | None) -> list[int]:
+        """The proposals the next step may verify: none past max_tokens or the context (the
+        token after the last draft is emitted too), and only a prefix the grammar allows."""
+        if not drafts:
+            return []
+        params = request.sampling_params
+        room = self.config.max_model_len - request.num_tokens
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        drafts = drafts[: max(0, room)]
+        if drafts and request.structured_output is not None and self.structured_output:
+            try:
+                drafts = self.structured_output.valid_prefix(request, drafts)
+            except Exception:  # speculation is optional: the grammar's own step reports
+                logger.exception("Request %s: checking drafts failed", request.request_id)
+                drafts = []
+        return drafts
 
     def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
         """End a request that failed on its own (fault isolation); its blocks are freed."""
@@ -504,6 +607,7 @@ class Scheduler(FairScheduling):
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self._trimmed.discard(request.request_id)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)

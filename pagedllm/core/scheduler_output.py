@@ -39,6 +39,9 @@ class CachedRequestData:
     num_computed_tokens: int
     resumed_from_preemption: bool = False
     token_ids: list[int] | None = None
+    # True only when the request was preempted since its last step (its KV is recomputed
+    # in new blocks); `resumed_from_preemption` is also set for any table sent whole.
+    preempted: bool = False
 
 
 @dataclass
@@ -73,6 +76,9 @@ class SchedulerOutput:
     forked_samples: dict[str, list[str]] = field(default_factory=dict)
     # Debug mode: the tables every rank checks its own against (None, and no cost, otherwise).
     kv_check: KVTableCheck | None = None
+    # Speculative decoding: request id -> the draft tokens it runs after its last token this
+    # step (they are counted in `num_scheduled_tokens`); the runner verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -85,15 +91,18 @@ TokenLogprob = tuple[float, int, list[int], list[float]]
 
 @dataclass
 class ModelRunnerOutput:
-    """One sampled token (and its logprob) per request that was due one this step."""
+    """The tokens (and logprobs) of each request that was due tokens this step: one, or with
+    speculative decoding the accepted drafts and the token after them."""
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, float] = field(default_factory=dict)
-    # For requests that asked for logprobs: the sampled token's rank and alternatives.
-    sample_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # For requests that asked for logprobs: each sampled token's rank and alternatives.
+    sample_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # For requests that asked for prompt_logprobs: prompt index -> logprob of that prompt
     # token given the tokens before it, for the positions this step computed.
     prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     # Fault isolation: requests whose own stage raised this step (request id -> what raised,
     # in one line). They sampled nothing; the scheduler ends them with finish_reason "error".
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the tokens proposed to follow each request's last sampled token.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

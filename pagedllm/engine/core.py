@@ -72,7 +72,12 @@ class EngineCore:
                 send_token_ids=True,
                 max_batches_in_flight=self._batch_queue_size(),
             )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.structured_output)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.kv_cache_manager,
+            self.structured_output,
+            config.speculative_config,
+        )
         # Pipeline parallel: (reply, scheduler output) of the batches in flight, oldest first.
         self.batch_queue: deque[tuple[Any, SchedulerOutput]] | None = None
         if scheduler_config.max_batches_in_flight > 1:
@@ -222,6 +227,7 @@ class EngineCore:
             num_cached_blocks=pool.num_cached_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
+            spec_decode=scheduler.spec_decoding_stats.snapshot(),
         )
 
     def shutdown(self) -> None:

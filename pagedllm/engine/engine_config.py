@@ -19,6 +19,7 @@ from pagedllm.config import (
     kv_cache_groups,
     parse_memory_size,
     resolve_dtype,
+    verify_quantization,
 )
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
@@ -170,7 +171,8 @@ def build_engine_config(
         quantization=args.quantization,
         load_format=args.load_format,
     )
-    cache_config = _cache_config(args, model_config, parallel_config, log)
+    draft_model_config = build_draft_model_config(args, model_config)
+    cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -179,6 +181,7 @@ def build_engine_config(
         tenant_weights=args.tenant_weights,
     )
     check_attention_backend(args.attention_backend)
+    verify_speculative_config(args, parallel_config)
     return EngineConfig(
         model_config,
         cache_config,
@@ -187,14 +190,97 @@ def build_engine_config(
         args.device,
         compile=args.compile and not args.enforce_eager,
         parallel_config=parallel_config,
+        speculative_config=args.speculative_config,
+        draft_model_config=draft_model_config,
     )
 
 
+def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """The model that proposes for method "draft_model" (its own path) or "self_quantized"
+    (the target's own file, quantized); None for the model-free methods. Refused: another
+    vocabulary, a shorter context than the target's, sliding windows."""
+    spec = args.speculative_config
+    if spec is None or not spec.uses_draft_model:
+        return None
+    if spec.method == "self_quantized":
+        source = resolve_model(target.model)
+        if target.quantization is not None:
+            raise ValueError(
+                f"speculative_config method 'self_quantized' drafts for an unquantized target; "
+                f"the model already runs with quantization={target.quantization!r}"
+            )
+        if spec.quantization == "gguf" and not source.is_gguf:
+            raise ValueError(
+                "speculative_config quantization 'gguf' keeps a GGUF file's blocks: the model "
+                f"{target.model!r} is not a .gguf file (use quantization 'int8')"
+            )
+    else:
+        source = resolve_model(spec.model)
+    verify_quantization(spec.quantization)
+    hf_config = load_hf_config(source)
+    resolve_model_class(getattr(hf_config, "architectures", None))
+    draft = ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=torch.float32 if spec.quantization else target.dtype,
+        max_model_len=target.max_model_len,
+        eos_token_ids=target.eos_token_ids,
+        seed=target.seed,
+        max_logprobs=target.max_logprobs,
+        quantization=spec.quantization,
+        load_format=target.load_format,
+    )
+    _check_draft_fits_target(draft, target, source.path)
+    return draft
+
+
+def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {path!r} has a vocabulary of "
+            f"{draft.vocab_size} tokens, the target {target.vocab_size}: a draft must share "
+            "the target's tokenizer"
+        )
+    draft_len = derive_max_model_len(draft.hf_config, None)
+    if draft_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's context ({draft_len} tokens) is shorter "
+            f"than max_model_len={target.max_model_len}; lower max_model_len"
+        )
+    for name, config in (("target", target), ("draft", draft)):
+        groups = model_kv_groups(config.hf_config, target.max_model_len)
+        if groups.num_groups > 1 or groups.has_windows:
+            raise ValueError(
+                f"speculative_config: the {name} model has sliding-window attention, which a "
+                "draft model does not support yet (use method 'ngram' or 'suffix')"
+            )
+
+
+def verify_speculative_config(args: EngineArgs, parallel_config: ParallelConfig) -> None:
+    """What speculative decoding cannot be combined with yet is refused here, by name."""
+    if args.speculative_config is None:
+        return
+    if parallel_config.world_size > 1:
+        raise ValueError(
+            "speculative_config is not supported with tensor_parallel_size or "
+            "pipeline_parallel_size > 1 (yet): run speculation on one rank"
+        )
+    if args.scheduling_policy == "fair":
+        raise ValueError(
+            "speculative_config is not supported with scheduling_policy='fair' (yet); "
+            "use fcfs or priority"
+        )
+
+
 def _cache_config(
-    args: EngineArgs, model_config: ModelConfig, parallel_config: ParallelConfig, log: bool
+    args: EngineArgs,
+    model_config: ModelConfig,
+    parallel_config: ParallelConfig,
+    log: bool,
+    draft_model_config: ModelConfig | None = None,
 ) -> CacheConfig:
     """The pool's geometry; `kv_cache_memory` is each rank's (every rank holds `num_blocks`
-    blocks of its own heads and layers)."""
+    blocks of its own heads and layers, and a speculative draft model's own KV of them)."""
     block_size = args.block_size
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -204,6 +290,8 @@ def _cache_config(
     bytes_per_block = kv_bytes_per_block(
         model_config, block_size, cache_dtype, parallel_config, kv_groups
     )
+    if draft_model_config is not None:
+        bytes_per_block += kv_bytes_per_block(draft_model_config, block_size, cache_dtype)
     blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
     if args.kv_cache_memory is None:
         # Enough for every sequence at full length, capped: most traffic is far shorter.

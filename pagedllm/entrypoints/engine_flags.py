@@ -44,6 +44,12 @@ ENGINE_ARG_HELP = {
     "for several)",
     "load_format": "auto: the checkpoint's weights; dummy: seeded random weights of the "
     "config's shapes, no weight file read (a directory with only config.json will do)",
+    "speculative_config": "speculative decoding as JSON, vLLM's keys, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; methods: '
+    'ngram (prompt lookup), suffix (suffix decoding), draft_model (with "model": a smaller '
+    'model with the same tokenizer), self_quantized (with "quantization": gguf or int8: the '
+    'model\'s own quantized weights draft); "disable_by_batch_size": N stops speculating in '
+    "steps of N or more requests (default: off)",
     "cpu_threads_bind": "CPU cores each rank's threads run on: auto (one rank per NUMA node "
     "when there are several, else the cores split evenly), nobind, or one list per rank "
     "such as 0-7|8-15",

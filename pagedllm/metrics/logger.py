@@ -6,6 +6,7 @@ import logging
 import time
 
 from pagedllm.engine.messages import EngineCoreOutputs
+from pagedllm.spec_decode.metrics import SpecDecodeCounts
 
 logger = logging.getLogger("pagedllm")
 
@@ -22,6 +23,7 @@ class StatLogger:
         self._last_time = time.monotonic()
         self._num_generation_tokens = 0
         self._last_prompt_tokens_total = 0
+        self._last_spec_decode: SpecDecodeCounts | None = None
 
     def record(self, outputs: EngineCoreOutputs) -> None:
         """Count one step's tokens; when the interval has passed, log the step's stats."""
@@ -46,6 +48,28 @@ class StatLogger:
             100 * stats.prefix_cache_hit_rate,
             stats.num_preemptions,
         )
+        if stats.spec_decode is not None:
+            self._log_spec_decode(stats.spec_decode)
         self._last_time = now
         self._last_prompt_tokens_total = stats.num_computed_prompt_tokens
         self._num_generation_tokens = 0
+
+    def _log_spec_decode(self, counts: SpecDecodeCounts) -> None:
+        """vLLM's speculative decoding line, over the interval since the last one."""
+        counts, self._last_spec_decode = counts.since(self._last_spec_decode), counts
+        if not counts.num_drafts:
+            return
+        per_position = ", ".join(
+            f"{count / counts.num_drafts:.3f}" for count in counts.num_accepted_tokens_per_pos
+        )
+        logger.info(
+            "%sSpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+            "Drafted: %d tokens, Draft acceptance rate: %.1f%%, Per-position acceptance "
+            "rate: %s",
+            self.prefix,
+            counts.mean_acceptance_length,
+            counts.num_accepted_tokens,
+            counts.num_draft_tokens,
+            100 * counts.acceptance_rate,
+            per_position,
+        )

@@ -75,6 +75,9 @@ class _EngineSeries:
     num_preemptions: Counter
     engine_stalled: Gauge
     engine_restarts: Counter
+    spec_decode_num_drafts: Counter
+    spec_decode_num_draft_tokens: Counter
+    spec_decode_num_accepted_tokens: Counter
     last_stats: EngineStats | None = None  # the core's previous snapshot (counter deltas)
 
 
@@ -122,7 +125,22 @@ class PrometheusMetrics:
                 "engine_restarts",
                 "Engine cores started after one failed (--restart-on-engine-failure)",
             ),
+            "spec_decode_num_drafts": counter(
+                "spec_decode_num_drafts", "Speculative drafts verified (one request, one step)."
+            ),
+            "spec_decode_num_draft_tokens": counter(
+                "spec_decode_num_draft_tokens", "Speculative draft tokens verified."
+            ),
+            "spec_decode_num_accepted_tokens": counter(
+                "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted."
+            ),
         }
+        self._accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens accepted, by position in the draft.",
+            [*engine_labels, "position"],
+            registry=self.registry,
+        )
         self._model_name = model_name
         # Every core's series exist from the start (a stall gauge at 0, restarts at 0).
         self._engines = [
@@ -186,7 +204,9 @@ class PrometheusMetrics:
         now: float,
         engine_index: int = 0,
     ) -> None:
-        self._update_engine(self._engines[engine_index], stats)
+        series = self._engines[engine_index]
+        self._update_spec_decode(series, stats, str(engine_index))
+        self._update_engine(series, stats)
         stopped_ids = set(stopped)
         for output in outputs:
             sequence = self._sequence(output.request_id)
@@ -240,6 +260,48 @@ class PrometheusMetrics:
         )
         series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
         series.last_stats = stats
+
+    def _update_spec_decode(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
+        """Speculative decoding's counters advance by what the core counted since last."""
+        if stats.spec_decode is None:
+            return
+        last = series.last_stats
+        delta = stats.spec_decode.since(last.spec_decode if last is not None else None)
+        series.spec_decode_num_drafts.inc(delta.num_drafts)
+        series.spec_decode_num_draft_tokens.inc(delta.num_draft_tokens)
+        series.spec_decode_num_accepted_tokens.inc(delta.num_accepted_tokens)
+        for position, count in enumerate(delta.num_accepted_tokens_per_pos):
+            self._accepted_per_pos.labels(self._model_name, engine, str(position)).inc(count)
+
+    @staticmethod
+    def _update_engine(series: _EngineSeries, stats: EngineStats) -> None:
+        series.num_requests_running.set(stats.num_running_reqs)
+        series.num_requests_waiting.set(stats.num_waiting_reqs)
+        series.kv_cache_usage.set(stats.kv_cache_usage)
+        last = series.last_stats
+        series.prefix_cache_queries.inc(
+            stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
+        )
+        series.prefix_cache_hits.inc(
+            stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
+        )
+        series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        series.last_stats = stats
+
+    def _update_spec_decode(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
+        """Speculative decoding's counters advance by what the core counted since last."""
+        counts, last = stats.spec_decode, series.last_stats
+        if counts is None:
+            return
+        before = last.spec_decode if last is not None else None
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            delta = getattr(counts, name) - (getattr(before, name) if before else 0)
+            getattr(series, "spec_decode_" + name).inc(delta)
+        for position, count in enumerate(counts.num_accepted_tokens_per_pos):
+            previous = before.num_accepted_tokens_per_pos[position] if before else 0
+            self._accepted_per_pos.labels(self._model_name, engine, str(position)).inc(
+                count - previous
+            )
 
     def _engine_series(self, per_engine: dict, engine: str) -> _EngineSeries:
         children = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.spec_decode.metrics import SpecDecodeCounts
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -18,6 +20,8 @@ class EngineStats:
     num_cached_blocks: int  # blocks holding reusable prefix KV (held or free)
     prefix_cache_queries: int  # tokens looked up at admission
     prefix_cache_hits: int  # of those, tokens served from the cache
+    # Speculative decoding's totals (None: the engine does not speculate).
+    spec_decode: SpecDecodeCounts | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -41,4 +45,5 @@ def sum_engine_stats(stats: list[EngineStats]) -> EngineStats:
         num_cached_blocks=sum(s.num_cached_blocks for s in stats),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        spec_decode=SpecDecodeCounts.sum([s.spec_decode for s in stats]),
     )

@@ -228,22 +228,59 @@ class StructuredOutputManager:
             child.structured_output = RequestGrammar(state.future)
             self.is_ready(child)
 
-    def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor, dict[str, int]] | None:
+    def bitmask(
+        self, requests: list[Request], drafts: dict[str, list[int]] | None = None
+    ) -> tuple[torch.Tensor, dict[str, int]] | None:
         """The next-token bitmask of every constrained request in `requests` (all of which
-        sample this step), and each one's row in it; None when none is constrained."""
+        sample this step), and each one's first row in it; None when none is constrained.
+
+        A request verifying drafts (`drafts`, speculative decoding) has one row more per
+        draft, consecutive: row i is what the grammar allows after its first i drafts (the
+        matcher advances through them, then rolls back)."""
+        drafts = drafts or {}
         constrained = [r for r in requests if r.structured_output is not None]
         if not constrained:
             return None
-        bitmask = torch.full(
-            (len(constrained), bitmask_words(self._vocab_size)), -1, dtype=torch.int32
-        )
+        num_rows = sum(1 + len(drafts.get(r.request_id, ())) for r in constrained)
+        bitmask = torch.full((num_rows, bitmask_words(self._vocab_size)), -1, dtype=torch.int32)
         rows = {}
-        for row, request in enumerate(constrained):
-            matcher = request.structured_output.matcher
-            if matcher is not None and not matcher.is_terminated():
-                matcher.fill_bitmask(bitmask, row)
+        row = 0
+        for request in constrained:
             rows[request.request_id] = row
+            request_drafts = drafts.get(request.request_id, ())
+            self._fill_rows(request.structured_output.matcher, request_drafts, bitmask, row)
+            row += 1 + len(request_drafts)
         return bitmask, rows
+
+    @staticmethod
+    def _fill_rows(matcher, drafts, bitmask: torch.Tensor, row: int) -> None:
+        if matcher is None:
+            return
+        num_accepted = 0
+        for index in range(len(drafts) + 1):
+            if matcher.is_terminated():
+                break
+            matcher.fill_bitmask(bitmask, row + index)
+            if index == len(drafts) or not matcher.accept_token(drafts[index]):
+                break
+            num_accepted += 1
+        if num_accepted:
+            matcher.rollback(num_accepted)
+
+    def valid_prefix(self, request: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the request's grammar accepts from its state, up to
+        and including a token that completes it (the matcher is left as it was)."""
+        matcher = request.structured_output.matcher
+        if matcher is None:
+            return []
+        num_valid = 0
+        for token_id in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return drafts[:num_valid]
 
     def accept(self, request: Request, token_id: int) -> bool:
         """Advance the request's grammar; True if the grammar is now complete (or broken)."""

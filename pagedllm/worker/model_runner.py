@@ -28,6 +28,7 @@ only the sampling rank samples.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ import weakref
 import numpy as np
 import torch
 
-from pagedllm.config import EngineConfig, kv_cache_groups
+from pagedllm.config import EngineConfig, ModelConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
@@ -55,6 +56,9 @@ from pagedllm.sample.logits_processors import apply_logits_processors
 from pagedllm.sample.logprobs import token_logprobs
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModelDrafts
+from pagedllm.spec_decode.proposer import build_proposer
+from pagedllm.spec_decode.rejection_sampler import rejection_sample
 from pagedllm.utils import cdiv
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages, release_free_heap
@@ -100,6 +104,8 @@ class ModelRunner:
         # One (K, V) pair per layer of the stage; layers of different groups share pairs.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_cache_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A speculative draft model's own pool of the same blocks (empty without one).
+        self.draft_kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
         tp_group, self.pp_group = get_tp_group(), get_pp_group()
         self.tp_size = tp_group.world_size
         self.rank_name = (
@@ -117,6 +123,8 @@ class ModelRunner:
         self._prefaulter: KVCachePrefaulter | None = None
         self._fault_seed = _injected_fault_seed()
         self._faulty: set[str] = set()  # requests the injected fault hits
+        # Speculative decoding: what proposes each request's next tokens (None: off).
+        self.proposer = build_proposer(config.speculative_config)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
@@ -134,10 +142,39 @@ class ModelRunner:
             groups = [group for group, _ in self.kv_groups.layer_slots(self.layers).values()]
             self.model.bind_kv_cache(self.kv_caches, groups)
         self.sampler = Sampler(self.kernels)
+        if self.config.draft_model_config is not None:
+            self.proposer = self._load_draft_model(self.config.draft_model_config)
         # Eager with several ranks: a compiled graph traces neither the collectives of
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
         compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
         self.compiled_decode = self._compile_decode() if compile_decode else None
+
+    def _load_draft_model(self, draft_config: ModelConfig) -> DraftModelDrafts:
+        """The speculative draft model, with a KV pool of the same blocks as the target's."""
+        source = ModelSource(draft_config.model, draft_config.model.endswith(".gguf"))
+        model, _, attention_backend = self._build_model(source, draft_config)
+        num_blocks = self.kv_cache_pool[0][0].shape[0]
+        shape = (num_blocks, self.block_size, draft_config.num_kv_heads, draft_config.head_dim)
+        dtype = self.config.cache_config.cache_dtype
+        self.draft_kv_pool = [
+            (self._zeros(shape, dtype), self._zeros(shape, dtype))
+            for _ in range(draft_config.num_layers)
+        ]
+        model.bind_kv_cache(self.draft_kv_pool)
+        assert self.config.speculative_config is not None
+        compiled = None
+        if self.config.compile and attention_backend.traceable:
+            compiled = CompiledDecode(model, compiled_batch_limit(model))
+            compiled.warm_up(self.device)
+        return DraftModelDrafts(
+            self.config.speculative_config,
+            model,
+            attention_backend,
+            self.block_size,
+            self.config.model_config.max_model_len,
+            self.device,
+            compiled,
+        )
 
     def _compile_decode(self) -> CompiledDecode | None:
         if not self.attention_backend.traceable:
@@ -158,25 +195,32 @@ class ModelRunner:
         return compiled
 
     def _load_model(self, source: ModelSource) -> torch.nn.Module:
-        model_config = self.config.model_config
+        model, self.kernels, self.attention_backend = self._build_model(
+            source, self.config.model_config
+        )
+        return model
+
+    def _build_model(self, source: ModelSource, model_config: ModelConfig):
+        """(model with its weights, its kernel selection, its attention backend): the target,
+        or a speculative draft model, each with its own config."""
         model_class = resolve_model_class(model_config.hf_config.architectures)
         # The one decision of which kernels run; the model's layers and the sampler keep it.
-        self.kernels = select_kernels(
+        kernels = select_kernels(
             self.device,
             model_config.dtype,
             self.config.attention_backend,
             head_dim=model_config.head_dim,
             cache_dtype=self.config.cache_config.cache_dtype,
         )
-        logger.debug("kernels: %s", self.kernels.describe())
-        self.attention_backend = get_attention_backend(self.kernels.attention)
+        logger.debug("kernels: %s", kernels.describe())
+        attention_backend = get_attention_backend(kernels.attention)
         with torch.device(self.device):
             model = model_class(
                 model_config.hf_config,
-                self.attention_backend,
+                attention_backend,
                 model_config.dtype,
                 model_config.max_model_len,
-                kernels=self.kernels,
+                kernels=kernels,
             )
         quantization = model_config.quantization
         # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
@@ -199,7 +243,7 @@ class ModelRunner:
             pack_linear_weights(model)
             place_weights_on_huge_pages(model)
             release_free_heap()  # what loading and the moves above freed, back to the OS
-        return model.eval()
+        return model.eval(), kernels, attention_backend
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape, cache_config = self._kv_cache_shape(num_blocks), self.config.cache_config
@@ -264,8 +308,10 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array(list(scheduler_output.num_scheduled_tokens.values()))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], dtype=np.int64)
         input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(
-            rows, num_scheduled
+            rows, num_scheduled, num_drafts
         )
         hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled)
         output = ModelRunnerOutput(failed_requests=failed)
@@ -280,15 +326,34 @@ class ModelRunner:
             return output
         sample_rows = rows[sample_mask]
         sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
+        if drafts:
+            self._verify_drafts(
+                output,
+                scheduler_output,
+                logits,
+                sample_rows,
+                sample_req_ids,
+                num_drafts[sample_mask],
+            )
+        else:
+            self._sample(output, scheduler_output, logits, sample_rows, sample_req_ids)
+        if self.proposer is not None:
+            output.draft_token_ids = self.proposer.propose(
+                list(output.sampled_token_ids), self.input_batch
+            )
+        return output
+
+    def _sample(self, output, scheduler_output, logits, sample_rows, sample_req_ids) -> None:
+        """One token for each row that is due one (the step verifies no drafts)."""
         if scheduler_output.forked_samples:
             logits, sample_rows = self._add_forked_samples(
                 scheduler_output.forked_samples, logits, sample_rows, sample_req_ids
             )
         logits, sample_rows, sample_req_ids, processed = self._process_logits(
-            scheduler_output, logits, sample_rows, sample_req_ids, failed
+            scheduler_output, logits, sample_rows, sample_req_ids, output.failed_requests
         )
         if not sample_req_ids:
-            return output
+            return
         wants_logprobs = bool((self.input_batch.num_logprobs[sample_rows] >= 0).any())
         sampled = self.sampler(
             processed,
@@ -298,18 +363,134 @@ class ModelRunner:
         )
         token_ids = sampled.token_ids.cpu().numpy()
         self.input_batch.append_tokens(sample_rows, token_ids)
-        output.sampled_token_ids = dict(zip(sample_req_ids, token_ids.tolist(), strict=True))
+        output.sampled_token_ids = {
+            request_id: [token_id]
+            for request_id, token_id in zip(sample_req_ids, token_ids.tolist(), strict=True)
+        }
         if wants_logprobs:
             asking = self.input_batch.num_logprobs[sample_rows] >= 0
             output.logprobs = {
-                request_id: logprob
+                request_id: [logprob]
                 for request_id, logprob, ask in zip(
                     sample_req_ids, sampled.logprobs.tolist(), asking, strict=True
                 )
                 if ask
             }
             self._sample_logprobs(output, sample_req_ids, sample_rows, logits, sampled.token_ids)
-        return output
+
+    def _verify_drafts(
+        self, output, scheduler_output, logits, sample_rows, sample_req_ids, num_drafts
+    ) -> None:
+        """Speculative decoding: each sampling row has 1 + its drafts' rows of logits (the
+        target's scores after its last token and after each draft). The rejection sampler
+        emits the accepted drafts and one token after them, distributed exactly as sampling
+        one token at a time would be (greedy: the same tokens)."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        request_drafts = [drafts.get(r, []) for r in sample_req_ids]
+        counts = 1 + num_drafts
+        processed, keep = self._process_draft_logits(
+            scheduler_output, logits, sample_rows, sample_req_ids, request_drafts, counts, output
+        )
+        if not keep:
+            return
+        index = self._tensor(_expanded_index(counts, keep))
+        logits, processed = logits[index], processed[index]
+        rows = sample_rows[keep]
+        req_ids = [sample_req_ids[i] for i in keep]
+        request_drafts = [request_drafts[i] for i in keep]
+        emitted = rejection_sample(
+            processed,
+            request_drafts,
+            self.proposer.draft_probs(req_ids, request_drafts)
+            if self.proposer
+            else [None] * len(req_ids),
+            self._sampling_metadata(rows),
+            self.kernels,
+        )
+        for row, tokens in zip(rows.tolist(), emitted, strict=True):
+            for token_id in tokens:  # one at a time: each moves the row's end
+                self.input_batch.append_tokens(np.array([row]), np.array([token_id]))
+        output.sampled_token_ids = dict(zip(req_ids, emitted, strict=True))
+        self._spec_logprobs(output, req_ids, rows, logits, counts[keep], emitted)
+
+    def _process_draft_logits(
+        self, scheduler_output, logits, rows, req_ids, request_drafts, counts, output
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The per-request stages on every verified position (as `_process_logits` does for
+        one): returns the processed logits and the indices of the requests that go on to
+        sampling. A request whose stage raises alone is recorded in `failed_requests`."""
+        failed = output.failed_requests
+        keep = [i for i, request_id in enumerate(req_ids) if request_id not in failed]
+        try:
+            stages = self._draft_stages(scheduler_output, logits, rows, req_ids, request_drafts)
+            return stages, keep
+        except Exception:
+            pass
+        processed = logits.to(torch.float32).clone()
+        starts = np.cumsum(counts) - counts
+        healthy = []
+        for i in keep:
+            block = slice(int(starts[i]), int(starts[i] + counts[i]))
+            try:
+                processed[block] = self._draft_stages(
+                    scheduler_output,
+                    logits[block],
+                    rows[i : i + 1],
+                    [req_ids[i]],
+                    [request_drafts[i]],
+                )
+                healthy.append(i)
+            except Exception as error:
+                logger.exception("Request %s: its logits processing failed", req_ids[i])
+                failed[req_ids[i]] = f"logits processing failed: {describe_error(error)}"
+        if len(healthy) == len(keep):  # no request reproduces the error alone
+            raise
+        return processed, healthy
+
+    def _draft_stages(self, scheduler_output, logits, rows, req_ids, request_drafts):
+        """Logits processors and the grammar bitmask at each position of each request: the
+        state at position i has the first i drafts appended (penalties, min_tokens)."""
+        if self._faulty and not self._faulty.isdisjoint(req_ids):
+            raise RuntimeError(f"injected fault ({FAULT_SEED_ENV})")
+        states = self.input_batch.logits_states
+        position_states = []
+        for row, drafts in zip(rows.tolist(), request_drafts, strict=True):
+            position_states.extend(_states_after_drafts(states.get(row), drafts))
+        processed = logits
+        if any(state is not None and state.needs_processing() for state in position_states):
+            processed = apply_logits_processors(logits.to(torch.float32).clone(), position_states)
+        bitmask = scheduler_output.grammar_bitmask
+        if bitmask is None:
+            return processed
+        logits_rows, mask_rows, start = [], [], 0
+        for request_id, drafts in zip(req_ids, request_drafts, strict=True):
+            first = scheduler_output.grammar_rows.get(request_id)
+            if first is not None:
+                logits_rows.extend(range(start, start + len(drafts) + 1))
+                mask_rows.extend(range(first, first + len(drafts) + 1))
+            start += len(drafts) + 1
+        if not logits_rows:
+            return processed
+        if processed is logits:
+            processed = logits.to(torch.float32).clone()
+        apply_bitmask(processed, bitmask[mask_rows], torch.tensor(logits_rows))
+        return processed
+
+    def _spec_logprobs(self, output, req_ids, rows, logits, counts, emitted) -> None:
+        """Logprobs of the emitted tokens from the target's raw logits at their positions."""
+        wanted = self.input_batch.num_logprobs[rows]
+        if not (wanted >= 0).any():
+            return
+        starts = np.cumsum(counts) - counts
+        for i in np.flatnonzero(wanted >= 0).tolist():
+            tokens = emitted[i]
+            block = logits[int(starts[i]) : int(starts[i]) + len(tokens)]
+            result = token_logprobs(block, self._tensor(np.array(tokens)), int(wanted[i]))
+            request_id = req_ids[i]
+            output.logprobs[request_id] = result.logprobs.tolist()
+            output.sample_logprobs[request_id] = [
+                result.row(j, int(wanted[i])) for j in range(len(tokens))
+            ]
 
     def check_kv_integrity(self, expected: KVTableCheck) -> None:
         """Raise `KVIntegrityError` naming this rank unless its KV tensors have the shape its
@@ -504,7 +685,7 @@ class ModelRunner:
         index = self._tensor(asking)
         result = token_logprobs(logits[index], token_ids[index], int(wanted[asking].max()))
         for i, row_index in enumerate(asking.tolist()):
-            output.sample_logprobs[req_ids[row_index]] = result.row(i, int(wanted[row_index]))
+            output.sample_logprobs[req_ids[row_index]] = [result.row(i, int(wanted[row_index]))]
 
     def _prompt_logprobs(self, output, req_ids, rows, num_scheduled, hidden_states) -> None:
         """Logprob of each prompt token this step saw the position before (rows that asked)."""
@@ -538,7 +719,7 @@ class ModelRunner:
             return
         sources = self._tensor(np.array([source for source, _ in copies]))
         destinations = self._tensor(np.array([destination for _, destination in copies]))
-        for key_cache, value_cache in self.kv_cache_pool:
+        for key_cache, value_cache in self.kv_cache_pool + self.draft_kv_pool:
             key_cache[destinations] = key_cache[sources]
             value_cache[destinations] = value_cache[sources]
 
@@ -547,14 +728,21 @@ class ModelRunner:
         for request_id in scheduler_output.finished_req_ids:
             batch.remove_request(request_id)
             self._faulty.discard(request_id)
+            if self.proposer is not None:
+                self.proposer.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             row = self._add_request(new, failed)
             batch.set_blocks(row, new.block_ids, replace=True)
             batch.num_computed_tokens[row] = new.num_computed_tokens
+            if self.proposer is not None:
+                self.proposer.add_request(new.request_id, new.prompt_token_ids)
         for cached in scheduler_output.scheduled_cached_reqs:
             row = batch.row(cached.request_id)
             batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if self.proposer is not None and cached.resumed_from_preemption:
+                kept = 0 if cached.preempted else int(batch.num_blocks[row]) * self.block_size
+                self.proposer.truncate(cached.request_id, kept)
             if cached.token_ids is not None and not self.is_sampling_rank:
                 batch.write_tokens(
                     row,
@@ -562,6 +750,11 @@ class ModelRunner:
                     cached.token_ids,
                     cached.resumed_from_preemption,
                 )
+        # Drafts sit after a request's tokens without counting among them.
+        for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = batch.row(request_id)
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(drafts)] = drafts
 
     def _add_request(self, new, failed: dict[str, str]) -> int:
         """The request's row; if its own parameters raise (e.g. a seed its generator refuses,
@@ -587,7 +780,7 @@ class ModelRunner:
             self._faulty.add(new.request_id)
         return row
 
-    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray):
+    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray, num_drafts):
         batch = self.input_batch
         num_computed = batch.num_computed_tokens[rows]
         query_start_loc = np.concatenate(([0], np.cumsum(num_scheduled)))
@@ -613,7 +806,14 @@ class ModelRunner:
             # The backend builds only the metadata its forward reads.
             metadata.append(self.attention_backend.build_metadata(layout, self.device))
         metadata = metadata[0] if self.num_kv_groups == 1 else tuple(metadata)
-        logits_indices = self._tensor(query_start_loc[1:][sample_mask] - 1)
+        # A sampling row's logits: its last token's, and each draft's after it.
+        ends = query_start_loc[1:][sample_mask]
+        counts = 1 + num_drafts[sample_mask]
+        logits_indices = self._tensor(
+            np.repeat(ends - counts, counts)
+            + np.arange(counts.sum())
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         return (
             self._tensor(input_ids),
             self._tensor(positions),
@@ -644,6 +844,24 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _expanded_index(counts: np.ndarray, keep: list[int]) -> np.ndarray:
+    """The logits rows of the kept requests, where request i owns `counts[i]` rows in order."""
+    starts = np.cumsum(counts) - counts
+    return np.concatenate([np.arange(starts[i], starts[i] + counts[i]) for i in keep])
+
+
+def _states_after_drafts(state, drafts: list[int]) -> list:
+    """A request's logits-processor state at each verified position: as it is, then with
+    each draft appended in turn (copies: the drafts are not the request's yet)."""
+    states = [state]
+    for token_id in drafts:
+        if state is not None:
+            state = copy.deepcopy(state)
+            state.append_output_token(token_id)
+        states.append(state)
+    return states
 
 
 def _first_line(error: Exception) -> str:

@@ -43,7 +43,7 @@ def fake_run(scheduler: Scheduler, output: SchedulerOutput, token_id: int = 7) -
     for request_id in output.num_scheduled_tokens:
         request = scheduler.requests[request_id]
         if request.num_computed_tokens >= request.num_tokens:
-            sampled[request_id] = token_id
+            sampled[request_id] = [token_id]
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

@@ -359,7 +359,7 @@ def test_n_greater_than_one_samples_stay_with_their_tenant():
         "b0#1": "B",
         "b0#2": "B",
     }
-    sampled = dict.fromkeys(["a0", "b0", "b0#1", "b0#2"], 7)
+    sampled = {key: [7] for key in ["a0", "b0", "b0#1", "b0#2"]}
     scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled))
     assert not scheduler.has_unfinished_requests()
     assert_all_blocks_free(scheduler)

@@ -39,7 +39,7 @@ def _run(scheduler: Scheduler, output: SchedulerOutput, rng: random.Random) -> M
     for request_id in output.num_scheduled_tokens:
         request = scheduler.requests[request_id]
         if request.num_computed_tokens >= request.num_tokens:
-            sampled[request_id] = rng.randrange(1, 90)
+            sampled[request_id] = [rng.randrange(1, 90)]
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

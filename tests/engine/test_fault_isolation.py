@@ -172,10 +172,10 @@ def test_grammar_bitmask_fault_fails_only_its_request(llm, baseline, monkeypatch
     params[FAULTY] = SamplingParams(temperature=0, max_tokens=12, structured_outputs=choice)
     original = StructuredOutputManager.bitmask
 
-    def bitmask(self, requests):
+    def bitmask(self, requests, drafts=None):
         if any(r.request_id.endswith(f"-{FAULTY}") and r.num_output_tokens for r in requests):
             raise ValueError("boom in the grammar bitmask")
-        return original(self, requests)
+        return original(self, requests, drafts)
 
     monkeypatch.setattr(StructuredOutputManager, "bitmask", bitmask)
     outputs = run(llm, params)

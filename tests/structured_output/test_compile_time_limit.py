@@ -80,7 +80,7 @@ def run_until_done(scheduler: Scheduler) -> dict[str, object]:
         assert time.monotonic() < deadline, "requests did not finish"
         output = scheduler.schedule()
         sampled = {
-            request_id: 3
+            request_id: [3]
             for request_id in output.num_scheduled_tokens
             if (r := scheduler.requests[request_id]).num_computed_tokens == r.num_tokens
         }

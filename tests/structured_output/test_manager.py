@@ -96,7 +96,7 @@ def run(scheduler, output, choose):
         if row is not None:
             apply_bitmask(logits, output.grammar_bitmask[[row]], torch.tensor([0]))
         allowed = torch.nonzero(logits[0] > float("-inf")).flatten().tolist()
-        sampled[request_id] = choose(request_id, allowed)
+        sampled[request_id] = [choose(request_id, allowed)]
     return scheduler.update_from_output(output, ModelRunnerOutput(sampled_token_ids=sampled))
 
 

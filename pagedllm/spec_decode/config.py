@@ -1,0 +1,188 @@
+"""`SpeculativeConfig`: what `speculative_config` (vLLM's names) asks for, checked on its own.
+
+Checks that need the target model (vocabulary, context length, the engine's layout) are made
+where the engine config is built (`engine/engine_config.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
+SELF_QUANTIZATIONS = ("gguf", "int8")
+# vLLM's defaults for prompt lookup when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How requests speculate. `method`:
+
+    - "ngram": prompt lookup; the last `prompt_lookup_min`..`prompt_lookup_max` tokens are
+      searched for earlier in the request, and what followed them is proposed.
+    - "suffix": suffix decoding; a suffix tree over the request's own tokens and the outputs
+      of up to `suffix_decoding_max_cached_requests` earlier requests proposes the most
+      frequent continuation.
+    - "draft_model": a smaller model (`model`, the same tokenizer) proposes.
+    - "self_quantized": the target's own weights, quantized (`quantization` "gguf": the GGUF
+      file's blocks kept quantized; "int8": int8 weights), propose for the full-precision
+      target.
+
+    The target verifies every proposal in one forward pass; the rejection sampler keeps its
+    output distribution exact (greedy output is token for token the same).
+    `disable_by_batch_size`: a step with at least this many requests does not speculate.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}"
+            )
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.disable_by_batch_size is not None:
+            _check_positive("disable_by_batch_size", self.disable_by_batch_size)
+        self._check_ngram()
+        self._check_suffix()
+        self._check_model()
+
+    def _check_ngram(self) -> None:
+        if self.method != "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"speculative_config.{name} applies to method 'ngram' only, "
+                        f"got method {self.method!r}"
+                    )
+            return
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        # vLLM's rule: one bound given sets the other; none gives 5 for both.
+        low = low if low is not None else (high if high is not None else DEFAULT_PROMPT_LOOKUP)
+        high = high if high is not None else low
+        _check_positive("prompt_lookup_min", low)
+        _check_positive("prompt_lookup_max", high)
+        if low > high:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({low}) must not exceed "
+                f"prompt_lookup_max ({high})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    def _check_suffix(self) -> None:
+        _check_positive("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise ValueError(
+                "speculative_config.suffix_decoding_max_cached_requests must be a "
+                f"non-negative integer, got {cached!r}"
+            )
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not _is_number(factor) or factor <= 0:
+            raise ValueError(
+                "speculative_config.suffix_decoding_max_spec_factor must be a positive "
+                f"number, got {factor!r}"
+            )
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}"
+            )
+
+    def _check_model(self) -> None:
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(
+                    "speculative_config.model (the draft model's path) is required for "
+                    "method 'draft_model'"
+                )
+        elif self.model is not None:
+            raise ValueError(
+                f"speculative_config.model applies to method 'draft_model' only, got method "
+                f"{self.method!r}"
+            )
+        if self.method == "self_quantized":
+            if self.quantization not in SELF_QUANTIZATIONS:
+                raise ValueError(
+                    "speculative_config.quantization must be one of "
+                    f"{list(SELF_QUANTIZATIONS)} for method 'self_quantized', "
+                    f"got {self.quantization!r}"
+                )
+        elif self.quantization is not None and self.method != "draft_model":
+            raise ValueError(
+                f"speculative_config.quantization applies to methods 'self_quantized' and "
+                f"'draft_model', got method {self.method!r}"
+            )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when a second model proposes (its KV cache needs lookahead slots)."""
+        return self.method in ("draft_model", "self_quantized")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past the verified tokens a step must hold: a draft model writes the KV of
+        its own proposals for the next step right after verifying."""
+        return self.num_speculative_tokens if self.uses_draft_model else 0
+
+    def speculates(self, num_requests: int) -> bool:
+        """Whether a step of `num_requests` requests proposes (`disable_by_batch_size`)."""
+        limit = self.disable_by_batch_size
+        return limit is None or num_requests < limit
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None):
+        """From `LLM(speculative_config={...})` or `--speculative-config '{json}'`; None
+        stays None. Unknown keys are an error naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a dict (or its JSON), got {type(value).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s): {', '.join(map(str, unknown))}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        value = dict(value)
+        if value.get("method") not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {list(METHODS)}, "
+                f"got {value.get('method')!r}"
+            )
+        if "num_speculative_tokens" not in value:
+            if value["method"] != "suffix":
+                raise ValueError("speculative_config.num_speculative_tokens is required")
+            # vLLM's default for suffix decoding: as deep as the tree.
+            value["num_speculative_tokens"] = value.get("suffix_decoding_max_tree_depth", 24)
+        return cls(**value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")

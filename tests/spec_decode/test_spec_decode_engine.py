@@ -1,0 +1,179 @@
+"""Speculative decoding end to end on tiny random models: greedy output equals the engine
+without speculation for every method, under chunked prefill, preemption and mixed batches;
+stops inside accepted runs are exact; the KV cache stays sound (PAGEDLLM_DEBUG checks every
+step, tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+from model_utils import compare_to_reference_engine, greedy_with_logprobs, model_runner
+
+from pagedllm import LLM, SamplingParams
+
+# A repeated pattern (n-gram and suffix proposals find it) and plain prompts, mixed.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11] * 5,
+    [40, 41, 42, 43] * 6 + [17, 18],
+    list(range(100, 130)),
+    [3, 200, 7, 90, 45, 300, 12, 8],
+    [70, 71, 72, 73, 74, 75] * 4,
+    list(range(250, 262)),
+]
+MAX_TOKENS = 40
+
+
+def engine(directory, speculative_config=None, **engine_args) -> LLM:
+    settings = {"max_model_len": 256, "kv_cache_memory": "8MiB", **engine_args}
+    return LLM(str(directory), speculative_config=speculative_config, **settings)
+
+
+def method_configs(tiny_model_factory) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+        # Another architecture of the same vocabulary: a poor draft, many rejections.
+        "draft_model": {
+            "method": "draft_model",
+            "model": str(tiny_model_factory("Qwen2ForCausalLM")),
+            "num_speculative_tokens": 3,
+        },
+        "self_quantized": {
+            "method": "self_quantized",
+            "quantization": "int8",
+            "num_speculative_tokens": 3,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = engine(tiny_llama)
+    return greedy_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self_quantized"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {},
+        # Prompts prefilled in chunks, drafts clipped by the budget, and a pool of 13
+        # blocks of 8 KiB (208 tokens; a draft model's KV halves it) for six requests of up
+        # to 75 tokens: preemption.
+        {"max_num_batched_tokens": 16, "max_model_len": 96, "kv_cache_memory": 14 * 8192},
+    ],
+    ids=["plain", "chunked-preempted"],
+)
+def test_greedy_equals_no_speculation(
+    tiny_llama, tiny_model_factory, reference, report_ties, method, layout
+):
+    config = method_configs(tiny_model_factory)[method]
+    llm = engine(tiny_llama, config, **layout)
+    actual = greedy_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+    ties, _ = compare_to_reference_engine(reference, actual, tie_tolerance=1e-4)
+    report_ties(ties, len(PROMPTS))
+    stats = llm.get_stats()
+    assert stats.spec_decode is not None and stats.spec_decode.num_drafts > 0
+    if layout:
+        assert stats.num_preemptions > 0
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_usable_blocks  # every block came back
+
+
+def test_self_draft_accepts_everything(tiny_llama, reference):
+    """The target as its own draft model: every draft is accepted, and the per-position
+    counts say so."""
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 4}
+    llm = engine(tiny_llama, config)
+    actual = greedy_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+    compare_to_reference_engine(reference, actual, tie_tolerance=1e-4)
+    counts = llm.get_stats().spec_decode
+    assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
+    assert counts.num_accepted_tokens_per_pos[0] == counts.num_drafts
+
+
+def test_max_tokens_and_stops_inside_an_accepted_run(tiny_llama):
+    """A request that stops in the middle of a run of accepted drafts ends exactly where it
+    would have without speculation: at max_tokens, at a stop token id."""
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 5}
+    plain, spec = engine(tiny_llama), engine(tiny_llama, config)
+    full = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    tokens = full[0].outputs[0].token_ids
+    for max_tokens in (1, 2, 3, 7, 11):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == tokens[:max_tokens]
+        assert got.finish_reason == "length"
+    stop_at = next(i for i in range(8, 30) if tokens[i] not in tokens[:i])
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[stop_at]])
+    got = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == tokens[: stop_at + 1]
+    assert got.finish_reason == "stop" and got.stop_reason == tokens[stop_at]
+
+
+def test_logprobs_penalties_and_n_with_speculation(tiny_llama):
+    """Logprobs of the emitted tokens come from the target at their positions; penalties see
+    the accepted drafts before each position; parallel samples each speculate."""
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    plain, spec = engine(tiny_llama), engine(tiny_llama, config)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=24, frequency_penalty=0.7, min_tokens=20),
+        SamplingParams(temperature=0, max_tokens=16, n=3),
+    ):
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(want, got, strict=True):
+            assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+            if params.logprobs:
+                for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                    assert x.keys() == y.keys()
+                    for token in x:
+                        assert y[token].logprob == pytest.approx(x[token].logprob, abs=1e-4)
+                        assert y[token].rank == x[token].rank
+    assert spec.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(tiny_llama):
+    """A seeded request samples the same tokens whatever else is in the batch."""
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    llm = engine(tiny_llama, config)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
+    others = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[2])]
+    batch = llm.generate(
+        [others[0], {"prompt_token_ids": PROMPTS[1]}, others[1]],
+        [SamplingParams(temperature=1.0, max_tokens=24), seeded, SamplingParams(max_tokens=5)],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def test_disable_by_batch_size_stops_speculating(tiny_llama):
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 2,
+        "disable_by_batch_size": 2,
+    }
+    llm = engine(tiny_llama, config)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert llm.get_stats().spec_decode.num_drafts == 0
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert llm.get_stats().spec_decode.num_drafts > 0
+
+
+def test_draft_model_keeps_its_own_cache_in_step(tiny_llama):
+    """The draft's KV pool holds the same blocks as the target's, and its KV counts in the
+    memory the pool was given (fewer blocks for the same kv_cache_memory)."""
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2}
+    plain, spec = engine(tiny_llama), engine(tiny_llama, config)
+    runner = model_runner(spec)
+    assert len(runner.draft_kv_pool) == 2
+    assert runner.draft_kv_pool[0][0].shape == runner.kv_cache_pool[0][0].shape
+    plain_blocks = plain.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks
+    spec_blocks = spec.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks
+    assert spec_blocks == plain_blocks // 2
