@@ -120,6 +120,10 @@ class IncrementalDetokenizer:
         return self._finished
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
+    @property
     def stop_reason(self) -> str | None:
         """The stop string that ended the text, if one did."""
         return self._stop_reason

@@ -165,29 +165,49 @@ class OutputProcessor:
         if output.new_token_ids and not state.output_token_ids:
             state.metrics.first_token_time = now
             state.metrics.first_scheduled_time = output.first_scheduled_time
-        for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
+        detokenizer = state.detokenizer
+        num_kept, stop_string = self._detokenize(detokenizer, output.new_token_ids)
+        new_token_ids = output.new_token_ids[:num_kept]
+        new_logprobs = (output.new_logprobs or [])[:num_kept]
+        for token_id, entry in zip(new_token_ids, new_logprobs, strict=False):
             state.logprobs.append(self._position_logprobs(token_id, entry))
         for index, entry in (output.new_prompt_logprobs or {}).items():
             token_id = state.prompt_token_ids[index]
             state.prompt_logprobs[index] = self._position_logprobs(token_id, entry)
-        state.output_token_ids.extend(output.new_token_ids)
+        state.output_token_ids.extend(new_token_ids)
         if output.new_token_ids:
             state.cumulative_logprob = output.cumulative_logprob
+            if state.cumulative_logprob is not None and output.new_logprobs:
+                # Tokens after a stop string (speculative decoding's runs) do not count.
+                state.cumulative_logprob -= sum(e[0] for e in output.new_logprobs[num_kept:])
             state.num_cached_tokens = output.num_cached_tokens
         finished = output.finished
         state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
         state.error = output.error
-        detokenizer = state.detokenizer
-        if detokenizer is not None and output.new_token_ids and not detokenizer.finished:
-            stop_string = detokenizer.update(output.new_token_ids)
-            if stop_string is not None:
-                finished = True
-                state.finish_reason, state.stop_reason = "stop", stop_string
+        if stop_string is not None:
+            finished = True
+            state.finish_reason, state.stop_reason = "stop", stop_string
         if finished and detokenizer is not None:
             detokenizer.finish()
         if detokenizer is not None:
             state.text += detokenizer.get_next_delta()
         return finished
+
+    @staticmethod
+    def _detokenize(detokenizer, token_ids: list[int]) -> tuple[int, str | None]:
+        """(how many of a step's tokens the request keeps, the stop string they completed).
+        Several tokens in one step (speculative decoding) are checked one at a time, so a
+        stop string completed inside the run drops the tokens after it, as it would have
+        without speculation."""
+        if detokenizer is None or not token_ids or detokenizer.finished:
+            return len(token_ids), None
+        if len(token_ids) == 1 or not detokenizer.has_stop_strings:
+            return len(token_ids), detokenizer.update(token_ids)
+        for index, token_id in enumerate(token_ids):
+            stop_string = detokenizer.update([token_id])
+            if stop_string is not None:
+                return index + 1, stop_string
+        return len(token_ids), None
 
     def _make_output(
         self, state: RequestState, finished: bool, force: bool = False

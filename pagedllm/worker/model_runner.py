@@ -385,6 +385,19 @@ class ModelRunner:
         target's scores after its last token and after each draft). The rejection sampler
         emits the accepted drafts and one token after them, distributed exactly as sampling
         one token at a time would be (greedy: the same tokens)."""
+        if scheduler_output.forked_samples:
+            # A parent has no drafts (its prompt ends this step): its row is its first.
+            num_parents = len(sample_req_ids)
+            logits, sample_rows = self._add_forked_samples(
+                scheduler_output.forked_samples,
+                logits,
+                sample_rows,
+                sample_req_ids,
+                first_rows=np.cumsum(1 + num_drafts) - (1 + num_drafts),
+            )
+            num_drafts = np.concatenate(
+                [num_drafts, np.zeros(len(sample_req_ids) - num_parents, dtype=np.int64)]
+            )
         drafts = scheduler_output.scheduled_spec_decode_tokens
         request_drafts = [drafts.get(r, []) for r in sample_req_ids]
         counts = 1 + num_drafts
@@ -574,15 +587,19 @@ class ModelRunner:
         self.pp_group.send(hidden)
         self.pp_group.send(residual)
 
-    def _add_forked_samples(self, forked_samples, logits, sample_rows, sample_req_ids):
+    def _add_forked_samples(
+        self, forked_samples, logits, sample_rows, sample_req_ids, first_rows=None
+    ):
         """Parallel sampling: the samples the scheduler forked this step draw their first token
-        from their parent's logits row, each in a row of its own (own seed, own penalties).
-        Extends `sample_req_ids` in place; returns the widened logits and rows."""
+        from their parent's logits row, each in a row of its own (own seed, own penalties),
+        appended after the others. Extends `sample_req_ids` in place; returns the widened
+        logits and rows. `first_rows[i]`: request i's logits row, where rows are not one a
+        request (drafts being verified)."""
         batch = self.input_batch
         parent_index, child_rows = [], []
         for index, request_id in enumerate(list(sample_req_ids)):
             for child_id in forked_samples.get(request_id, ()):
-                parent_index.append(index)
+                parent_index.append(index if first_rows is None else int(first_rows[index]))
                 child_rows.append(batch.row(child_id))
                 sample_req_ids.append(child_id)
         if not child_rows:

@@ -46,17 +46,31 @@ def prompts(tokenizer) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    llm = LLM(max_model_len=1024, kv_cache_memory="256MiB")
-    texts = prompts(llm.get_tokenizer())
+def plain_llm():
+    return LLM(max_model_len=1024, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def reference(plain_llm):
+    texts = prompts(plain_llm.get_tokenizer())
     params = SamplingParams(temperature=0, max_tokens=96, logprobs=2)
-    return texts, llm.generate(texts, params, use_tqdm=False)
+    return texts, plain_llm.generate(texts, params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def self_draft_llm():
+    config = METHODS["self_quantized"]
+    return LLM(max_model_len=1024, kv_cache_memory="256MiB", speculative_config=config)
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_greedy_equals_decoding_without_speculation(reference, report_ties, method):
+def test_greedy_equals_decoding_without_speculation(reference, report_ties, self_draft_llm, method):
     texts, want = reference
-    llm = LLM(max_model_len=1024, kv_cache_memory="256MiB", speculative_config=METHODS[method])
+    llm = (
+        self_draft_llm
+        if method == "self_quantized"
+        else LLM(max_model_len=1024, kv_cache_memory="256MiB", speculative_config=METHODS[method])
+    )
     params = SamplingParams(temperature=0, max_tokens=96, logprobs=2)
     got = llm.generate(texts, params, use_tqdm=False)
     ties = 0
@@ -74,6 +88,20 @@ def test_greedy_equals_decoding_without_speculation(reference, report_ties, meth
     counts = llm.get_stats().spec_decode
     assert counts.num_accepted_tokens > 0
     assert counts.mean_acceptance_length > 1.2  # the copy prompt is made for guessing
+
+
+def test_stop_strings_inside_an_accepted_run(plain_llm, self_draft_llm, reference):
+    """The quantized self-draft's runs are accepted whole; a stop string that ends inside
+    one cuts the text exactly where decoding without speculation cuts it."""
+    texts, want = reference
+    full = want[0].outputs[0].text
+    for stop in (full[10:14], full[31:36], full[52:55]):
+        params = SamplingParams(temperature=0, max_tokens=96, stop=[stop])
+        a = plain_llm.generate(texts[0], params, use_tqdm=False)[0].outputs[0]
+        b = self_draft_llm.generate(texts[0], params, use_tqdm=False)[0].outputs[0]
+        assert (b.text, b.finish_reason, b.stop_reason) == (a.text, "stop", stop)
+        assert b.token_ids == a.token_ids
+    assert self_draft_llm.get_stats().spec_decode.mean_acceptance_length > 2
 
 
 @pytest.fixture(scope="module")

@@ -177,3 +177,21 @@ def test_draft_model_keeps_its_own_cache_in_step(tiny_llama):
     plain_blocks = plain.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks
     spec_blocks = spec.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks
     assert spec_blocks == plain_blocks // 2
+
+
+def test_parallel_samples_fork_in_a_step_that_verifies_drafts(tiny_llama):
+    """A request with n > 1 finishes its prompt (and forks its samples) in a step where
+    another request verifies drafts: every sample gets its first token from its parent."""
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": PROMPTS[0][:8]}, {"prompt_token_ids": list(range(100, 180))}]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, n=3, ignore_eos=True),
+    ]
+    plain = engine(tiny_llama, max_num_batched_tokens=16)
+    spec = engine(tiny_llama, config, max_num_batched_tokens=16)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert spec.get_stats().spec_decode.num_accepted_tokens > 0
