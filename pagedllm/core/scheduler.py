@@ -108,7 +108,8 @@ class Scheduler(FairScheduling):
         # The rule: one token budget (max_num_batched_tokens) per step, shared by all.
         # 1. Running requests first, in admission order (in priority order under the
         #    "priority" policy, so the lowest priority sits last). Each is given the tokens it is
-        #    behind by (1 for a decode, the rest of its prompt for a prefill), capped by
+        #    behind by (1 for a decode, plus the drafts it verifies under speculative
+        #    decoding; the rest of its prompt for a prefill), capped by
         #    what is left of the budget, so long prompts are prefilled in chunks that share
         #    steps with other requests' decodes. When the pool has no blocks for them, the
         #    last running request (the newest; the lowest priority) is preempted (blocks

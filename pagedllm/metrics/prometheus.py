@@ -273,36 +273,6 @@ class PrometheusMetrics:
         for position, count in enumerate(delta.num_accepted_tokens_per_pos):
             self._accepted_per_pos.labels(self._model_name, engine, str(position)).inc(count)
 
-    @staticmethod
-    def _update_engine(series: _EngineSeries, stats: EngineStats) -> None:
-        series.num_requests_running.set(stats.num_running_reqs)
-        series.num_requests_waiting.set(stats.num_waiting_reqs)
-        series.kv_cache_usage.set(stats.kv_cache_usage)
-        last = series.last_stats
-        series.prefix_cache_queries.inc(
-            stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
-        )
-        series.prefix_cache_hits.inc(
-            stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
-        )
-        series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
-        series.last_stats = stats
-
-    def _update_spec_decode(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
-        """Speculative decoding's counters advance by what the core counted since last."""
-        counts, last = stats.spec_decode, series.last_stats
-        if counts is None:
-            return
-        before = last.spec_decode if last is not None else None
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            delta = getattr(counts, name) - (getattr(before, name) if before else 0)
-            getattr(series, "spec_decode_" + name).inc(delta)
-        for position, count in enumerate(counts.num_accepted_tokens_per_pos):
-            previous = before.num_accepted_tokens_per_pos[position] if before else 0
-            self._accepted_per_pos.labels(self._model_name, engine, str(position)).inc(
-                count - previous
-            )
-
     def _engine_series(self, per_engine: dict, engine: str) -> _EngineSeries:
         children = {
             name: metric.labels(self._model_name, engine) for name, metric in per_engine.items()

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+
 METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
 SELF_QUANTIZATIONS = ("gguf", "int8")
 # vLLM's defaults for prompt lookup when neither bound is given.
@@ -183,6 +185,11 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_positive_int(name: str, value: object) -> None:
+    """`value` is a positive int (numpy's too; never a bool), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"speculative_config.{name} must be a positive integer, got {value!r}")
+    check_positive_int(f"speculative_config.{name}", value)

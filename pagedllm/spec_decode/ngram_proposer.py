@@ -21,13 +21,9 @@ The caller caps proposals at the model's context length (vLLM proposes at most
 
 import numpy as np
 
+from pagedllm.spec_decode.config import check_positive_int
+
 __all__ = ["NgramProposer"]
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    # bool is an int subclass, but True as a window size is always a caller bug.
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class NgramProposer:
@@ -36,9 +32,9 @@ class NgramProposer:
     def __init__(
         self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int
     ) -> None:
-        _require_positive_int("num_speculative_tokens", num_speculative_tokens)
-        _require_positive_int("prompt_lookup_min", prompt_lookup_min)
-        _require_positive_int("prompt_lookup_max", prompt_lookup_max)
+        check_positive_int("num_speculative_tokens", num_speculative_tokens)
+        check_positive_int("prompt_lookup_min", prompt_lookup_min)
+        check_positive_int("prompt_lookup_max", prompt_lookup_max)
         if prompt_lookup_min > prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({prompt_lookup_min}) must be <= "

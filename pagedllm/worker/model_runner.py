@@ -437,8 +437,8 @@ class ModelRunner:
         try:
             stages = self._draft_stages(scheduler_output, logits, rows, req_ids, request_drafts)
             return stages, keep
-        except Exception:
-            pass
+        except Exception as error:
+            batch_error = error
         processed = logits.to(torch.float32).clone()
         starts = np.cumsum(counts) - counts
         healthy = []
@@ -457,7 +457,7 @@ class ModelRunner:
                 logger.exception("Request %s: its logits processing failed", req_ids[i])
                 failed[req_ids[i]] = f"logits processing failed: {describe_error(error)}"
         if len(healthy) == len(keep):  # no request reproduces the error alone
-            raise
+            raise batch_error
         return processed, healthy
 
     def _draft_stages(self, scheduler_output, logits, rows, req_ids, request_drafts):
@@ -476,18 +476,14 @@ class ModelRunner:
         if bitmask is None:
             return processed
         logits_rows, mask_rows, start = [], [], 0
+        parent_of = _parents(scheduler_output.forked_samples)
         for request_id, drafts in zip(req_ids, request_drafts, strict=True):
-            first = scheduler_output.grammar_rows.get(request_id)
+            first = scheduler_output.grammar_rows.get(parent_of.get(request_id, request_id))
             if first is not None:
                 logits_rows.extend(range(start, start + len(drafts) + 1))
                 mask_rows.extend(range(first, first + len(drafts) + 1))
             start += len(drafts) + 1
-        if not logits_rows:
-            return processed
-        if processed is logits:
-            processed = logits.to(torch.float32).clone()
-        apply_bitmask(processed, bitmask[mask_rows], torch.tensor(logits_rows))
-        return processed
+        return _mask_rows(processed, logits, bitmask, logits_rows, mask_rows)
 
     def _spec_logprobs(self, output, req_ids, rows, logits, counts, emitted) -> None:
         """Logprobs of the emitted tokens from the target's raw logits at their positions."""
@@ -675,23 +671,14 @@ class ModelRunner:
             return processed
         grammar_rows = scheduler_output.grammar_rows
         # A sample forked this step starts from its parent's grammar state.
-        parent_of = {
-            child: parent
-            for parent, children in scheduler_output.forked_samples.items()
-            for child in children
-        }
+        parent_of = _parents(scheduler_output.forked_samples)
         logits_rows, mask_rows = [], []
         for index, request_id in enumerate(sample_req_ids):
             row = grammar_rows.get(parent_of.get(request_id, request_id))
             if row is not None:
                 logits_rows.append(index)
                 mask_rows.append(row)
-        if not logits_rows:
-            return processed
-        if processed is raw_logits:
-            processed = raw_logits.to(torch.float32).clone()
-        apply_bitmask(processed, bitmask[mask_rows], torch.tensor(logits_rows))
-        return processed
+        return _mask_rows(processed, raw_logits, bitmask, logits_rows, mask_rows)
 
     def _sample_logprobs(self, output, req_ids, rows, logits, token_ids) -> None:
         """Rank and top alternatives of each sampled token, for the rows that asked."""
@@ -861,6 +848,22 @@ class ModelRunner:
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _parents(forked_samples: dict[str, list[str]]) -> dict[str, str]:
+    """Each sample forked this step -> its parent (whose grammar state it starts from)."""
+    return {child: parent for parent, children in forked_samples.items() for child in children}
+
+
+def _mask_rows(processed, raw_logits, bitmask, logits_rows: list[int], mask_rows: list[int]):
+    """Apply bitmask row `mask_rows[i]` to logits row `logits_rows[i]`, on a copy when no
+    processor made one (logprobs are reported from the raw logits)."""
+    if not logits_rows:
+        return processed
+    if processed is raw_logits:
+        processed = raw_logits.to(torch.float32).clone()
+    apply_bitmask(processed, bitmask[mask_rows], torch.tensor(logits_rows))
+    return processed
 
 
 def _expanded_index(counts: np.ndarray, keep: list[int]) -> np.ndarray:

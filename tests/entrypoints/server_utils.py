@@ -98,3 +98,13 @@ class RunningServer:
             if line.startswith(f"pagedllm:{name}{{") or line.startswith(f"pagedllm:{name} "):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
+
+
+def offline_greedy_texts(model, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """The offline engine's greedy texts (EOS ignored): what a server must answer."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(model))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]

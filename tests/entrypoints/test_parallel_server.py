@@ -14,9 +14,7 @@ import time
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer, health
-
-from pagedllm import LLM, SamplingParams
+from server_utils import RunningServer, health, offline_greedy_texts
 
 WAIT_S = 60.0  # bound on anything a test waits for (the machine may be busy)
 MAX_TOKENS = 8
@@ -28,10 +26,7 @@ STREAM_TOKENS = 1000
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[str]:
     """One rank's greedy texts (offline engine) for PROMPTS."""
-    llm = LLM(str(tiny_llama))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [output.outputs[0].text for output in outputs]
+    return offline_greedy_texts(tiny_llama, PROMPTS, MAX_TOKENS)
 
 
 def spawned_children(process: psutil.Process) -> list[psutil.Process]:

@@ -9,9 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import RunningServer
-
-from pagedllm import LLM, SamplingParams
+from server_utils import RunningServer, offline_greedy_texts
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 4, [(7 * i) % 500 + 3 for i in range(30)]]
 MAX_TOKENS = 24
@@ -19,10 +17,8 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[str]:
-    llm = LLM(str(tiny_llama))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [output.outputs[0].text for output in outputs]
+    """One rank's greedy texts (offline engine) for PROMPTS."""
+    return offline_greedy_texts(tiny_llama, PROMPTS, MAX_TOKENS)
 
 
 def test_server_speculates_and_reports_its_counters(tiny_llama, tmp_path, reference):

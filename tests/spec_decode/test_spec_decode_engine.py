@@ -195,3 +195,21 @@ def test_parallel_samples_fork_in_a_step_that_verifies_drafts(tiny_llama):
     for a, b in zip(want, got, strict=True):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert spec.get_stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_a_faulty_request_fails_alone_in_a_step_that_verifies_drafts(tiny_llama, monkeypatch):
+    """A request whose logits stage raises (an injected fault) while others verify drafts
+    ends with an error; the others answer as without speculation."""
+    monkeypatch.setenv("PAGEDLLM_INJECT_FAULT_SEED", "4242")
+    config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[4], list(range(100, 180)))]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    faulty = SamplingParams(temperature=0.5, max_tokens=24, seed=4242)
+    spec = engine(tiny_llama, config, max_num_batched_tokens=16)
+    got = spec.generate(prompts, [greedy, greedy, faulty], use_tqdm=False)
+    assert got[2].outputs[0].finish_reason == "error"
+    assert "injected fault" in got[2].outputs[0].error
+    monkeypatch.delenv("PAGEDLLM_INJECT_FAULT_SEED")
+    want = engine(tiny_llama).generate(prompts[:2], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
+    assert spec.get_stats().spec_decode.num_accepted_tokens > 0
