@@ -162,10 +162,7 @@ class ModelRunner:
         ]
         model.bind_kv_cache(self.draft_kv_pool)
         assert self.config.speculative_config is not None
-        compiled = None
-        if self.config.compile and attention_backend.traceable:
-            compiled = CompiledDecode(model, compiled_batch_limit(model))
-            compiled.warm_up(self.device)
+        compiled = self._compile_decode(model, num_kv_groups=1) if self.config.compile else None
         return DraftModelDrafts(
             self.config.speculative_config,
             model,
@@ -176,7 +173,12 @@ class ModelRunner:
             compiled,
         )
 
-    def _compile_decode(self) -> CompiledDecode | None:
+    def _compile_decode(
+        self, model: torch.nn.Module | None = None, num_kv_groups: int | None = None
+    ) -> CompiledDecode | None:
+        """The decode step of `model` (the target's by default; a draft model's chained
+        steps) through torch.compile, or None where it cannot be compiled."""
+        model = model or self.model
         if not self.attention_backend.traceable:
             # The torch backend reads the step's layout from Python lists, on which a
             # compiled graph would specialize and recompile step after step.
@@ -184,7 +186,9 @@ class ModelRunner:
                 "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
             )
             return None
-        compiled = CompiledDecode(self.model, compiled_batch_limit(self.model), self.num_kv_groups)
+        compiled = CompiledDecode(
+            model, compiled_batch_limit(model), num_kv_groups or self.num_kv_groups
+        )
         try:
             with torch.inference_mode():
                 compiled.warm_up(self.device)

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.loader import default_model_path
 from pagedllm.sampling_params import StructuredOutputsParams
 from tests.structured_output.schemas import SCHEMAS
 
@@ -25,6 +26,12 @@ METHODS = {
         "method": "self_quantized",
         "quantization": "gguf",
         "num_speculative_tokens": 4,
+    },
+    # No smaller model shares its tokenizer here: the model drafts for itself.
+    "draft_model": {
+        "method": "draft_model",
+        "model": default_model_path(),
+        "num_speculative_tokens": 3,
     },
 }
 
