@@ -9,8 +9,9 @@ forward's, bit for bit.
 
 One graph serves every decode step of 1..max_batch_size requests: sizes are symbolic, none
 is specialized (not even 1), and equal sizes are not merged. max_batch_size is 96 (the
-skinny kernel's range), or 3 where the linear layers hold oneDNN-packed weights, which
-serve 4 rows and more faster eagerly than the graph's skinny kernel does. It is compiled
+skinny kernel's range), or one less than `fused.PACKED_MIN_ROWS` (3 on a CPU with AVX-512,
+23 without) where the linear layers hold oneDNN-packed weights, which serve more rows
+faster eagerly than the graph's skinny kernel does. It is compiled
 at start-up on a dummy decode that writes only the reserved null block, so no request
 waits for the compiler. Inductor keeps its compiled code under pagedllm's cache directory;
 tracing is redone at each start. Prefill steps and larger batches stay eager: their
@@ -46,9 +47,9 @@ MAX_BATCH_SIZE = fused.SKINNY_MAX_ROWS
 
 
 def compiled_batch_limit(model: torch.nn.Module) -> int:
-    """The largest decode step worth compiling for `model`: MAX_BATCH_SIZE, or 3 where its
-    linear layers hold oneDNN-packed weights, which serve four rows and more faster eagerly
-    than the graph's skinny kernel does."""
+    """The largest decode step worth compiling for `model`: MAX_BATCH_SIZE, or one less than
+    `fused.PACKED_MIN_ROWS` where its linear layers hold oneDNN-packed weights, which serve
+    that many rows and more faster eagerly than the graph's skinny kernel does."""
     packed = any(getattr(m, "packed_weight", None) is not None for m in model.modules())
     return fused.PACKED_MIN_ROWS - 1 if packed else MAX_BATCH_SIZE
 
