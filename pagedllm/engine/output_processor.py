@@ -165,22 +165,19 @@ class OutputProcessor:
         if output.new_token_ids and not state.output_token_ids:
             state.metrics.first_token_time = now
             state.metrics.first_scheduled_time = output.first_scheduled_time
-        detokenizer = state.detokenizer
-        num_kept, stop_string = self._detokenize(detokenizer, output.new_token_ids)
-        new_token_ids = output.new_token_ids[:num_kept]
-        new_logprobs = (output.new_logprobs or [])[:num_kept]
-        for token_id, entry in zip(new_token_ids, new_logprobs, strict=False):
+        for token_id, entry in zip(output.new_token_ids, output.new_logprobs or (), strict=False):
             state.logprobs.append(self._position_logprobs(token_id, entry))
         for index, entry in (output.new_prompt_logprobs or {}).items():
             token_id = state.prompt_token_ids[index]
             state.prompt_logprobs[index] = self._position_logprobs(token_id, entry)
-        state.output_token_ids.extend(new_token_ids)
+        state.output_token_ids.extend(output.new_token_ids)
         if output.new_token_ids:
             state.cumulative_logprob = output.cumulative_logprob
-            if state.cumulative_logprob is not None and output.new_logprobs:
-                # Tokens after a stop string (speculative decoding's runs) do not count.
-                state.cumulative_logprob -= sum(e[0] for e in output.new_logprobs[num_kept:])
             state.num_cached_tokens = output.num_cached_tokens
+        detokenizer = state.detokenizer
+        num_kept, stop_string = self._detokenize(detokenizer, output.new_token_ids)
+        if num_kept < len(output.new_token_ids):
+            self._drop_after_stop(state, output, num_kept)
         finished = output.finished
         state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
         state.error = output.error
@@ -192,6 +189,18 @@ class OutputProcessor:
         if detokenizer is not None:
             state.text += detokenizer.get_next_delta()
         return finished
+
+    @staticmethod
+    def _drop_after_stop(state: RequestState, output: EngineCoreOutput, num_kept: int) -> None:
+        """The tokens of a step after the one that completed a stop string (speculative
+        decoding's runs) are not the request's, nor are their logprobs."""
+        num_dropped = len(output.new_token_ids) - num_kept
+        del state.output_token_ids[-num_dropped:]
+        dropped_logprobs = (output.new_logprobs or [])[num_kept:]
+        if dropped_logprobs:
+            del state.logprobs[-len(dropped_logprobs) :]
+            if state.cumulative_logprob is not None:
+                state.cumulative_logprob -= sum(entry[0] for entry in dropped_logprobs)
 
     @staticmethod
     def _detokenize(detokenizer, token_ids: list[int]) -> tuple[int, str | None]:

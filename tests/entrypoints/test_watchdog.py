@@ -30,6 +30,10 @@ def core_process(server: RunningServer) -> psutil.Process:
     return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
 
 
+# Tokens each request of the SIGTERM drain test generates (the tiny model's context is 1,024).
+DRAIN_TOKENS = 1000
+
+
 def body(max_tokens: int, stream: bool = False) -> dict:
     return {
         "prompt": "hello",
@@ -213,8 +217,10 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp
         api = psutil.Process(server.process.pid)
         processes = [api, *api.children(recursive=True)]
         assert os.getpgid(core_process(server).pid) == server.process.pid
-        streams = [start_stream(server, max_tokens=200) for _ in range(2)]
-        plains = [start_request(server, max_tokens=200) for _ in range(2)]
+        # Long enough that the first request is still running when the fourth arrives (a
+        # decode step of the tiny model takes a few milliseconds).
+        streams = [start_stream(server, max_tokens=DRAIN_TOKENS) for _ in range(2)]
+        plains = [start_request(server, max_tokens=DRAIN_TOKENS) for _ in range(2)]
         # All four admitted: one still connecting when the signal lands is refused by a
         # server that has stopped accepting, which is right but not what this tests.
         wait_running(server, 4)
@@ -225,7 +231,7 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp
         for pending in plains:
             response = pending["response"]
             assert response.status_code == 200, response.text
-            assert response.json()["usage"]["completion_tokens"] == 200
+            assert response.json()["usage"]["completion_tokens"] == DRAIN_TOKENS
         for pending in streams:
             assert pending["lines"][-1] == "data: [DONE]"
             assert not any('"error"' in line for line in pending["lines"])
