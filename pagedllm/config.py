@@ -20,6 +20,7 @@ from pagedllm.parallel_config import (
     default_executor_backend,
 )
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.value_checks import check_known_keys
 
 _MEMORY_UNITS = {
     "": 1,
@@ -479,11 +480,5 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown engine argument(s): {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        check_known_keys("engine argument", kwargs, {f.name for f in fields(cls)})
         return cls(**kwargs)

@@ -171,3 +171,13 @@ def short_repr(value: Any) -> str:
     """repr for an error message: short, and safe for ints too long to print."""
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "a huge integer"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_known_keys(what: str, keys, known) -> None:
+    """Every one of `keys` is in `known`, else a ValueError listing the unknown ones (as
+    "unknown {what}(s)") and the known ones."""
+    unknown = sorted(map(str, set(keys) - set(known)))
+    if unknown:
+        raise ValueError(
+            f"unknown {what}(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.value_checks import check_known_keys
+
 METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
 SELF_QUANTIZATIONS = ("gguf", "int8")
 # vLLM's defaults for prompt lookup when neither bound is given.
@@ -160,13 +162,7 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config must be a dict (or its JSON), got {type(value).__name__}"
             )
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config key(s): {', '.join(map(str, unknown))}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        check_known_keys("speculative_config key", value, {f.name for f in fields(cls)})
         value = dict(value)
         if value.get("method") not in METHODS:
             raise ValueError(
