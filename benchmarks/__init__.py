@@ -51,6 +51,13 @@ Features' costs and gains
                         blocks freed, against every layer whole, and how many fit at once?
     fair_share          Does a tenant that floods the server delay another tenant's first
                         token, under fcfs and under fair scheduling?
+    lora                How much W1 throughput do 8 LoRA adapters round-robin keep against the
+                        base model alone, what share of the time do their deltas take, and
+                        what do requests without an adapter pay?
+    lora_load           How long does loading an adapter into a running server take, what
+                        does its first request pay, and how much memory does it add?
+    lora_kernel         What do one decode step's LoRA deltas cost on the torch path and in
+                        the CPU kernel?
 
 Reliability
     soak                Does the server stay up, answer every request and hold its memory and

@@ -4,6 +4,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchS
 from pagedllm.config import EngineArgs
 from pagedllm.llm import LLM
 from pagedllm.logger import init_logger
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -14,6 +15,7 @@ __all__ = [
     "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -72,8 +73,11 @@ def beam_search(
     prompts: list[Any],
     params: BeamSearchParams,
     use_tqdm: bool = True,
+    lora_requests: list[LoRARequest | None] | None = None,
 ) -> list[BeamSearchOutput]:
+    """`lora_requests`: each prompt's adapter (None: the base model's), for all its beams."""
     width = params.beam_width
+    loras = lora_requests or [None] * len(prompts)
     if 2 * width > engine.model_config.max_logprobs:
         raise ValueError(
             f"beam_width={width} needs 2 * beam_width logprobs, above max_logprobs="
@@ -96,7 +100,9 @@ def beam_search(
         if not beams:
             break
         requests = [{"prompt_token_ids": prompt_ids[i] + beam.tokens} for i, beam in beams]
-        outputs = generate(requests, step_params, use_tqdm=False)
+        outputs = generate(
+            requests, step_params, use_tqdm=False, lora_request=[loras[i] for i, _ in beams]
+        )
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), output in zip(beams, outputs, strict=True):
             for token_id, logprob in output.outputs[0].logprobs[0].items():

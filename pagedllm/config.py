@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.lora.config import LoRAConfig
 from pagedllm.parallel_config import (
     EXECUTOR_BACKENDS,  # noqa: F401 - re-exported: the flags and tests read it here
     ParallelConfig,
@@ -295,6 +296,8 @@ class SchedulerConfig:
     # overlap). Above 1 the scheduler never schedules a request whose batch is still in
     # flight, and never preempts one. Set by the engine core.
     max_batches_in_flight: int = 1
+    # LoRA: the most adapters one step may run (None: LoRA is off). Set from LoRAConfig.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         check_scheduling_policy(self.policy)
@@ -348,6 +351,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # method "draft_model" / "self_quantized": the model that proposes (None otherwise).
     draft_model_config: ModelConfig | None = None
+    # LoRA adapters (enable_lora); None: off.
+    lora_config: LoRAConfig | None = None
 
     @property
     def distributed_executor_backend(self) -> str:
@@ -395,6 +400,12 @@ class EngineArgs:
     load_format: str = "auto"
     # Speculative decoding (vLLM's `speculative_config`): a dict, its JSON, or None (off).
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's names): requests may name an adapter (`LoRARequest`); up to
+    # max_loras run in one step, max_cpu_loras (default max_loras) stay loaded.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -426,6 +437,7 @@ class EngineArgs:
             )
         self.parallel_config()  # a bad size, backend or binding fails here
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.lora_config()  # bad LoRA sizes fail here
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "
@@ -463,6 +475,11 @@ class EngineArgs:
                 f"quantization='gguf' computes on a GGUF file's blocks; model {self.model!r} "
                 "is not a .gguf file (use quantization='int8' for other checkpoints)"
             )
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def parallel_config(self) -> ParallelConfig:
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size

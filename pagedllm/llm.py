@@ -14,6 +14,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, render_chat
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -43,12 +44,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
         A prompt is a string or a dict with `prompt_token_ids` (or `prompt`) and an
-        optional `cache_salt`; `priority` (one per prompt, lower first) needs
+        optional `cache_salt`; `lora_request` (one for all prompts, or one each, None for
+        the base model) needs enable_lora; `priority` (one per prompt, lower first) needs
         scheduling_policy="priority".
 
         A request that fails on its own in the engine (its logits processors, grammar,
@@ -62,6 +65,7 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority: got {len(priorities)} for {len(prompt_list)} prompts")
+        loras = _per_prompt("lora_request", lora_request, len(prompt_list))
         # Offline callers want one output per request, at the end.
         params_list = [
             dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -69,8 +73,12 @@ class LLM:
         ]
         # Tokenize and validate everything first so bad input leaves nothing half-queued.
         processed = [
-            engine.process_inputs(str(next(self._request_counter)), prompt, params, value)
-            for prompt, params, value in zip(prompt_list, params_list, priorities, strict=True)
+            engine.process_inputs(
+                str(next(self._request_counter)), prompt, params, value, lora_request=lora
+            )
+            for prompt, params, value, lora in zip(
+                prompt_list, params_list, priorities, loras, strict=True
+            )
         ]
         for prompt_text, request in processed:
             engine.add_processed_request(prompt_text, request)
@@ -82,10 +90,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """The best `params.beam_width` continuations of each prompt (see beam_search.py)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
-        return beam_search(self.llm_engine, self.generate, prompt_list, params, use_tqdm)
+        loras = _per_prompt("lora_request", lora_request, len(prompt_list))
+        return beam_search(self.llm_engine, self.generate, prompt_list, params, use_tqdm, loras)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (refused while requests run)."""
@@ -103,6 +113,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -118,7 +129,7 @@ class LLM:
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _render_chat(
         self,
@@ -166,12 +177,17 @@ def _params_per_prompt(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
 ) -> list[SamplingParams]:
     if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
+        sampling_params = SamplingParams()
+    return _per_prompt("sampling_params", sampling_params, num_prompts)
+
+
+def _per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
+    """One value for every prompt: a single value (or None) is shared, a list has one each."""
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
         raise ValueError(
-            f"sampling_params: got {len(params)} for {num_prompts} prompts; give one, or one each"
+            f"{name}: got {len(values)} for {num_prompts} prompts; give one, or one each"
         )
-    return params
+    return values

@@ -73,6 +73,24 @@ def test_engine_flags_use_vllm_names():
     )
 
 
+def test_lora_engine_flags_use_vllm_names():
+    flags = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8", "--max-cpu-loras", "6"]
+    args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+    assert engine_args_from(args) == EngineArgs(
+        enable_lora=True, max_loras=4, max_lora_rank=8, max_cpu_loras=6
+    )
+    defaults = engine_args_from(build_parser().parse_args(["serve"]))
+    assert (defaults.enable_lora, defaults.max_loras, defaults.max_lora_rank) == (False, 1, 16)
+    assert defaults.max_cpu_loras is None
+
+
+def test_bad_lora_flag_value_is_a_clear_error(tiny_llama, capsys):
+    flags = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"]
+    code = main(["generate", "--model", str(tiny_llama), "--prompt", "x", *flags])
+    assert code == 2
+    assert "max_cpu_loras must be an integer >= max_loras (2)" in capsys.readouterr().err
+
+
 def test_every_engine_flag_has_help():
     engine = next(g for g in build_parser()._subparsers._group_actions[0].choices["serve"]
                   ._action_groups if g.title == "engine")  # fmt: skip

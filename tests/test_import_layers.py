@@ -76,6 +76,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.sample.*",
             # Process groups, collectives and thread binding: the model's layers call them.
             "pagedllm.distributed.*",
+            # LoRA adapters: read and checked (frontend and runner), applied in the model.
+            "pagedllm.lora.*",
         ],
     ),
 ]
@@ -99,6 +101,10 @@ SHARED: list[str] = [
     "pagedllm.spec_decode.config",
     "pagedllm.spec_decode.metrics",
     "pagedllm.spec_decode",
+    # LoRA's request and settings: carried by requests, read by the config and scheduler.
+    "pagedllm.lora.request",
+    "pagedllm.lora.config",
+    "pagedllm.lora",
     # Packages' own (empty or docstring-only) __init__ modules.
     "pagedllm.core",
     "pagedllm.distributed",

@@ -22,8 +22,9 @@ def hash_block_tokens(
     return hash((parent_hash, token_ids, extra_keys))
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> ExtraKeys:
-    """Extra keys of a block: the salt marks the first block, and the chain carries it on."""
+def block_extra_keys(block_index: int, cache_salt: Any) -> ExtraKeys:
+    """Extra keys of a block: the salt (a request's `cache_namespace`: its `cache_salt`, and
+    its LoRA adapter) marks the first block, and the chain carries it on."""
     if block_index == 0 and cache_salt is not None:
         return (cache_salt,)
     return None
@@ -33,7 +34,7 @@ def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
     block_size: int,
-    cache_salt: str | None,
+    cache_salt: Any,
 ) -> None:
     """Append the hashes of every full block of `token_ids` not hashed yet."""
     num_full_blocks = len(token_ids) // block_size

@@ -114,7 +114,7 @@ class KVCacheManager:
 
     def _extra_keys(self, request: Request, index: int, group: int) -> hashing.ExtraKeys:
         """A cached block proves its group too: groups hold different layers' KV."""
-        extra_keys = hashing.block_extra_keys(index, request.cache_salt)
+        extra_keys = hashing.block_extra_keys(index, request.cache_namespace)
         return extra_keys if group == 0 else (*(extra_keys or ()), ("kv_group", group))
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -325,7 +325,10 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             hashing.extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                request.cache_namespace,
             )
 
     def free(self, request: Request) -> None:

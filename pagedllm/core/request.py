@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -83,11 +84,26 @@ class Request:
     samples_forked: bool = False
     # Speculative decoding: tokens proposed after the last one, to verify in the next step.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def num_unforked_samples(self) -> int:
         """Parallel samples (n > 1) still to be forked: they run once the first token is due."""
         return 0 if self.samples_forked else self.sampling_params.n - 1
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def cache_namespace(self) -> object:
+        """What marks the request's first block in the prefix cache: its salt and its
+        adapter (KV computed under one adapter never serves another)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return (self.cache_salt, self.lora_request.cache_key)
 
     @property
     def num_prompt_tokens(self) -> int:

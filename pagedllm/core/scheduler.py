@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedllm.config import SchedulerConfig
@@ -100,6 +101,17 @@ class Scheduler(FairScheduling):
         request.status = status
         self._free(request)
 
+    def lora_counts(self, requests: Iterable[Request]) -> dict[str, int] | None:
+        """Adapter name -> how many of `requests` run it (None when LoRA is off)."""
+        if self.config.max_loras is None:
+            return None
+        counts: dict[str, int] = {}
+        for request in requests:
+            if request.lora_request is not None:
+                name = request.lora_request.lora_name
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
     def has_unfinished_requests(self) -> bool:
         return bool(len(self.waiting) or self.running or self._pending_outputs)
 
@@ -118,6 +130,8 @@ class Scheduler(FairScheduling):
         #    arrivals; priority: by priority, then arrival) while budget, max_num_seqs and
         #    free blocks allow; none in a step that preempted. Each first takes its longest
         #    prefix-cache hit and only the rest is computed.
+        # 3. LoRA: at most max_loras adapters run in a step; a running request whose adapter
+        #    would be one too many is passed over, a waiting one set aside for those behind it.
         # Under "fair" (core/fair_scheduler.py has the details), requests belong to tenants
         # (None: the default one) and no tenant can starve another:
         # 1. Seats and KV blocks by dominant share (the larger of a tenant's fractions of
@@ -149,10 +163,12 @@ class Scheduler(FairScheduling):
         if self.config.policy == "priority":
             self.running.sort(key=priority_key)
         speculating = self._speculating()
+        step_loras: set[int] = set()  # the LoRA adapters this step runs
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            if self._pipelined and request.request_id in self._in_flight:
+            in_flight = self._pipelined and request.request_id in self._in_flight
+            if in_flight or not self._lora_fits(request, step_loras):
                 index += 1
                 continue
             if not speculating:
@@ -166,10 +182,19 @@ class Scheduler(FairScheduling):
                 break
             self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
+            step_loras.add(request.lora_int_id)
             index += 1
         self._run_forked_samples()
         if self.num_preemptions == num_preemptions_before:
-            self._admit_waiting(output, token_budget)
+            self._admit_waiting(output, token_budget, step_loras)
+
+    def _lora_fits(self, request: Request, step_loras: set[int]) -> bool:
+        """Whether the request's adapter can run this step: at most `max_loras` adapters
+        run in one (the base model, id 0, takes no slot)."""
+        lora_id = request.lora_int_id
+        if not lora_id or lora_id in step_loras or self.config.max_loras is None:
+            return True
+        return len(step_loras - {0}) < self.config.max_loras
 
     def _speculating(self) -> bool:
         """Whether this step verifies drafts (`disable_by_batch_size` counts the running)."""
@@ -290,7 +315,9 @@ class Scheduler(FairScheduling):
             self._resumed.add(request.request_id)
         self.waiting.add_preempted(request)
 
-    def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+    def _admit_waiting(
+        self, output: SchedulerOutput, token_budget: int, step_loras: set[int]
+    ) -> None:
         kv = self.kv_cache_manager
         # Running requests with n > 1 hold seats for the samples they will fork.
         num_seats = len(self.running) + sum(r.num_unforked_samples for r in self.running)
@@ -303,6 +330,9 @@ class Scheduler(FairScheduling):
                 continue
             if num_seats + 1 + request.num_unforked_samples > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(request, step_loras):  # no slot: the requests behind go
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
             allocation = kv.allocate_slots(
@@ -318,6 +348,7 @@ class Scheduler(FairScheduling):
             num_seats += 1 + request.num_unforked_samples  # before _schedule forks them
             self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
+            step_loras.add(request.lora_int_id)
         for request in reversed(skipped):  # back at the head, in their order
             self.waiting.add_preempted(request)
 
@@ -395,6 +426,7 @@ class Scheduler(FairScheduling):
             num_computed_tokens=request.num_computed_tokens,
             eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids,
+            lora_request=request.lora_request,
         )
 
     def _fork_samples(self, output: SchedulerOutput, parent: Request) -> None:
@@ -420,6 +452,7 @@ class Scheduler(FairScheduling):
                 cache_salt=parent.cache_salt,
                 bad_words_token_ids=parent.bad_words_token_ids,
                 tenant=parent.tenant,
+                lora_request=parent.lora_request,
             )
             child.status = RequestStatus.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens

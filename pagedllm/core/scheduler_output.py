@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

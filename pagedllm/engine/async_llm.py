@@ -45,6 +45,7 @@ from pagedllm.engine.messages import (
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, PromptType
 from pagedllm.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -197,11 +198,12 @@ class AsyncLLM:
         params: SamplingParams,
         priority: int = 0,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (`InvalidRequestError` naming the field at fault);
         call it before answering, so bad input is refused before any output is streamed."""
         return self.input_processor.process_inputs(
-            request_id, prompt, params, priority, tenant=tenant
+            request_id, prompt, params, priority, tenant=tenant, lora_request=lora_request
         )
 
     async def generate(

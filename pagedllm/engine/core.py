@@ -122,6 +122,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 bad_words_token_ids=request.bad_words_token_ids,
                 tenant=request.tenant,
+                lora_request=request.lora_request,
             )
         )
 
@@ -228,6 +229,9 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             spec_decode=scheduler.spec_decoding_stats.snapshot(),
+            running_lora_adapters=scheduler.lora_counts(scheduler.running),
+            waiting_lora_adapters=scheduler.lora_counts(scheduler.waiting),
+            max_loras=scheduler.config.max_loras,
         )
 
     def shutdown(self) -> None:

@@ -21,6 +21,7 @@ from pagedllm.config import (
     resolve_dtype,
     verify_quantization,
 )
+from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
@@ -171,6 +172,8 @@ def build_engine_config(
         quantization=args.quantization,
         load_format=args.load_format,
     )
+    lora_config = args.lora_config()
+    verify_lora_config(args, parallel_config, model_config)
     draft_model_config = build_draft_model_config(args, model_config)
     cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
     scheduler_config = SchedulerConfig(
@@ -179,6 +182,7 @@ def build_engine_config(
         max_model_len=model_config.max_model_len,
         policy=args.scheduling_policy,
         tenant_weights=args.tenant_weights,
+        max_loras=lora_config.max_loras if lora_config is not None else None,
     )
     check_attention_backend(args.attention_backend)
     verify_speculative_config(args, parallel_config)
@@ -192,7 +196,34 @@ def build_engine_config(
         parallel_config=parallel_config,
         speculative_config=args.speculative_config,
         draft_model_config=draft_model_config,
+        lora_config=lora_config,
     )
+
+
+def verify_lora_config(
+    args: EngineArgs, parallel_config: ParallelConfig, model_config: ModelConfig
+) -> None:
+    """What LoRA cannot be combined with yet is refused here, by name."""
+    if not args.enable_lora:
+        return
+    refused = [
+        (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
+        (args.quantization is not None, f"quantization={args.quantization!r}"),
+        (args.scheduling_policy == "fair", "scheduling_policy='fair'"),
+        (
+            args.speculative_config is not None and args.speculative_config.uses_draft_model,
+            "a speculative draft model (method 'ngram' and 'suffix' work with LoRA)",
+        ),
+        (
+            not hasattr(model_config.hf_config, "intermediate_size")
+            or model_config.architecture not in LORA_ARCHITECTURES,
+            f"architecture {model_config.architecture} (LoRA serves "
+            f"{', '.join(LORA_ARCHITECTURES)})",
+        ),
+    ]
+    for is_refused, what in refused:
+        if is_refused:
+            raise ValueError(f"enable_lora is not supported with {what} (yet)")
 
 
 def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:

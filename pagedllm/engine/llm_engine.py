@@ -26,6 +26,7 @@ from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import InputProcessor, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.logger import StatLogger
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
@@ -81,10 +82,11 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (ValueError naming the field at fault)."""
         return self.input_processor.process_inputs(
-            request_id, prompt, params, priority, tenant=tenant
+            request_id, prompt, params, priority, tenant=tenant, lora_request=lora_request
         )
 
     def add_request(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.core.scheduler_output import TokenLogprob
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,6 +30,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # Who the request runs for (the server: the API key's tenant); the "fair" scheduling
     # policy shares the engine between tenants. None: the one default tenant.
     tenant: str | None = None
+    # The LoRA adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

@@ -6,13 +6,17 @@ and the server alike, so both refuse the same input the same way.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.chat_template import DEFAULT_MAX_OUTPUT_CHARS, apply_chat_template
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.peft import LoRAAdapterError, projection_shapes, read_adapter
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.value_checks import check_int, check_text, short_repr
 
@@ -101,6 +105,8 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
 
 
 MAX_TENANT_LENGTH = 256
+# Adapters whose check is remembered (older ones are read again when next named).
+MAX_CHECKED_ADAPTERS = 1024
 
 
 def check_tenant(tenant: object) -> None:
@@ -170,6 +176,9 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # LoRA adapters already read and found servable: (id, path), least recent first.
+        self._checked_adapters: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._checked_lock = threading.Lock()
 
     def process_inputs(
         self,
@@ -179,6 +188,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if known, the request for the core); ValueError naming the field at
         fault. `prompt` is a string or a dict with `prompt_token_ids` (or `prompt`), and
@@ -189,6 +199,7 @@ class InputProcessor:
         self.check_priority(priority)
         check_tenant(tenant)
         self.check_sampling_params(params)
+        self.check_lora_request(lora_request)
         request = EngineCoreRequest(
             request_id,
             token_ids,
@@ -199,8 +210,40 @@ class InputProcessor:
             prompt_cache_salt(prompt),
             bad_words_token_ids(params.bad_words, self.tokenizer),
             tenant=tenant,
+            lora_request=lora_request,
         )
         return text, request
+
+    def check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """An adapter must be served by this engine and readable (`check_lora_adapter`)."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError("lora_request: must be a LoRARequest", "lora_request")
+        try:
+            self.check_lora_adapter(lora_request)
+        except LoRAAdapterError as error:
+            raise InvalidRequestError(f"lora_request: {error}", "lora_request") from None
+
+    def check_lora_adapter(self, lora_request: LoRARequest) -> None:
+        """Read the adapter and check it against the model, once per (id, path); raises
+        `LoRAAdapterError` naming the problem. Safe from any thread: the server checks a new
+        adapter off its event loop, so its first request finds it checked."""
+        lora_config = self.config.lora_config
+        if lora_config is None:
+            raise LoRAAdapterError("this engine was started without enable_lora")
+        key = (lora_request.lora_int_id, lora_request.lora_path)
+        with self._checked_lock:
+            if key in self._checked_adapters:
+                self._checked_adapters.move_to_end(key)
+                return
+        read_adapter(
+            lora_request, projection_shapes(self.config.model_config), lora_config.max_lora_rank
+        )
+        with self._checked_lock:
+            self._checked_adapters[key] = None
+            if len(self._checked_adapters) > MAX_CHECKED_ADAPTERS:
+                self._checked_adapters.popitem(last=False)
 
     def process_prompt(
         self, prompt: PromptType, params: SamplingParams | None = None

@@ -50,6 +50,14 @@ ENGINE_ARG_HELP = {
     'model with the same tokenizer), self_quantized (with "quantization": gguf or int8: the '
     'model\'s own quantized weights draft); "disable_by_batch_size": N stops speculating in '
     "steps of N or more requests (default: off)",
+    "enable_lora": "serve LoRA adapters (PEFT format) on top of the model: each request may "
+    "name one, and requests of different adapters run in one batch",
+    "max_loras": "most LoRA adapters in one batch (each holds a slot of weights in every "
+    "LoRA layer); requests of more wait a step",
+    "max_lora_rank": "largest LoRA rank an adapter may have (sizes the slots; an adapter of a "
+    "higher rank is refused)",
+    "max_cpu_loras": "most LoRA adapters kept loaded in memory, least recently used dropped "
+    "beyond it (default: max_loras; at least max_loras)",
     "cpu_threads_bind": "CPU cores each rank's threads run on: auto (one rank per NUMA node "
     "when there are several, else the cores split evenly), nobind, or one list per rank "
     "such as 0-7|8-15",
@@ -80,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 default=field.default,
                 help=help_text,
             )
-        elif field.type in ("int", int) or field.name in ("max_model_len",):
+        elif field.type in ("int", int, "int | None"):
             group.add_argument(*flags, type=int, default=field.default, help=help_text)
         else:
             group.add_argument(*flags, default=field.default, help=help_text)

@@ -76,8 +76,31 @@ def add_serve_parser(subparsers) -> None:
     )
     parser.add_argument("--tool-call-parser", choices=["hermes"], default=None)
     _add_template_and_tls_args(parser)
+    _add_lora_args(parser)
     add_engine_args(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters served from the start, each name=path or a JSON object "
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request '
+        "runs one by naming it as its model (needs --enable-lora); repeatable",
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and "
+        "unload LoRA adapters while the server runs (needs --enable-lora; an adapter is read "
+        "from the server's file system) (default: $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or "
+        "true, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
 
 
 def _add_tenant_args(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +265,24 @@ def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
     }
 
 
+def _lora_overrides(args: argparse.Namespace) -> dict:
+    """--lora-modules parsed (a bad value fails here, before the model loads; the adapters
+    themselves are read once the model's shapes are known) and the runtime-update switch."""
+    from pagedllm.entrypoints.openai.lora_registry import parse_lora_module
+    from pagedllm.entrypoints.openai.server_config import runtime_lora_updating_from_env
+
+    modules = tuple(parse_lora_module(value) for value in args.lora_modules or ())
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    allow_updating = args.allow_runtime_lora_updating
+    if allow_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    if allow_updating is None:
+        # From the environment, which may be set for every server: off without LoRA.
+        allow_updating = args.enable_lora and runtime_lora_updating_from_env()
+    return {"lora_modules": modules, "allow_runtime_lora_updating": allow_updating}
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -272,5 +313,6 @@ def run_serve(args: argparse.Namespace) -> int:
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
         **_template_and_tls_overrides(args),
+        **_lora_overrides(args),
     }
     return run_server(engine_args, overrides)

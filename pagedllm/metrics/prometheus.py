@@ -10,10 +10,17 @@ prefix-cache and preemption counters, the stall gauge, restarts) carry an `engin
 vLLM's: "0" to "N-1" for `data_parallel_size` N, "0" alone without data parallelism. Each
 core's counters advance by the deltas of that core's own snapshots, so summing over `engine`
 gives the engine-wide totals.
+
+With LoRA on, `lora_requests_info` (vLLM's) tells which adapters have requests: its labels
+`running_lora_adapters` and `waiting_lora_adapters` list them (comma-separated names, in
+order), `max_lora` is the engine's max_loras, and its value is when that was last seen (Unix
+time). vLLM keeps a series for every combination ever seen; here each engine keeps only its
+current one, so adapters loaded and unloaded at runtime cannot grow the output without bound.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -79,6 +86,7 @@ class _EngineSeries:
     spec_decode_num_draft_tokens: Counter
     spec_decode_num_accepted_tokens: Counter
     last_stats: EngineStats | None = None  # the core's previous snapshot (counter deltas)
+    lora_labels: tuple[str, ...] | None = None  # its current lora_requests_info series
 
 
 @dataclass
@@ -97,7 +105,14 @@ class _TenantSeries:
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        num_engines: int = 1,
+        max_loras: int | None = None,
+    ) -> None:
+        """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics)."""
         self.registry = CollectorRegistry()
         self._sequences: dict[str, _Sequence] = {}
         labels = ["model_name"]
@@ -142,6 +157,16 @@ class PrometheusMetrics:
             registry=self.registry,
         )
         self._model_name = model_name
+        self._max_loras = max_loras
+        self._lora_info = None
+        if max_loras is not None:
+            self._lora_info = Gauge(
+                PREFIX + "lora_requests_info",
+                "Running stats on lora requests: adapters with running and waiting requests "
+                "(the value: when last updated, Unix time).",
+                [*engine_labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
         # Every core's series exist from the start (a stall gauge at 0, restarts at 0).
         self._engines = [
             self._engine_series(per_engine, str(index)) for index in range(num_engines)
@@ -206,6 +231,7 @@ class PrometheusMetrics:
     ) -> None:
         series = self._engines[engine_index]
         self._update_spec_decode(series, stats, str(engine_index))
+        self._update_lora_info(series, stats, str(engine_index))
         self._update_engine(series, stats)
         stopped_ids = set(stopped)
         for output in outputs:
@@ -273,6 +299,22 @@ class PrometheusMetrics:
         for position, count in enumerate(delta.num_accepted_tokens_per_pos):
             self._accepted_per_pos.labels(self._model_name, engine, str(position)).inc(count)
 
+    def _update_lora_info(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
+        """The engine's one `lora_requests_info` series, moved to the step's adapters."""
+        if self._lora_info is None:
+            return
+        labels = (
+            self._model_name,
+            engine,
+            str(self._max_loras),
+            _adapter_names(stats.waiting_lora_adapters),
+            _adapter_names(stats.running_lora_adapters),
+        )
+        if series.lora_labels is not None and series.lora_labels != labels:
+            self._lora_info.remove(*series.lora_labels)
+        series.lora_labels = labels
+        self._lora_info.labels(*labels).set(time.time())
+
     def _engine_series(self, per_engine: dict, engine: str) -> _EngineSeries:
         children = {
             name: metric.labels(self._model_name, engine) for name, metric in per_engine.items()
@@ -318,3 +360,8 @@ class PrometheusMetrics:
         if sequence.first_token_time is not None and sequence.num_generation_tokens > 1:
             decode_time = sequence.last_token_time - sequence.first_token_time
             series.tpot.observe(decode_time / (sequence.num_generation_tokens - 1))
+
+
+def _adapter_names(counts: dict[str, int] | None) -> str:
+    """Adapters with at least one request, comma-separated in name order."""
+    return ",".join(sorted(name for name, count in (counts or {}).items() if count > 0))

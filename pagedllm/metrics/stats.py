@@ -22,6 +22,10 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens served from the cache
     # Speculative decoding's totals (None: the engine does not speculate).
     spec_decode: SpecDecodeCounts | None = None
+    # LoRA (enable_lora): adapter name -> its running / waiting requests (None: LoRA off).
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
+    max_loras: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -46,4 +50,17 @@ def sum_engine_stats(stats: list[EngineStats]) -> EngineStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         spec_decode=SpecDecodeCounts.sum([s.spec_decode for s in stats]),
+        running_lora_adapters=_sum_counts([s.running_lora_adapters for s in stats]),
+        waiting_lora_adapters=_sum_counts([s.waiting_lora_adapters for s in stats]),
+        max_loras=stats[0].max_loras,
     )
+
+
+def _sum_counts(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    if counts[0] is None:
+        return None
+    total: dict[str, int] = {}
+    for one in counts:
+        for name, count in (one or {}).items():
+            total[name] = total.get(name, 0) + count
+    return total

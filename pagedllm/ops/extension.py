@@ -36,6 +36,7 @@ _SOURCES = [
         "skinny_linear.cpp",
         "gguf_linear.cpp",
         "gguf_pack.cpp",
+        "lora.cpp",
     )
 ]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by

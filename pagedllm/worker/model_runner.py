@@ -41,6 +41,7 @@ from pagedllm.config import EngineConfig, ModelConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
+from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.model.gguf_loader import release_gguf_readers
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.onednn import pack_linear_weights
@@ -125,6 +126,8 @@ class ModelRunner:
         self._faulty: set[str] = set()  # requests the injected fault hits
         # Speculative decoding: what proposes each request's next tokens (None: off).
         self.proposer = build_proposer(config.speculative_config)
+        # LoRA: the adapters and the model's LoRA layers (None: enable_lora is off).
+        self.lora_manager: LoRAModelManager | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
@@ -136,6 +139,10 @@ class ModelRunner:
     def load_model(self, source: ModelSource) -> None:
         """Load the weights, bind the KV cache, and compile the decode step when asked."""
         self.model = self._load_model(source)
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(
+                self.model, self.config.lora_config, self.config.model_config, self.device
+            )
         if self.num_kv_groups == 1:
             self.model.bind_kv_cache(self.kv_caches)
         else:
@@ -317,7 +324,10 @@ class ModelRunner:
         input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(
             rows, num_scheduled, num_drafts
         )
-        hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled)
+        uses_lora = self.lora_manager is not None and self.lora_manager.set_step(
+            req_ids, num_scheduled
+        )
+        hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled, uses_lora)
         output = ModelRunnerOutput(failed_requests=failed)
         if not self.is_last_stage:
             self._send_to_next_stage(hidden_states)
@@ -562,8 +572,9 @@ class ModelRunner:
                     )
         return problems
 
-    def _run_model(self, input_ids, positions, metadata, num_scheduled):
-        """The stage's forward: hidden states on the last stage, else (hidden, residual)."""
+    def _run_model(self, input_ids, positions, metadata, num_scheduled, uses_lora=False):
+        """The stage's forward: hidden states on the last stage, else (hidden, residual).
+        A step that runs LoRA adapters stays eager (the compiled graph has no LoRA)."""
         if not self.is_first_stage:
             return self.model(
                 input_ids,
@@ -571,7 +582,8 @@ class ModelRunner:
                 metadata,
                 intermediate_tensors=self._recv_from_prev_stage(len(input_ids)),
             )
-        if self.compiled_decode is not None and self.compiled_decode.applies(num_scheduled):
+        compiled = self.compiled_decode
+        if compiled is not None and not uses_lora and compiled.applies(num_scheduled):
             return self.compiled_decode(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
@@ -738,6 +750,8 @@ class ModelRunner:
             self._faulty.discard(request_id)
             if self.proposer is not None:
                 self.proposer.remove_request(request_id)
+            if self.lora_manager is not None:
+                self.lora_manager.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             row = self._add_request(new, failed)
             batch.set_blocks(row, new.block_ids, replace=True)
@@ -786,7 +800,20 @@ class ModelRunner:
             )
         if self._fault_seed is not None and new.sampling_params.seed == self._fault_seed:
             self._faulty.add(new.request_id)
+        if new.lora_request is not None:
+            self._add_lora(new, failed)
         return row
+
+    def _add_lora(self, new, failed: dict[str, str]) -> None:
+        """The request's adapter, read now if it is not loaded; one that cannot be read
+        fails this request alone (it runs on the base model until it ends)."""
+        try:
+            if self.lora_manager is None:
+                raise ValueError("this engine was started without enable_lora")
+            self.lora_manager.add_request(new.request_id, new.lora_request)
+        except Exception as error:
+            logger.exception("Request %s: loading its LoRA adapter failed", new.request_id)
+            failed[new.request_id] = f"loading the LoRA adapter failed: {describe_error(error)}"
 
     def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray, num_drafts):
         batch = self.input_batch

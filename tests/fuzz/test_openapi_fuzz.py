@@ -55,6 +55,10 @@ SERVER_ARGS = [
     # Unknown fields would otherwise refuse most generated bodies before they reach the
     # engine; logged instead, the rest of the body is exercised.
     "--allow-unknown-fields",
+    # LoRA on, with the runtime adapter routes, so their bodies are fuzzed like the others'
+    # (no adapter directory exists for what is generated: loads are refused, unloads 404).
+    "--enable-lora",
+    "--allow-runtime-lora-updating",
 ]
 GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions")
 

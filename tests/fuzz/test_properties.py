@@ -4,6 +4,9 @@
   naming a field; one that constructs crosses the process boundary (msgspec) unchanged.
 - The OpenAI request converters (`protocol.py`): any JSON body either becomes SamplingParams
   or is refused with ValueError / InvalidRequestError / pydantic's ValidationError.
+- The LoRA adapter routes' bodies (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`):
+  any JSON body either loads or unloads through the server's registry (the engine's own
+  adapter reader checks what is loaded) or is refused with an error naming a field.
 - `InputProcessor.process_inputs` on the real tokenizer and config: a valid
   `EngineCoreRequest` (token ids within the vocabulary, every integer within 64 bits) or a
   ValueError naming a field.
@@ -14,6 +17,7 @@ Settings are derandomized with a fixed example budget, so every run tries the sa
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import re
@@ -30,7 +34,14 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import EngineCoreRequest, input_decoder, input_encoder
 from pagedllm.engine.processor import InputProcessor
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.lora_registry import LoRAModulePath, LoRARegistry
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from pagedllm.entrypoints.openai.tool_calls import plan_tools
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -422,6 +433,61 @@ def test_chat_request_converts_or_refuses(processor, body):
             assert_names_field(error, REQUEST_FIELDS)
         return
     process_or_refuse(processor, {"prompt_token_ids": [1, 2, 3]}, params, request.priority)
+
+
+# ---- the LoRA adapter routes ------------------------------------------------------------------
+LORA_FIELDS = set(LoadLoRAAdapterRequest.model_fields) | set(UnloadLoRAAdapterRequest.model_fields)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_llama, tmp_path_factory):
+    """The engine's adapter check for a tiny LoRA engine, and one adapter it accepts."""
+    from lora.lora_utils import make_peft_adapter
+
+    _, _, config = load_engine_config(EngineArgs(str(tiny_llama), enable_lora=True), log=False)
+    adapter = make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("fuzz-lora"), seed=5, rank=4)
+    return InputProcessor(config, None).check_lora_adapter, str(adapter)
+
+
+def refused_naming_a_field(error: Exception) -> None:
+    if isinstance(error, ValidationError):
+        return
+    param = getattr(error, "param", None)
+    assert param in LORA_FIELDS, f"{type(error).__name__} names no field: {error}"
+    if isinstance(error, OpenAIError):
+        assert error.status in (400, 404), error.status
+
+
+@fuzz_settings(300)
+@given(data=st.data())
+def test_lora_adapter_bodies_load_unload_or_name_a_field(lora_setup, data):
+    """As the routes do: a body is validated, then loaded or unloaded through the registry
+    (one static adapter "a" is served); a load that succeeds is served under a new id, and
+    an unload that succeeds stops serving the name."""
+    check, adapter = lora_setup
+    registry = LoRARegistry(("base",), check)
+    registry.add_static((LoRAModulePath("a", adapter),))
+    good_load = st.builds(lambda name: {"lora_name": name, "lora_path": adapter}, texts)
+    load = data.draw(st.one_of(bodies(LoadLoRAAdapterRequest), good_load))
+    names = st.sampled_from(["a", "base"]) | texts
+    good_unload = st.fixed_dictionaries({"lora_name": names}, optional={"lora_int_id": ints})
+    unload = data.draw(st.one_of(bodies(UnloadLoRAAdapterRequest), good_unload))
+    try:
+        request = LoadLoRAAdapterRequest.model_validate(load)
+        loaded = asyncio.run(registry.load(request.lora_name, request.lora_path))
+    except (*REFUSALS, OpenAIError) as error:
+        refused_naming_a_field(error)
+    else:
+        assert registry.resolve(request.lora_name) == loaded
+        assert loaded.lora_int_id > registry.resolve("a").lora_int_id
+    try:
+        request = UnloadLoRAAdapterRequest.model_validate(unload)
+        registry.unload(request.lora_name, request.lora_int_id)
+    except (*REFUSALS, OpenAIError) as error:
+        refused_naming_a_field(error)
+    else:
+        with pytest.raises(OpenAIError):
+            registry.resolve(request.lora_name)
 
 
 # ---- the offline engine: random valid requests all finish ------------------------------------

@@ -16,6 +16,9 @@ are answered 503 while the new core loads and served after, and
 `pagedllm:engine_restarts_total` counts the restarts. SIGHUP reloads
 `--api-keys-file` (a file that fails to load keeps the old keys).
 
+LoRA (`--enable-lora`): the adapters of `--lora-modules` are read and checked while the core
+loads the model, and a bad one stops the server with the reason before it serves.
+
 Data parallelism (`-dp N`): N engine-core processes behind this one; each is supervised as
 above on its own (a restart replaces that core alone and fails only its requests), /health
 is 503 while any of them is stalled or restarting, and the engine metrics carry its index in
@@ -34,7 +37,7 @@ import uvicorn
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.entrypoints.openai.app import build_app
+from pagedllm.entrypoints.openai.app import build_app, lora_registry
 from pagedllm.entrypoints.openai.drain import DrainingServer, graceful_shutdown_timeout
 from pagedllm.entrypoints.openai.limits import uvicorn_limits
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -59,26 +62,30 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
     started = time.monotonic()
     engine = AsyncLLM(engine_args)
     try:
-        await engine.start()
         names = config_overrides.pop("served_model_names", None) or (
             default_served_model_name(engine_args, engine.model_config.model),
         )
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
+        # Read while the core loads the model: a bad adapter stops the server before it serves.
+        loras = lora_registry(engine, config)
+        await engine.start()
         if config.chat_template is not None:
             # The server's template stands in for the model's everywhere one is rendered
             # (chat completions, /tokenize, tool prompts), as the model's own would.
             engine.tokenizer.chat_template = config.chat_template
+        lora_config = engine.config.lora_config
         metrics = PrometheusMetrics(
             config.served_model_names[0],
             engine.model_config.max_model_len,
             num_engines=len(engine.cores),
+            max_loras=None if lora_config is None else lora_config.max_loras,
         )
         engine.observers.append(metrics)
         engine.iteration_timeout_s = config.engine_iteration_timeout
         engine.restart_on_failure = config.restart_on_engine_failure
         engine.on_stalled.append(metrics.on_engine_stalled)
         engine.on_restarted.append(metrics.on_engine_restarted)
-        app = build_app(engine, config, metrics)
+        app = build_app(engine, config, metrics, loras)
         server = DrainingServer(_uvicorn_config(app, config), engine, config.shutdown_timeout)
         # After uvicorn set up its loggers: keys sent in a query string stay out of the log.
         redact_access_log()

@@ -1,4 +1,9 @@
-"""The FastAPI application: routes, API-key guard, CORS, request ids, disconnect handling."""
+"""The FastAPI application: routes, API-key guard, CORS, request ids, disconnect handling.
+
+With LoRA on, /v1/models lists the adapters and a generation request's `model` may name
+one (`lora_registry.py`); with runtime updating allowed, /v1/load_lora_adapter and
+/v1/unload_lora_adapter exist (without it they are unknown routes: 404).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,11 +31,14 @@ from pagedllm.entrypoints.openai.limits import (
     RequestLimitsMiddleware,
     default_max_request_body_bytes,
 )
+from pagedllm.entrypoints.openai.lora_registry import LoRARegistry, adapter_checker
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.request_ids import request_id_from_header
 from pagedllm.entrypoints.openai.server_config import ServerConfig
@@ -130,12 +138,34 @@ async def until_disconnect(raw: Request, work: Awaitable[Response]) -> Response:
         return error_response(mapped.status, mapped.message, mapped.param, mapped.headers)
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics) -> FastAPI:
+def lora_registry(engine: AsyncLLM, config: ServerConfig) -> LoRARegistry | None:
+    """The adapters requests may name, `--lora-modules` read and checked (ValueError naming
+    the bad one); None when the engine runs without LoRA."""
+    if engine.config.lora_config is None:
+        if config.lora_modules:
+            raise ValueError("lora_modules: the engine was started without enable_lora")
+        return None
+    registry = LoRARegistry(config.served_model_names, adapter_checker(engine))
+    registry.add_static(config.lora_modules)
+    return registry
+
+
+def build_app(
+    engine: AsyncLLM,
+    config: ServerConfig,
+    metrics: PrometheusMetrics,
+    loras: LoRARegistry | None = None,
+) -> FastAPI:
+    """`loras`: the server's adapters (built from `config` when not given)."""
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     install_error_handlers(app)
-    completions = OpenAIServingCompletion(engine, config)
-    chat = OpenAIServingChat(engine, config)
+    if loras is None:
+        loras = lora_registry(engine, config)
+    completions = OpenAIServingCompletion(engine, config, loras)
+    chat = OpenAIServingChat(engine, config, loras)
     _add_info_routes(app, engine, config, metrics, chat)
+    if loras is not None and config.allow_runtime_lora_updating:
+        _add_lora_routes(app, loras, chat)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
@@ -172,10 +202,50 @@ def build_app(engine: AsyncLLM, config: ServerConfig, metrics: PrometheusMetrics
     return app
 
 
+def _add_lora_routes(app: FastAPI, loras: LoRARegistry, chat: OpenAIServingChat) -> None:
+    """vLLM's runtime adapter routes. They change only what requests may name: the engine
+    core reads an adapter when the first request naming it arrives."""
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        chat.check_unknown(request)
+        await loras.load(request.lora_name, request.lora_path)
+        message = f"Success: LoRA adapter '{request.lora_name}' added successfully."
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        chat.check_unknown(request)
+        loras.unload(request.lora_name, request.lora_int_id)
+        message = f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+        return PlainTextResponse(message)
+
+
+def _model_cards(engine: AsyncLLM, config: ServerConfig, loras: LoRARegistry | None) -> list:
+    """The base model under each served name, then every adapter (vLLM's fields: `root` is
+    the adapter's directory, `parent` the model it applies to)."""
+
+    def card(name: str, root: str, parent: str | None) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": engine.model_config.max_model_len,
+        }
+
+    base = config.served_model_names[0]
+    cards = [card(name, engine.model_config.model, None) for name in config.served_model_names]
+    for lora in loras.adapters() if loras is not None else ():
+        cards.append(card(lora.lora_name, lora.lora_path, lora.base_model_name or base))
+    return cards
+
+
 def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServingChat) -> None:
     def check_model(model: str | None) -> None:
-        if model is not None and model not in config.served_model_names:
-            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+        chat.resolve_model(model)  # an adapter's tokenizer is the base model's
 
     @app.get("/health")
     async def health() -> Response:
@@ -189,18 +259,7 @@ def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServing
 
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "pagedllm",
-                "root": engine.model_config.model,
-                "max_model_len": engine.model_config.max_model_len,
-            }
-            for name in config.served_model_names
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": _model_cards(engine, config, chat.loras)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

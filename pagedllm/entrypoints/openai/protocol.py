@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedllm.entrypoints.openai.lora_registry import check_lora_name, check_lora_path
 from pagedllm.entrypoints.openai.request_ids import check_request_id
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -305,3 +306,29 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """`POST /v1/load_lora_adapter` (vLLM's fields): serve the PEFT adapter in the server's
+    directory `lora_path` under the model name `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+    @field_validator("lora_name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        return check_lora_name(value, "lora_name")
+
+    @field_validator("lora_path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        return check_lora_path(value, "lora_path")
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """`POST /v1/unload_lora_adapter` (vLLM's fields); `lora_int_id`, if given, must be the
+    loaded adapter's id."""
+
+    lora_name: str
+    lora_int_id: Int64 | None = None

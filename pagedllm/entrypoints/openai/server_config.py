@@ -6,7 +6,11 @@ import os
 import ssl
 from dataclasses import dataclass, field
 
+from pagedllm.entrypoints.openai.lora_registry import LoRAModulePath
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimits
+
+# vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, under our prefix: the default of the switch.
+RUNTIME_LORA_UPDATING_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # LoRA adapters served from the start (`--lora-modules`; the engine needs enable_lora),
+    # and whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         check_tls(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs)
@@ -93,6 +101,20 @@ class ServerConfig:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         if any(not key for key in self.api_keys):
             raise ValueError("api_key: must not be empty")
+        self._check_lora_modules()
+
+    def _check_lora_modules(self) -> None:
+        names = [module.name for module in self.lora_modules]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"lora_modules: the name {name!r} is given more than once")
+            if name in self.served_model_names:
+                raise ValueError(f"lora_modules: the name {name!r} is the base model's served name")
+
+
+def runtime_lora_updating_from_env() -> bool:
+    """`PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING`: 1 or true (any case) turn it on."""
+    return os.environ.get(RUNTIME_LORA_UPDATING_ENV, "").strip().lower() in ("1", "true")
 
 
 def check_tls(

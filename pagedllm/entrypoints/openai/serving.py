@@ -1,5 +1,6 @@
-"""What completions and chat completions share: request checks, prompt tokenization with
-length limits, request ids, fan-in of several generations, SSE framing and usage counts."""
+"""What completions and chat completions share: request checks (the `model` field: the base
+model or a LoRA adapter), prompt tokenization with length limits, request ids, fan-in of
+several generations, SSE framing and usage counts."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from pagedllm.engine.admission import Cost, QueueFullError, QueueLimits, Reserva
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
+from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
 from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
 from pagedllm.entrypoints.openai.tenants import current_tenant
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -59,9 +62,12 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, config: ServerConfig) -> None:
+    def __init__(
+        self, engine: AsyncLLM, config: ServerConfig, loras: LoRARegistry | None = None
+    ) -> None:
         self.engine = engine
         self.config = config
+        self.loras = loras  # None: the engine runs without LoRA
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.model_config.max_model_len
         self.model_name = config.served_model_names[0]
@@ -74,14 +80,27 @@ class OpenAIServing:
         )
 
     # ---- checks ---------------------------------------------------------------------------
-    def check_request(self, request: SamplingRequest, refused: list[str]) -> None:
-        if request.model is not None and request.model not in self.config.served_model_names:
-            raise OpenAIError(404, f"The model `{request.model}` does not exist.", "model")
+    def check_request(self, request: SamplingRequest, refused: list[str]) -> LoRARequest | None:
+        """The request's adapter (None: the base model), once its fields are checked."""
+        lora_request = self.resolve_model(request.model)
         self.check_unknown(request)
         if refused:
             raise OpenAIError(400, f"{refused[0]}: not supported by this server", refused[0])
         request.check_stream_options()
         self.check_capacity()
+        return lora_request
+
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model (or no model); 404 otherwise."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
+        if model is not None and model not in self.config.served_model_names:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+        return None
+
+    def response_model(self, lora_request: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's name, else the first served name."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     def check_unknown(self, request: OpenAIModel) -> None:
         unknown = request.unknown_fields()
@@ -195,10 +214,12 @@ class OpenAIServing:
         prompts: list[Prompt],
         params: list[SamplingParams],
         request: SamplingRequest,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every prompt's engine request is built and checked before any is started, so a bad
         one refuses the whole HTTP request before anything streams. The requests run as the
-        tenant the API key named (its cache salt, its token budget)."""
+        tenant the API key named (its cache salt, its token budget), with `lora_request`'s
+        adapter if one is given."""
         tenant = current_tenant.get()
         salt = request.cache_salt if tenant is None else tenant.cache_salt(request.cache_salt)
         processed = [
@@ -212,6 +233,7 @@ class OpenAIServing:
                 prompt_params,
                 request.priority,
                 tenant=None if tenant is None else tenant.name,
+                lora_request=lora_request,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]

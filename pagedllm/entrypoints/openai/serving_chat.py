@@ -33,7 +33,8 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
-        self.check_request(request, request.refused_fields())
+        lora_request = self.check_request(request, request.refused_fields())
+        model_name = self.response_model(lora_request)
         auto_parser = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
         plan = plan_tools(
             request.tools, request.tool_choice, request.parallel_tool_calls, auto_parser
@@ -50,10 +51,10 @@ class OpenAIServingChat(OpenAIServing):
         params = self.with_structured_output(params, request, extra)
         request_id = self.request_id(raw, request, "chatcmpl")
         self.log_request(request_id, [prompt], params)
-        results = self.generations(request_id, [prompt], [params], request)
+        results = self.generations(request_id, [prompt], [params], request, lora_request)
         headers = {"X-Request-Id": request_id}
         if request.stream:
-            chunks = self._stream(request_id, request, prompt, results, plan)
+            chunks = self._stream(request_id, request, prompt, results, plan, model_name)
             return StreamingResponse(
                 stream_with_errors(chunks), media_type="text/event-stream", headers=headers
             )
@@ -61,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in results:
             final = output
         assert final is not None
-        body = self._response(request_id, request, prompt, final, plan)
+        body = self._response(request_id, request, prompt, final, plan, model_name)
         return JSONResponse(body, headers=headers)
 
     async def render(
@@ -167,13 +168,15 @@ class OpenAIServingChat(OpenAIServing):
         reason = finish_reason(plan, completion.finish_reason, bool(calls))
         return self._choice(request, completion, {"message": message}, reason)
 
-    def _response(self, request_id, request, prompt: Prompt, final: RequestOutput, plan) -> dict:
+    def _response(
+        self, request_id, request, prompt: Prompt, final: RequestOutput, plan, model_name: str
+    ) -> dict:
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return {
             "id": request_id,
             "object": "chat.completion",
             "created": now_s(),
-            "model": self.model_name,
+            "model": model_name,
             "choices": [self._message_choice(request, c, plan) for c in final.outputs],
             "usage": usage(len(prompt.token_ids), num_completion),
         }
@@ -189,11 +192,11 @@ class OpenAIServingChat(OpenAIServing):
         return self._choice(request, completion, {"delta": delta}, reason)
 
     async def _stream(
-        self, request_id, request, prompt: Prompt, results, plan: ToolPlan
+        self, request_id, request, prompt: Prompt, results, plan: ToolPlan, model_name: str
     ) -> AsyncIterator[str]:
         created = now_s()
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created}
-        base["model"] = self.model_name
+        base["model"] = model_name
         options = request.stream_options
         num_completion = 0
         streamers = {i: ToolCallStreamer(plan) for i in range(request.n)} if plan.active else {}

@@ -29,22 +29,23 @@ DEFAULT_MAX_TOKENS = 16
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw: Request):
-        self.check_request(request, request.refused_fields())
+        lora_request = self.check_request(request, request.refused_fields())
+        model_name = self.response_model(lora_request)
         prompts = await self._prompts(request)
         params = [self._params(request, len(prompt.token_ids)) for prompt in prompts]
         request_id = self.request_id(raw, request, "cmpl")
         self.log_request(request_id, prompts, params[0])
-        results = self.generations(request_id, prompts, params, request)
+        results = self.generations(request_id, prompts, params, request, lora_request)
         headers = {"X-Request-Id": request_id}
         if request.stream:
-            chunks = self._stream(request_id, request, prompts, results)
+            chunks = self._stream(request_id, request, prompts, results, model_name)
             return StreamingResponse(
                 stream_with_errors(chunks), media_type="text/event-stream", headers=headers
             )
         finals: dict[int, RequestOutput] = {}
         async for index, output in results:
             finals[index] = output
-        body = self._response(request_id, request, prompts, finals)
+        body = self._response(request_id, request, prompts, finals, model_name)
         return JSONResponse(body, headers=headers)
 
     async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
@@ -129,7 +130,9 @@ class OpenAIServingCompletion(OpenAIServing):
             "text_offset": offsets,
         }
 
-    def _response(self, request_id, request, prompts, finals: dict[int, RequestOutput]) -> dict:
+    def _response(
+        self, request_id, request, prompts, finals: dict[int, RequestOutput], model_name: str
+    ) -> dict:
         choices = [
             self._choice(request, index, prompts[index], output, completion, request.echo)
             for index, output in sorted(finals.items())
@@ -140,12 +143,14 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": request_id,
             "object": "text_completion",
             "created": now_s(),
-            "model": self.model_name,
+            "model": model_name,
             "choices": sorted(choices, key=lambda c: c["index"]),
             "usage": usage(sum(len(p.token_ids) for p in prompts), num_completion),
         }
 
-    async def _stream(self, request_id, request, prompts, results) -> AsyncIterator[str]:
+    async def _stream(
+        self, request_id, request, prompts, results, model_name: str
+    ) -> AsyncIterator[str]:
         created = now_s()
         num_prompt = sum(len(p.token_ids) for p in prompts)
         num_completion = 0
@@ -164,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": model_name,
                     "choices": [choice],
                 }
                 if options is not None and options.continuous_usage_stats:
@@ -176,7 +181,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.model_name,
+                    "model": model_name,
                     "choices": [],
                     "usage": usage(num_prompt, num_completion),
                 }

@@ -1,0 +1,141 @@
+"""Reading PEFT adapters: what is served (safetensors and .bin, rslora scaling) and what is
+refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from lora_utils import make_peft_adapter
+from safetensors.torch import load_file, save_file
+
+from pagedllm.config import ModelConfig
+from pagedllm.lora.peft import LoRAAdapterError, projection_shapes, read_adapter
+from pagedllm.lora.request import LoRARequest
+
+
+@pytest.fixture(scope="module")
+def model_config(tiny_llama) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig(
+        str(tiny_llama), AutoConfig.from_pretrained(tiny_llama), torch.float32, 256, frozenset()
+    )
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_llama, tmp_path_factory):
+    return make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("adapter"), seed=3, rank=4)
+
+
+def read(path, model_config, max_rank=16):
+    request = LoRARequest("a", 1, str(path))
+    return read_adapter(request, projection_shapes(model_config), max_rank)
+
+
+def copy_adapter(source, destination, edit_config=None, edit_tensors=None):
+    destination.mkdir(exist_ok=True)
+    settings = json.loads((source / "adapter_config.json").read_text())
+    if edit_config:
+        settings.update(edit_config)
+    (destination / "adapter_config.json").write_text(json.dumps(settings))
+    tensors = load_file(source / "adapter_model.safetensors")
+    if edit_tensors:
+        tensors = edit_tensors(tensors)
+    save_file(tensors, destination / "adapter_model.safetensors")
+    return destination
+
+
+def test_reads_every_projection_with_scaling(adapter, model_config):
+    loaded = read(adapter, model_config)
+    assert loaded.rank == 4 and loaded.scaling == 16 / 4
+    assert len(loaded.modules) == 2 * 7  # two layers, seven projections
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"
+    torch.testing.assert_close(
+        loaded.modules["model.layers.1.self_attn.k_proj"].lora_b, tensors[name] * 4
+    )
+
+
+def test_rslora_scales_by_the_square_root(adapter, model_config, tmp_path):
+    loaded = read(copy_adapter(adapter, tmp_path / "rs", {"use_rslora": True}), model_config)
+    assert loaded.scaling == pytest.approx(16 / math.sqrt(4))
+
+
+def test_bin_weights_are_read(tiny_llama, model_config, tmp_path):
+    path = make_peft_adapter(tiny_llama, tmp_path / "bin", seed=4, safe_serialization=False)
+    assert len(read(path, model_config).modules) == 14
+
+
+def drop_half(tensors):
+    return {k: v for k, v in tensors.items() if "q_proj.lora_B" not in k}
+
+
+def embedding_tensor(tensors):
+    return tensors | {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 512)}
+
+
+def lm_head_tensor(tensors):
+    return tensors | {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}
+
+
+def wrong_shape(tensors):
+    name = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    return tensors | {name: torch.zeros(4, 65)}
+
+
+def non_finite(tensors):
+    name = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    return tensors | {name: torch.full((4, 64), float("nan"))}
+
+
+@pytest.mark.parametrize(
+    ("edit_config", "edit_tensors", "problem"),
+    [
+        ({"r": 32}, None, "rank r=32 is larger than this engine's max_lora_rank=16"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"use_dora": True}, None, "use_dora"),
+        ({"bias": "all"}, None, "bias"),
+        ({"rank_pattern": {"q_proj": 8}}, None, "rank_pattern"),
+        ({"peft_type": "IA3"}, None, "peft_type 'IA3' is not supported"),
+        ({"lora_alpha": "x"}, None, "lora_alpha must be a finite number"),
+        (None, drop_half, "has lora_A only"),
+        (None, embedding_tensor, "is not a LoRA A or B weight"),
+        (None, lm_head_tensor, "module 'lm_head' cannot carry a LoRA adapter"),
+        (None, wrong_shape, "has shape (4, 65), expected (4, 64)"),
+        (None, non_finite, "must hold finite floats"),
+    ],
+)
+def test_refused_with_the_problem_named(
+    adapter, model_config, tmp_path, edit_config, edit_tensors, problem
+):
+    path = copy_adapter(adapter, tmp_path / "bad", edit_config, edit_tensors)
+    with pytest.raises(LoRAAdapterError, match="LoRA adapter 'a'") as error:
+        read(path, model_config)
+    assert problem in str(error.value)
+
+
+def test_missing_or_broken_files(adapter, model_config, tmp_path):
+    with pytest.raises(LoRAAdapterError, match="no directory"):
+        read(tmp_path / "nowhere", model_config)
+    broken = copy_adapter(adapter, tmp_path / "broken")
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 40)
+    with pytest.raises(LoRAAdapterError, match=r"cannot read adapter_model\.safetensors"):
+        read(broken, model_config)
+    (broken / "adapter_config.json").write_text("{not json")
+    with pytest.raises(LoRAAdapterError, match="not valid JSON"):
+        read(broken, model_config)
+    (broken / "adapter_config.json").unlink()
+    with pytest.raises(LoRAAdapterError, match=r"adapter_config\.json is missing"):
+        read(broken, model_config)
+
+
+def test_a_weight_file_larger_than_any_adapter_of_the_rank_is_refused(
+    adapter, model_config, tmp_path
+):
+    huge = copy_adapter(adapter, tmp_path / "huge")
+    (huge / "adapter_model.safetensors").write_bytes(b"\x00" * (3 << 20))
+    with pytest.raises(LoRAAdapterError, match="needs at most"):
+        read(huge, model_config)
