@@ -59,7 +59,7 @@ class LoRAStep:
     positions: torch.Tensor | None = None
     lora_tokens: torch.Tensor | None = None
     # For the CPU kernel (any layout but runs): the adapter tokens by slot, and where each
-    # slot's start ([slots + 1] offsets).
+    # slot's tokens start in them ([slots + 1] offsets).
     sorted_tokens: torch.Tensor | None = None
     group_starts: torch.Tensor | None = None
 
