@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.lora import write_adapter
-from benchmarks.serve_vs_offline import BIN, stop_server
+from benchmarks.serve_vs_offline import start_server, stop_server
 from pagedllm.config import EngineArgs
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.lora.peft import projection_shapes
@@ -45,22 +45,6 @@ def post(port: int, route: str, body: dict) -> tuple[float, bytes]:
     with urllib.request.urlopen(request, timeout=120) as reply:
         answer = reply.read()
     return time.perf_counter() - started, answer
-
-
-def start(port: int, log_path: Path):
-    import subprocess
-
-    command = [str(BIN / "pagedllm"), "serve", "--port", str(port), *SERVER_FLAGS]
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"server exited: see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return server
-        except OSError:
-            time.sleep(0.1)
 
 
 def core_rss(server) -> int:
@@ -84,7 +68,7 @@ def main() -> None:
     shapes = projection_shapes(config.model_config)
     workdir = Path(tempfile.mkdtemp(prefix="pagedllm-lora-load-"))
     port = free_port()
-    server = start(port, workdir / "server.log")
+    server, _ = start_server(port, workdir / "server.log", tuple(SERVER_FLAGS))
     results = []
     try:
         served = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models").read())

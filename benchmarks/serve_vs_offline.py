@@ -37,11 +37,14 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def start_server(port: int, log_path: Path) -> tuple[subprocess.Popen, float]:
-    """Launch the server; returns it and the seconds until /health answered 200."""
+def start_server(
+    port: int, log_path: Path, flags: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, float]:
+    """Launch the server (with extra `flags`); returns it and the seconds until /health
+    answered 200."""
     started = time.monotonic()
     command = [str(BIN / "pagedllm"), "serve", "--port", str(port)]
-    command += ["--disable-uvicorn-access-log"]
+    command += ["--disable-uvicorn-access-log", *flags]
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     while True:

@@ -46,8 +46,8 @@ class LoRAStep:
     - `runs`: (slot, start, end) over the flattened batch, applied on slices in place;
     - `batched`: the tokens gathered (`gather`) into one [slots, rows, in] block, each slot's
       rows padded to the longest group's, all slots in two batched matmuls, then `positions`
-      (each adapter token's row in the block) added back at `lora_tokens` (without padding,
-      `positions` is None and the rows go back at `gather`);
+      (each adapter token's row in the block) added back at `sorted_tokens` (without
+      padding, `positions` is None and the rows go back at `gather`);
     - `groups`: the tokens gathered sorted by slot (`gather`), (slot, start, end) per group,
       and added back at `gather`.
     """
@@ -57,7 +57,6 @@ class LoRAStep:
     groups: list[tuple[int, int, int]] | None = None
     rows_per_slot: int = 0
     positions: torch.Tensor | None = None
-    lora_tokens: torch.Tensor | None = None
     # For the CPU kernel (any layout but runs): the adapter tokens by slot, and where each
     # slot's tokens start in them ([slots + 1] offsets).
     sorted_tokens: torch.Tensor | None = None
@@ -123,7 +122,6 @@ class LoRAStep:
             gather=gather,
             rows_per_slot=rows_per_slot,
             positions=torch.from_numpy(positions).to(device),
-            lora_tokens=by_slot["sorted_tokens"],
             **by_slot,
         )
 
@@ -239,7 +237,7 @@ def add_lora(
         deltas = torch.bmm(torch.bmm(blocks, lora_a), lora_b).view(-1, output.shape[1])
         if step.positions is None:  # no padding rows: every row is one token's
             return output.index_add_(0, step.gather, deltas)
-        return output.index_add_(0, step.lora_tokens, deltas.index_select(0, step.positions))
+        return output.index_add_(0, step.sorted_tokens, deltas.index_select(0, step.positions))
     deltas = torch.empty(
         (len(step.gather), output.shape[1]), dtype=output.dtype, device=output.device
     )

@@ -106,7 +106,8 @@ class LoRAModelManager:
         if not any(lora_ids):
             self.state.step = None
             return False
-        slot_of = {lora_id: self._slot_for(lora_id, set(lora_ids)) for lora_id in set(lora_ids)}
+        step_ids = set(lora_ids)
+        slot_of = {lora_id: self._slot_for(lora_id, step_ids) for lora_id in step_ids}
         slot_of[0] = NO_SLOT
         request_slots = np.array([slot_of[i] for i in lora_ids], dtype=np.int64)
         token_slots = np.repeat(request_slots, num_scheduled)

@@ -29,7 +29,7 @@ def test_interleaved_adapters_of_even_slots_are_batched():
     # tokens 0, 2, 5.
     assert step.gather.tolist() == [1, 4, 0, 0, 2, 5]
     assert step.rows_per_slot == 3
-    assert step.lora_tokens.tolist() == [1, 4, 0, 2, 5]
+    assert step.sorted_tokens.tolist() == [1, 4, 0, 2, 5]
     assert step.positions.tolist() == [0, 1, 3, 4, 5]
 
 
