@@ -9,7 +9,8 @@ shared machine the minimum is the better guide), and torch/cpu of the medians. B
 scattered over the cache as after a while of serving.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
-        [--kv-cache-dtype float16] [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
+        [--kv-cache-dtype float16|int8|float8_e4m3fn|...]
+        [--cases "decode 256 x 320,prefill 8 x 256 fresh"]
         [--sliding-window 512]
 """
 
@@ -26,6 +27,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention import AttentionBackend, AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.kv_quant import is_quantized, quantize
 from pagedllm.utils import cdiv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -44,6 +46,11 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float3
     width = max(needed)
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     kv_cache = (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype))
+    if is_quantized(dtype):  # int8 / fp8: values and scales (ops/kv_quant.py)
+        (k_values, k_scale), (v_values, v_scale) = (
+            quantize(torch.randn(shape), dtype) for _ in range(2)
+        )
+        kv_cache = (k_values, v_values, k_scale, v_scale)
     slots = [
         table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
         for (cached, scheduled), table in zip(requests, tables, strict=True)
@@ -103,7 +110,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
-        "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
+        "--kv-cache-dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"],
     )
     parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     parser.add_argument(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.kv_transfer.config import PREEMPTION_MODES, KVTierConfig, KVTransferConfig
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.parallel_config import (
     EXECUTOR_BACKENDS,  # noqa: F401 - re-exported: the flags and tests read it here
@@ -45,17 +46,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
 
 
-def parse_memory_size(value: int | str) -> int:
+def parse_memory_size(value: int | str, name: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or ``"1000000"``."""
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {value}")
+            raise ValueError(f"{name} must be positive, got {value}")
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _MEMORY_UNITS:
-        raise ValueError(f"kv_cache_memory: cannot parse {value!r}; use e.g. 4GiB, 512MiB, 2G")
-    return parse_memory_size(int(float(match.group(1)) * _MEMORY_UNITS[unit]))
+        raise ValueError(f"{name}: cannot parse {value!r}; use e.g. 4GiB, 512MiB, 2G")
+    return parse_memory_size(int(float(match.group(1)) * _MEMORY_UNITS[unit]), name)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -114,8 +115,18 @@ class ModelConfig:
 
 
 # "auto" stores K/V in the model's dtype; a 16-bit cache halves the memory (twice the
-# tokens in the same kv_cache_memory) and the bytes attention reads per step.
-KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# tokens in the same kv_cache_memory) and the bytes attention reads per step. The 8-bit
+# ones (int8, fp8 = fp8_e4m3 as in vLLM, fp8_e5m2) store each token's head vector scaled
+# by its own fp32 absmax scale, kept beside K and V (`ops/kv_quant.py`): ~4x fp32's tokens.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -353,6 +364,8 @@ class EngineConfig:
     draft_model_config: ModelConfig | None = None
     # LoRA adapters (enable_lora); None: off.
     lora_config: LoRAConfig | None = None
+    # KV tiers (host memory, disk, swap, prefill/decode transfer); None: off.
+    kv_tier_config: KVTierConfig | None = None
 
     @property
     def distributed_executor_backend(self) -> str:
@@ -406,6 +419,14 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV tiers: a host-memory tier for blocks evicted from the pool (`kv_offload_memory`,
+    # e.g. "8GiB"), a disk tier that outlives the process (`kv_offload_dir`), swapping a
+    # preempted request's blocks to host memory instead of recomputing them
+    # (`preemption_mode`), and prefill/decode disaggregation (`kv_transfer_config`).
+    kv_offload_memory: int | str | None = None
+    kv_offload_dir: str | None = None
+    preemption_mode: str = "recompute"
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -438,6 +459,7 @@ class EngineArgs:
         self.parallel_config()  # a bad size, backend or binding fails here
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.lora_config()  # bad LoRA sizes fail here
+        self._check_kv_tiers()
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "
@@ -475,6 +497,29 @@ class EngineArgs:
                 f"quantization='gguf' computes on a GGUF file's blocks; model {self.model!r} "
                 "is not a .gguf file (use quantization='int8' for other checkpoints)"
             )
+
+    def _check_kv_tiers(self) -> None:
+        if self.kv_offload_memory is not None:
+            parse_memory_size(self.kv_offload_memory, "kv_offload_memory")
+        if self.kv_offload_dir is not None and (
+            not isinstance(self.kv_offload_dir, str) or not self.kv_offload_dir
+        ):
+            raise ValueError(f"kv_offload_dir must be a folder path, got {self.kv_offload_dir!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {list(PREEMPTION_MODES)}, "
+                f"got {self.preemption_mode!r}"
+            )
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+
+    @property
+    def uses_kv_tiers(self) -> bool:
+        return (
+            self.kv_offload_memory is not None
+            or self.kv_offload_dir is not None
+            or self.preemption_mode != "recompute"
+            or self.kv_transfer_config is not None
+        )
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -9,6 +9,7 @@ the offline engine and the server refuse the same values the same way.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from typing import Any
@@ -171,6 +172,19 @@ def short_repr(value: Any) -> str:
     """repr for an error message: short, and safe for ints too long to print."""
     text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "a huge integer"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def json_object(name: str, value: Any) -> dict:
+    """A dict given as itself or as its JSON text (a flag's value), else a ValueError
+    naming `name`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict (or its JSON), got {type(value).__name__}")
+    return value
 
 
 def check_known_keys(what: str, keys, known) -> None:

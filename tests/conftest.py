@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,18 @@ def tiny_llama(tiny_model_factory) -> Path:
 
 
 _TIE_REPORT: list[str] = []
+
+
+@pytest.fixture
+def pagedllm_log(caplog):
+    """The package logger's warnings and errors (it does not propagate to the root logger)."""
+    logger = logging.getLogger("pagedllm")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture

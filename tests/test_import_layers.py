@@ -49,6 +49,9 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.core",
             "pagedllm.engine.core_proc",
             "pagedllm.engine.engine_config",
+            "pagedllm.engine.kv_tier_setup",
+            # The KV tiers' scheduler side (what each tier holds, each step's moves).
+            "pagedllm.kv_transfer.tier_manager",
             "pagedllm.metrics.logger",
             "pagedllm.core.*",
             "pagedllm.structured_output.*",
@@ -64,6 +67,9 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.worker.compiled_forward",
             "pagedllm.worker.huge_pages",
             "pagedllm.worker.kv_prefault",
+            # The KV tiers' bytes: host memory, disk files, the link to a peer.
+            "pagedllm.kv_transfer.tier_worker",
+            "pagedllm.kv_transfer.transport",
             # Speculative decoding's proposers and rejection sampler run in the runner.
             "pagedllm.spec_decode.*",
         ],
@@ -105,6 +111,11 @@ SHARED: list[str] = [
     "pagedllm.lora.request",
     "pagedllm.lora.config",
     "pagedllm.lora",
+    # The KV tiers' settings, the moves a step asks for, and the disk tier's file layout.
+    "pagedllm.kv_transfer.config",
+    "pagedllm.kv_transfer.ops",
+    "pagedllm.kv_transfer.disk_layout",
+    "pagedllm.kv_transfer",
     # Packages' own (empty or docstring-only) __init__ modules.
     "pagedllm.core",
     "pagedllm.distributed",

@@ -7,7 +7,7 @@ kernels can index them without a branch. Free blocks may still hold cached KV (s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedllm.core.kv_block import KVCacheBlock
 from pagedllm.core.prefix_cache import PrefixCache
@@ -86,6 +86,8 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.prefix_cache = PrefixCache()
+        # KV tiers: told of each cached block just before it is evicted to be handed out.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,6 +110,8 @@ class BlockPool:
         """Blocks from the front of the free queue (least recently used), evicted if cached."""
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
+            if self.on_evict is not None and block.cache_key is not None:
+                self.on_evict(block)
             self.prefix_cache.evict(block)
             block.ref_cnt = 1
         return blocks

@@ -27,7 +27,15 @@ class BlockCacheKey:
 class KVCacheBlock:
     """One physical block's bookkeeping; `prev_free`/`next_free` link it into the free queue."""
 
-    __slots__ = ("block_id", "cache_key", "generation", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_id",
+        "cache_key",
+        "generation",
+        "next_free",
+        "prev_free",
+        "ref_cnt",
+        "tier_key",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -36,6 +44,8 @@ class KVCacheBlock:
         self.generation = 0  # bumped at each eviction from the prefix cache
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        # With KV tiers: the key (`kv_transfer.ops.block_key`) its cached KV goes by.
+        self.tier_key: str | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"

@@ -9,6 +9,7 @@ behind as the request advances; their entries become the null block, which no ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedllm.core import hashing
@@ -60,6 +61,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         group_windows: tuple[int | None, ...] = (None,),
+        stable_hashes: bool = False,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -72,6 +74,11 @@ class KVCacheManager:
         # Windowed groups: how many leading logical blocks of each request were freed.
         self.num_dropped_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # KV tiers key blocks by hashes every process computes alike (`hashing`).
+        self.stable_hashes = stable_hashes
+        # KV tiers: told of each block published to the prefix cache (block, its chained
+        # hash, its group, its token ids).
+        self.on_publish: Callable[[KVCacheBlock, int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,7 +97,7 @@ class KVCacheManager:
         # Prompt logprobs need logits at every prompt position, so such requests skip hits.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        self._update_block_hashes(request)
+        self.update_block_hashes(request)
         token_ids = request.all_token_ids
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -302,7 +309,7 @@ class KVCacheManager:
         self.num_cached_blocks[request_id] = max(first, num_full)
         if num_full <= first:
             return
-        self._update_block_hashes(request)
+        self.update_block_hashes(request)
         token_ids = request.all_token_ids
         null = self.block_pool.null_block
         for index in range(first, num_full):
@@ -321,15 +328,20 @@ class KVCacheManager:
                     self._extra_keys(request, index, group),
                     parent,
                 )
+                if self.on_publish is not None:
+                    self.on_publish(blocks[entry], request.block_hashes[index], group, tokens)
 
-    def _update_block_hashes(self, request: Request) -> None:
+    def update_block_hashes(self, request: Request) -> list[int]:
+        """The request's chained hashes of every full block, brought up to date."""
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             hashing.extend_block_hashes(
                 request.block_hashes,
                 request.all_token_ids,
                 self.block_size,
                 request.cache_namespace,
+                self.stable_hashes,
             )
+        return request.block_hashes
 
     def free(self, request: Request) -> None:
         """Return every block of `request`. Tail blocks go first so they are evicted first."""

@@ -63,6 +63,7 @@ class PrefixCache:
         if not same_hash:
             del self._blocks[key.block_hash]
         block.cache_key = None
+        block.tier_key = None
         block.generation += 1
         self._num_blocks -= 1
 

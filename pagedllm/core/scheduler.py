@@ -22,6 +22,7 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.errors import describe_error
+from pagedllm.kv_transfer.tier_manager import PARKED, KVTierManager, TierHit
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
@@ -38,9 +39,15 @@ class Scheduler(FairScheduling):
         kv_cache_manager: KVCacheManager,
         structured_output: StructuredOutputManager | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        kv_tiers: KVTierManager | None = None,
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        # KV tiers (host memory, disk, swap, a peer instance): None when off.
+        self.kv_tiers = kv_tiers
+        if kv_tiers is not None:
+            kv_cache_manager.block_pool.on_evict = kv_tiers.on_evict
+            kv_cache_manager.on_publish = kv_tiers.on_publish
         self.structured_output = structured_output
         self.speculative_config = speculative_config
         # Slots held past each scheduled request's tokens (a draft model's own proposals).
@@ -154,6 +161,8 @@ class Scheduler(FairScheduling):
             self._schedule_in_order(output)
         self._run_forked_samples()
         self._add_grammar_bitmask(output)
+        if self.kv_tiers is not None:
+            output.kv_transfer = self.kv_tiers.take_ops()
         return output
 
     def _schedule_in_order(self, output: SchedulerOutput) -> None:
@@ -304,7 +313,11 @@ class Scheduler(FairScheduling):
         raise AssertionError("every running request is in flight")
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        if self.kv_tiers is not None:  # swap: its blocks go to host memory first
+            blocks = kv.req_to_blocks.get(request.request_id, [])
+            self.kv_tiers.swap_out(request, blocks, kv.block_pool.null_block)
+        kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -333,18 +346,27 @@ class Scheduler(FairScheduling):
             if not self._lora_fits(request, step_loras):  # no slot: the requests behind go
                 skipped.append(self.waiting.pop())
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, token_budget)
+            hits, num_hit_tokens, tier_hit = self._computed_blocks(request)
+            if tier_hit == PARKED:  # its blocks are read from disk: the requests behind go
+                skipped.append(self.waiting.pop())
+                continue
+            num_loaded = tier_hit.num_tokens if tier_hit is not None else 0
+            num_known = num_hit_tokens + num_loaded
+            num_new_tokens = min(request.num_tokens - num_known, token_budget)
             allocation = kv.allocate_slots(
                 request,
-                num_new_tokens,
+                num_loaded + num_new_tokens,
                 hits,
-                num_lookahead_tokens=self._lookahead(request, num_new_tokens, num_hit_tokens),
+                num_lookahead_tokens=self._lookahead(request, num_new_tokens, num_known),
             )
             if allocation is None:
                 break
             self.waiting.pop()
-            self._start_running(request, num_hit_tokens)
+            if tier_hit is not None:  # the blocks get the tiers' bytes before the step runs
+                assert self.kv_tiers is not None
+                table = kv.get_block_ids(request.request_id)
+                self.kv_tiers.load(request.request_id, tier_hit, table)
+            self._start_running(request, num_hit_tokens, num_loaded)
             num_seats += 1 + request.num_unforked_samples  # before _schedule forks them
             self._schedule(output, request, num_new_tokens, allocation)
             token_budget -= num_new_tokens
@@ -352,13 +374,28 @@ class Scheduler(FairScheduling):
         for request in reversed(skipped):  # back at the head, in their order
             self.waiting.add_preempted(request)
 
-    def _start_running(self, request: Request, num_hit_tokens: int) -> None:
-        """A waiting request just given its blocks joins `running`, its hits computed."""
+    def _computed_blocks(self, request: Request) -> tuple[list, int, TierHit | str | None]:
+        """(prefix-cache hits, their tokens, what the KV tiers hold past them: a `TierHit`,
+        `PARKED` while read from disk, or None). A swapped-out request takes back only its
+        own blocks."""
+        kv, tiers = self.kv_cache_manager, self.kv_tiers
+        if tiers is None:
+            return (*kv.get_computed_blocks(request), None)
+        swapped = tiers.swapped.get(request.request_id)
+        if swapped is not None:
+            return [], 0, swapped
+        hits, num_hit_tokens = kv.get_computed_blocks(request)
+        kv.update_block_hashes(request)
+        return hits, num_hit_tokens, tiers.find(request, num_hit_tokens)
+
+    def _start_running(self, request: Request, num_hit_tokens: int, num_loaded: int = 0) -> None:
+        """A waiting request just given its blocks joins `running`, its prefix-cache hits
+        (and the tokens loaded from the KV tiers) computed."""
         self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit_tokens)
         request.status = RequestStatus.RUNNING
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        request.num_computed_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens + num_loaded
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit_tokens
         self.running.append(request)
@@ -412,6 +449,18 @@ class Scheduler(FairScheduling):
             0, min(request.num_prompt_tokens, computed + num_new_tokens) - computed
         )
         request.num_computed_tokens += num_new_tokens
+        if (
+            self.kv_tiers is not None
+            and self.kv_tiers.sends
+            and computed < (request.num_prompt_tokens) <= request.num_computed_tokens
+        ):
+            kv = self.kv_cache_manager
+            self.kv_tiers.on_prompt_computed(
+                request,
+                kv.update_block_hashes(request),
+                kv.get_block_ids(request_id),
+                kv.block_pool.null_block.block_id,
+            )
         if request.num_unforked_samples and request.num_computed_tokens == request.num_tokens:
             self._fork_samples(output, request)
 
@@ -492,6 +541,8 @@ class Scheduler(FairScheduling):
         failed this step (its stage in the runner, or its grammar here) ends alone with
         finish_reason "error" and its blocks freed; the others go on as if it never ran."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.kv_tiers is not None:
+            self.kv_tiers.apply_result(runner_output.kv_transfer)
         if self._pipelined:
             self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
             for children in scheduler_output.forked_samples.values():
@@ -641,6 +692,8 @@ class Scheduler(FairScheduling):
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.kv_tiers is not None:
+            self.kv_tiers.request_finished(request.request_id)
         self._trimmed.discard(request.request_id)
         del self.requests[request.request_id]
         if request.request_id in self._seen_by_runner:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
@@ -81,6 +82,8 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens it runs after its last token this
     # step (they are counted in `num_scheduled_tokens`); the runner verifies them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV tiers: blocks to move between the pool, host memory, disk and a peer this step.
+    kv_transfer: KVTransferOps | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -108,3 +111,5 @@ class ModelRunnerOutput:
     failed_requests: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: the tokens proposed to follow each request's last sampled token.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV tiers: disk reads and sends that ended.
+    kv_transfer: KVTransferResult | None = None

@@ -21,6 +21,8 @@ from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, Sche
 from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.registry import executor_class
+from pagedllm.kv_transfer import disk_layout
+from pagedllm.kv_transfer.tier_manager import KVTierManager
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -54,11 +56,14 @@ class EngineCore:
             raise
         cache_config = config.cache_config
         groups = cache_config.kv_groups
+        tiers = config.kv_tier_config
+        self.kv_tiers = self._kv_tier_manager() if tiers is not None and tiers.enabled else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             groups.windows if groups is not None else (None,),
+            stable_hashes=self.kv_tiers is not None,
         )
         model_config = config.model_config
         self.structured_output = StructuredOutputManager(
@@ -77,7 +82,11 @@ class EngineCore:
             self.kv_cache_manager,
             self.structured_output,
             config.speculative_config,
+            self.kv_tiers,
         )
+        # A KV consumer takes the blocks its peer sent before each step's scheduling.
+        transfer = tiers.transfer if tiers is not None else None
+        self._receives_kv = transfer is not None and transfer.receives
         # Pipeline parallel: (reply, scheduler output) of the batches in flight, oldest first.
         self.batch_queue: deque[tuple[Any, SchedulerOutput]] | None = None
         if scheduler_config.max_batches_in_flight > 1:
@@ -96,6 +105,24 @@ class EngineCore:
             )
             return 1
         return size
+
+    def _kv_tier_manager(self) -> KVTierManager:
+        """The scheduler's side of the KV tiers; the disk tier's index is its folder's."""
+        tiers = self.config.kv_tier_config
+        assert tiers is not None
+        groups = self.config.cache_config.kv_groups
+        disk_keys: set[str] = set()
+        if tiers.disk_dir is not None:
+            disk_keys = disk_layout.scan_keys(
+                disk_layout.namespace_dir(tiers.disk_dir, tiers.identity)
+            )
+            logger.info("KV disk tier: %d blocks on disk", len(disk_keys))
+        return KVTierManager(
+            tiers,
+            self.config.cache_config.block_size,
+            groups.num_groups if groups is not None else 1,
+            disk_keys,
+        )
 
     def _initialize_kv_cache(self) -> int:
         """Size the pool from what every worker can give it; the pool is built before the
@@ -177,6 +204,9 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.get_stats())
 
     def _schedule(self) -> SchedulerOutput:
+        if self._receives_kv and self.kv_tiers is not None:
+            (received,) = self.model_executor.collective_rpc("take_received_kv")
+            self.kv_tiers.on_received(received)
         scheduler_output = self.scheduler.schedule()
         if self.debug_checks:
             scheduler_output.kv_check = self._kv_table_check()
@@ -205,6 +235,8 @@ class EngineCore:
         (Every rank's own tables are checked within the step: `_kv_table_check`.)"""
         kv = self.kv_cache_manager
         kv.check_integrity()
+        if self.kv_tiers is not None:
+            self.kv_tiers.check_integrity()
         if not self.has_unfinished_requests():
             assert kv.num_free_blocks == kv.block_pool.num_usable_blocks, "idle engine holds blocks"
 
@@ -213,6 +245,8 @@ class EngineCore:
         if self.has_unfinished_requests() or not self.kv_cache_manager.reset_prefix_cache():
             logger.warning("reset_prefix_cache refused: requests are still running")
             return False
+        if self.kv_tiers is not None:
+            self.kv_tiers.reset()
         return True
 
     def get_stats(self) -> EngineStats:
@@ -232,6 +266,7 @@ class EngineCore:
             running_lora_adapters=scheduler.lora_counts(scheduler.running),
             waiting_lora_adapters=scheduler.lora_counts(scheduler.waiting),
             max_loras=scheduler.config.max_loras,
+            kv_tiers=self.kv_tiers.stats.snapshot() if self.kv_tiers is not None else None,
         )
 
     def shutdown(self) -> None:

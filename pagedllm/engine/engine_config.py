@@ -21,12 +21,14 @@ from pagedllm.config import (
     resolve_dtype,
     verify_quantization,
 )
+from pagedllm.engine.kv_tier_setup import build_kv_tier_config
 from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_features import cpu_features
+from pagedllm.ops.kv_quant import bytes_per_row
 from pagedllm.parallel_config import (
     ParallelConfig,
     num_kv_heads_per_rank,
@@ -87,8 +89,9 @@ def kv_bytes_per_block(
         )
         for r in range(parallel_config.pipeline_parallel_size)
     )
-    per_token = 2 * num_layers * num_kv_heads * model_config.head_dim
-    return per_token * cache_dtype.itemsize * block_size
+    # K and V rows of each token, with a quantized cache's scales (ops/kv_quant.py).
+    row_bytes = bytes_per_row(cache_dtype, model_config.head_dim)
+    return 2 * num_layers * num_kv_heads * row_bytes * block_size
 
 
 def model_kv_groups(hf_config: Any, max_model_len: int) -> KVCacheGroups:
@@ -186,6 +189,20 @@ def build_engine_config(
     )
     check_attention_backend(args.attention_backend)
     verify_speculative_config(args, parallel_config)
+    kv_tier_config = build_kv_tier_config(
+        args,
+        model_config,
+        cache_config,
+        parallel_config,
+        kv_bytes_per_block(
+            model_config,
+            cache_config.block_size,
+            cache_config.cache_dtype,
+            parallel_config,
+            cache_config.kv_groups,
+        ),
+        log,
+    )
     return EngineConfig(
         model_config,
         cache_config,
@@ -197,6 +214,7 @@ def build_engine_config(
         speculative_config=args.speculative_config,
         draft_model_config=draft_model_config,
         lora_config=lora_config,
+        kv_tier_config=kv_tier_config,
     )
 
 

@@ -1,4 +1,5 @@
-"""`pagedllm` command line: `pagedllm serve`, `generate`, `bench throughput|latency|serve`."""
+"""`pagedllm` command line: `pagedllm serve`, `generate`, `bench throughput|latency|serve`,
+`proxy`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from pagedllm.entrypoints.bench_cli import add_bench_parser
+from pagedllm.entrypoints.disagg_proxy import add_proxy_parser
 from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 from pagedllm.entrypoints.serve_cli import add_serve_parser
 
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     _generate_parser(subparsers)
     add_bench_parser(subparsers)
+    add_proxy_parser(subparsers)
     return parser
 
 

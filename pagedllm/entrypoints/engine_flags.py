@@ -58,6 +58,20 @@ ENGINE_ARG_HELP = {
     "higher rank is refused)",
     "max_cpu_loras": "most LoRA adapters kept loaded in memory, least recently used dropped "
     "beyond it (default: max_loras; at least max_loras)",
+    "kv_offload_memory": "host-memory KV tier, e.g. 8GiB: prefix blocks evicted from the pool "
+    "are kept there and loaded back on a later hit instead of recomputed (default: none; "
+    "4 GiB with --preemption-mode swap, kv_buffer_size for a KV consumer, 1 GiB of staging "
+    "with --kv-offload-dir)",
+    "kv_offload_dir": "disk KV tier: a folder where every cached prefix block is also written "
+    "(keyed by model, dtypes, block size, salt and block hash; checksummed), found again "
+    "after a restart (default: none)",
+    "preemption_mode": "what a preempted request's KV becomes: recompute (freed, recomputed "
+    "on resume; the default) or swap (saved to host memory and loaded back)",
+    "kv_transfer_config": "prefill/decode disaggregation as JSON, vLLM's keys: "
+    """'{"kv_role": "kv_producer", "kv_connector_extra_config": {"peer": "HOST:PORT"}}' on """
+    """the prefill instance, '{"kv_role": "kv_consumer", "kv_port": PORT}' on the decode """
+    "instance (it listens on kv_ip:kv_port, 127.0.0.1:14579 by default); route requests "
+    "through `pagedllm proxy` (default: off)",
     "cpu_threads_bind": "CPU cores each rank's threads run on: auto (one rank per NUMA node "
     "when there are several, else the cores split evenly), nobind, or one list per rank "
     "such as 0-7|8-15",

@@ -20,3 +20,6 @@ class UniProcExecutor(Executor):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()

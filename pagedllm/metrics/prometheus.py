@@ -79,6 +79,7 @@ class _EngineSeries:
     kv_cache_usage: Gauge
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
+    prompt_tokens_computed: Counter
     num_preemptions: Counter
     engine_stalled: Gauge
     engine_restarts: Counter
@@ -130,6 +131,11 @@ class PrometheusMetrics:
             "kv_cache_usage": gauge("kv_cache_usage_perc", "KV-cache usage (1 means 100%)."),
             "prefix_cache_queries": counter("prefix_cache_queries", "Tokens looked up."),
             "prefix_cache_hits": counter("prefix_cache_hits", "Tokens served from the cache."),
+            "prompt_tokens_computed": counter(
+                "prompt_tokens_computed",
+                "Prompt tokens run through the model (not served from the prefix cache or a "
+                "KV tier).",
+            ),
             "num_preemptions": counter("num_preemptions", "Preemptions by the scheduler."),
             "engine_stalled": gauge(
                 "engine_stalled",
@@ -154,6 +160,15 @@ class PrometheusMetrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Speculative draft tokens accepted, by position in the draft.",
             [*engine_labels, "position"],
+            registry=self.registry,
+        )
+        # KV tiers: one series per `KVTierStats` counter (created when first reported).
+        self._kv_tier_events = Counter(
+            PREFIX + "kv_tier_events",
+            "KV tier counters: blocks saved to / loaded from host memory, written to / read "
+            "from disk, failed reads, swaps, blocks and requests sent to / received from a "
+            "peer (seconds for send_seconds).",
+            [*engine_labels, "event"],
             registry=self.registry,
         )
         self._model_name = model_name
@@ -232,6 +247,7 @@ class PrometheusMetrics:
         series = self._engines[engine_index]
         self._update_spec_decode(series, stats, str(engine_index))
         self._update_lora_info(series, stats, str(engine_index))
+        self._update_kv_tiers(series, stats, str(engine_index))
         self._update_engine(series, stats)
         stopped_ids = set(stopped)
         for output in outputs:
@@ -285,7 +301,19 @@ class PrometheusMetrics:
             stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
         )
         series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        series.prompt_tokens_computed.inc(
+            stats.num_computed_prompt_tokens - (last.num_computed_prompt_tokens if last else 0)
+        )
         series.last_stats = stats
+
+    def _update_kv_tiers(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
+        if stats.kv_tiers is None:
+            return
+        last = series.last_stats.kv_tiers if series.last_stats is not None else None
+        for event, value in stats.kv_tiers.items():
+            delta = value - (last or {}).get(event, 0)
+            if delta > 0:
+                self._kv_tier_events.labels(self._model_name, engine, event).inc(delta)
 
     def _update_spec_decode(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
         """Speculative decoding's counters advance by what the core counted since last."""

@@ -26,6 +26,8 @@ class EngineStats:
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
     max_loras: int | None = None
+    # KV tiers' counters since start-up (`KVTierStats`; None: no tier).
+    kv_tiers: dict[str, float] | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -53,13 +55,14 @@ def sum_engine_stats(stats: list[EngineStats]) -> EngineStats:
         running_lora_adapters=_sum_counts([s.running_lora_adapters for s in stats]),
         waiting_lora_adapters=_sum_counts([s.waiting_lora_adapters for s in stats]),
         max_loras=stats[0].max_loras,
+        kv_tiers=_sum_counts([s.kv_tiers for s in stats]),
     )
 
 
-def _sum_counts(counts: list[dict[str, int] | None]) -> dict[str, int] | None:
+def _sum_counts(counts: list[dict[str, float] | None]) -> dict[str, float] | None:
     if counts[0] is None:
         return None
-    total: dict[str, int] = {}
+    total: dict[str, float] = {}
     for one in counts:
         for name, count in (one or {}).items():
             total[name] = total.get(name, 0) + count

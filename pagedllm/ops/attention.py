@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.ops.kv_quant import KVCache, is_quantized, quantize, storage_view
+
 
 @dataclass(frozen=True)
 class AttentionLayout:
@@ -62,7 +64,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
@@ -79,12 +81,17 @@ def to_device(array: np.ndarray, device: torch.device, dtype: torch.dtype | None
 
 
 def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: tuple[torch.Tensor, torch.Tensor],
-    slots: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots: torch.Tensor
 ) -> None:
-    """Store the step's keys and values at their slots (caches: [blocks, block_size, Hkv, D])."""
-    key_cache, value_cache = kv_cache
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, k.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, v.to(value_cache.dtype))
+    """Store the step's keys and values at their slots (caches: [blocks, block_size, Hkv, D];
+    a quantized cache's rows quantized, their scales beside them: `ops/kv_quant.py`)."""
+    key_cache = kv_cache[0]
+    if not is_quantized(key_cache.dtype):
+        for cache, x in zip(kv_cache, (k, v), strict=True):
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+        return
+    for cache, scales, x in ((kv_cache[0], kv_cache[2], k), (kv_cache[1], kv_cache[3], v)):
+        values, scale = quantize(x, cache.dtype)
+        rows = storage_view(cache).view(-1, *cache.shape[2:])
+        rows.index_copy_(0, slots, storage_view(values))
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale)

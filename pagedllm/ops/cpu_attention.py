@@ -22,8 +22,16 @@ from pagedllm.ops.attention import (
 )
 from pagedllm.ops.extension import load
 
-# The cache dtypes the kernel reads (bf16 / fp16 accumulate in fp32).
-SUPPORTED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The cache dtypes the kernel reads (bf16 / fp16 accumulate in fp32; int8 / fp8 dequantized
+# by their scales in the inner loops: ops/kv_quant.py).
+SUPPORTED_CACHE_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
 
 
 def kernel_covers(head_dim: int, cache_dtype: torch.dtype) -> bool:
@@ -45,10 +53,10 @@ class CpuAttentionBackend(AttentionBackend):
     paged blocks (it beats gather + SDPA at every chunk length measured, 2048 included:
     benchmarks.attention_kernel).
 
-    Serves fp32 / bf16 / fp16 caches and the kernel's head sizes (16, 32, 64, 80, 96, 128,
-    256) on the CPU, which `kernel_covers` checks once, when the kernels are chosen; bf16 /
-    fp16 caches are read as such and accumulated in fp32; queries are upcast to fp32 and
-    the output cast back.
+    Serves fp32 / bf16 / fp16 / int8 / fp8 caches and the kernel's head sizes (16, 32, 64,
+    80, 96, 128, 256) on the CPU, which `kernel_covers` checks once, when the kernels are
+    chosen; 16- and 8-bit caches are read as such (8-bit ones times their rows' scales) and
+    accumulated in fp32; queries are upcast to fp32 and the output cast back.
     """
 
     name = "cpu"
@@ -88,6 +96,7 @@ class CpuAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             scale,
             sliding_window or 0,
+            *kv_cache[2:],  # a quantized cache's key and value scales
         )
         return out.to(q.dtype)
 
@@ -99,6 +108,6 @@ class CpuAttentionBackend(AttentionBackend):
             and t.stride(-2) == t.shape[-1]
             for t in (k, v)
         ):
-            self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots)
+            self._ops.write_kv_cache(key_cache, kv_cache[1], k, v, slots, *kv_cache[2:])
         else:
             write_kv_cache(k, v, kv_cache, slots)

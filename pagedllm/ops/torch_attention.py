@@ -17,6 +17,7 @@ from pagedllm.ops.attention import (
     to_device,
     write_kv_cache,
 )
+from pagedllm.ops.kv_quant import KVCache, dequantize, is_quantized
 from pagedllm.utils import cdiv
 
 
@@ -86,9 +87,12 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _gather(
-        self, cache: torch.Tensor, block_ids: torch.Tensor, name: str, dtype: torch.dtype
+        self, kv_cache: KVCache, index: int, block_ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        """cache[block_ids] as [num_ids, block_size, Hkv, D] in `dtype`, via a reused buffer."""
+        """kv_cache[index][block_ids] (index 0: K, 1: V) as [num_ids, block_size, Hkv, D] in
+        `dtype`, via a reused buffer; a quantized cache's gathered blocks (only those)
+        dequantized by their scales."""
+        cache, name = kv_cache[index], "kv"[index]
         shape = (block_ids.numel(), *cache.shape[1:])
         buffer = self._workspace.get(name)
         numel = math.prod(shape)
@@ -96,11 +100,13 @@ class TorchAttentionBackend(AttentionBackend):
             buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
             self._workspace[name] = buffer
         out = torch.index_select(cache, 0, block_ids, out=buffer[:numel].view(shape))
+        if is_quantized(cache.dtype):
+            return dequantize(out, kv_cache[2 + index].index_select(0, block_ids), dtype)
         # A 16-bit cache (kv_cache_dtype) under a float32 model computes in float32.
         return out if out.dtype == dtype else out.to(dtype)
 
     def _decode(self, q, kv_cache, metadata: TorchAttentionMetadata, scale: float, window):
-        key_cache, value_cache = kv_cache
+        key_cache, value_cache = kv_cache[:2]
         block_size = key_cache.shape[1]
         seq_lens = metadata.decode_seq_lens.long()
         tables = metadata.block_tables[metadata.decode_req_indices]
@@ -116,10 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         tables = tables.gather(1, columns).reshape(-1)
         batch = len(metadata.decode_req_indices)
         # [B, Hkv, L, D] views of the gathered blocks
-        keys = self._gather(key_cache, tables, "k", q.dtype).view(batch, -1, *key_cache.shape[2:])
-        values = self._gather(value_cache, tables, "v", q.dtype).view(
-            batch, -1, *value_cache.shape[2:]
-        )
+        keys = self._gather(kv_cache, 0, tables, q.dtype).view(batch, -1, *key_cache.shape[2:])
+        values = self._gather(kv_cache, 1, tables, q.dtype).view(batch, -1, *value_cache.shape[2:])
         positions = first_block[:, None] * block_size + torch.arange(keys.shape[1], device=q.device)
         mask = positions < seq_lens[:, None]
         if window is not None:
@@ -139,8 +143,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(
         self, q, kv_cache, metadata: TorchAttentionMetadata, req_index: int, scale, window
     ):
-        key_cache, value_cache = kv_cache
-        block_size = key_cache.shape[1]
+        block_size = kv_cache[0].shape[1]
         seq_len = metadata.seq_lens[req_index]
         num_queries = q.shape[0]
         context_start = seq_len - num_queries
@@ -149,8 +152,8 @@ class TorchAttentionBackend(AttentionBackend):
         first_key = first_block * block_size
         table = metadata.block_tables[req_index, first_block : cdiv(seq_len, block_size)]
         num_keys = seq_len - first_key
-        keys = self._gather(key_cache, table, "k", q.dtype).flatten(0, 1)[:num_keys]
-        values = self._gather(value_cache, table, "v", q.dtype).flatten(0, 1)[:num_keys]
+        keys = self._gather(kv_cache, 0, table, q.dtype).flatten(0, 1)[:num_keys]
+        values = self._gather(kv_cache, 1, table, q.dtype).flatten(0, 1)[:num_keys]
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         query = q.transpose(0, 1)  # [H, n, D]
         if context_start == 0 and window is None:

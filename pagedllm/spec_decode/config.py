@@ -6,14 +6,13 @@ where the engine config is built (`engine/engine_config.py`).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from pagedllm.value_checks import check_known_keys
+from pagedllm.value_checks import check_known_keys, json_object
 
 METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
 SELF_QUANTIZATIONS = ("gguf", "int8")
@@ -153,15 +152,7 @@ class SpeculativeConfig:
         stays None. Unknown keys are an error naming them."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(
-                f"speculative_config must be a dict (or its JSON), got {type(value).__name__}"
-            )
+        value = json_object("speculative_config", value)
         check_known_keys("speculative_config key", value, {f.name for f in fields(cls)})
         value = dict(value)
         if value.get("method") not in METHODS:

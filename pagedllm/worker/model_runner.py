@@ -41,6 +41,7 @@ from pagedllm.config import EngineConfig, ModelConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.errors import describe_error
+from pagedllm.kv_transfer.tier_worker import KVTierWorker
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.model.gguf_loader import release_gguf_readers
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
@@ -51,6 +52,7 @@ from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
 from pagedllm.ops.kernel_selection import select_kernels
+from pagedllm.ops.kv_quant import KVCache, kv_cache_entry, kv_cache_layout
 from pagedllm.parallel_config import num_kv_heads_per_rank, pipeline_stage_layers
 from pagedllm.sample.grammar_bitmask import apply_bitmask
 from pagedllm.sample.logits_processors import apply_logits_processors
@@ -128,6 +130,8 @@ class ModelRunner:
         self.proposer = build_proposer(config.speculative_config)
         # LoRA: the adapters and the model's LoRA layers (None: enable_lora is off).
         self.lora_manager: LoRAModelManager | None = None
+        # KV tiers: host memory, disk, a peer instance (None: off).
+        self.kv_tiers: KVTierWorker | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
@@ -135,6 +139,10 @@ class ModelRunner:
         slots = self.kv_groups.layer_slots(self.layers)
         self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
         self._prefaulter = self._start_prefault()
+
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the main pool, block id on dim 0: a block is row b of each."""
+        return [tensor for pair in self.kv_cache_pool for tensor in pair]
 
     def load_model(self, source: ModelSource) -> None:
         """Load the weights, bind the KV cache, and compile the decode step when asked."""
@@ -155,6 +163,9 @@ class ModelRunner:
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
         compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
         self.compiled_decode = self._compile_decode() if compile_decode else None
+        tiers = self.config.kv_tier_config
+        if tiers is not None and tiers.enabled:
+            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors())
 
     def _load_draft_model(self, draft_config: ModelConfig) -> DraftModelDrafts:
         """The speculative draft model, with a KV pool of the same blocks as the target's."""
@@ -164,8 +175,7 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, draft_config.num_kv_heads, draft_config.head_dim)
         dtype = self.config.cache_config.cache_dtype
         self.draft_kv_pool = [
-            (self._zeros(shape, dtype), self._zeros(shape, dtype))
-            for _ in range(draft_config.num_layers)
+            kv_cache_entry(shape, dtype, self._zeros) for _ in range(draft_config.num_layers)
         ]
         model.bind_kv_cache(self.draft_kv_pool)
         assert self.config.speculative_config is not None
@@ -256,13 +266,12 @@ class ModelRunner:
             release_free_heap()  # what loading and the moves above freed, back to the OS
         return model.eval(), kernels, attention_backend
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape, cache_config = self._kv_cache_shape(num_blocks), self.config.cache_config
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        """(K, V) per tensor pair; an int8 / fp8 cache's entries also hold their scales:
+        (K, V, K scale, V scale), see ops/kv_quant.py."""
+        shape, dtype = self._kv_cache_shape(num_blocks), self.config.cache_config.cache_dtype
         return [
-            (
-                self._zeros(shape, cache_config.cache_dtype),
-                self._zeros(shape, cache_config.cache_dtype),
-            )
+            kv_cache_entry(shape, dtype, self._zeros)
             for _ in range(self.kv_groups.num_tensor_pairs(self.layers))
         ]
 
@@ -309,12 +318,25 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute_model(scheduler_output)
+        if self.kv_tiers is not None:
+            if not scheduler_output.num_scheduled_tokens:  # nothing else to do: not a spin
+                self.kv_tiers.wait_for_fetches(timeout_s=0.01)
+            output.kv_transfer = self.kv_tiers.take_result()
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         failed: dict[str, str] = {}  # request id -> what raised for it alone
         self._update_states(scheduler_output, failed)
         if scheduler_output.kv_check is not None:  # debug mode only
             self.check_kv_integrity(scheduler_output.kv_check)
+        kv_ops = scheduler_output.kv_transfer
+        if self.kv_tiers is not None:  # before copies-on-write: saves read freed blocks
+            self.kv_tiers.before_forward(kv_ops)
         self._copy_blocks(scheduler_output.blocks_to_copy)
         if not scheduler_output.num_scheduled_tokens:
+            if self.kv_tiers is not None:
+                self.kv_tiers.after_forward(kv_ops)
             return ModelRunnerOutput(failed_requests=failed)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
@@ -328,6 +350,8 @@ class ModelRunner:
             req_ids, num_scheduled
         )
         hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled, uses_lora)
+        if self.kv_tiers is not None:  # the step's blocks are filled: persist and send them
+            self.kv_tiers.after_forward(kv_ops)
         output = ModelRunnerOutput(failed_requests=failed)
         if not self.is_last_stage:
             self._send_to_next_stage(hidden_states)
@@ -562,13 +586,19 @@ class ModelRunner:
                 f"{len(self.kv_caches)} layers of KV cache for the {len(self.layers)} "
                 f"layers of its stage ({self.layers.start}-{self.layers.stop - 1})"
             ]
+        # What each entry holds: K and V, and a quantized cache's scales.
+        names = ("K", "V", "K scale", "V scale")
+        expected = list(zip(names, kv_cache_layout(shape, dtype), strict=False))
         problems = []
-        for layer, pair in zip(self.layers, self.kv_caches, strict=True):
-            for name, tensor in zip("KV", pair, strict=True):
-                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        for layer, entry in zip(self.layers, self.kv_caches, strict=True):
+            if len(entry) != len(expected):
+                problems.append(f"layer {layer} has {len(entry)} KV tensors, not {len(expected)}")
+                continue
+            for (name, (want_shape, want_dtype)), tensor in zip(expected, entry, strict=True):
+                if tuple(tensor.shape) != want_shape or tensor.dtype != want_dtype:
                     problems.append(
                         f"layer {layer}'s {name} cache is {tuple(tensor.shape)} {tensor.dtype}, "
-                        f"not {shape} {dtype}"
+                        f"not {want_shape} {want_dtype}"
                     )
         return problems
 
@@ -739,9 +769,9 @@ class ModelRunner:
             return
         sources = self._tensor(np.array([source for source, _ in copies]))
         destinations = self._tensor(np.array([destination for _, destination in copies]))
-        for key_cache, value_cache in self.kv_cache_pool + self.draft_kv_pool:
-            key_cache[destinations] = key_cache[sources]
-            value_cache[destinations] = value_cache[sources]
+        for entry in self.kv_cache_pool + self.draft_kv_pool:
+            for tensor in entry:  # K and V, and a quantized cache's scales
+                tensor[destinations] = tensor[sources]
 
     def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
         batch = self.input_batch

@@ -87,7 +87,10 @@ class Worker:
         initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     def shutdown(self) -> None:
-        """Leave the process groups (a worker process's last call)."""
+        """Finish the KV tiers' disk writes and close their links; leave the process groups
+        (a worker process's last call)."""
+        if self.model_runner is not None and self.model_runner.kv_tiers is not None:
+            self.model_runner.kv_tiers.shutdown()
         if self.distributed_init_method is not None:
             from pagedllm.distributed.parallel_state import destroy_model_parallel
 
@@ -106,6 +109,11 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self._runner.execute_model(scheduler_output)
         return output if self.is_output_rank else None
+
+    def take_received_kv(self) -> list[tuple[str, tuple[int, ...]]]:
+        """KV blocks a producer sent since the last call: (key, token ids)."""
+        tiers = self._runner.kv_tiers
+        return [] if tiers is None else tiers.take_received()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds: its weights (each parameter once) and its KV cache."""

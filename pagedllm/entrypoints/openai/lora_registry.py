@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.peft import LoRAAdapterError
 from pagedllm.lora.request import LoRARequest
+from pagedllm.value_checks import json_object
 
 if TYPE_CHECKING:
     from pagedllm.engine.async_llm import AsyncLLM
@@ -90,12 +90,7 @@ def parse_lora_module(value: str) -> LoRAModulePath:
 
 
 def _parse_json_module(value: str) -> LoRAModulePath:
-    try:
-        fields = json.loads(value)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"lora_modules: not valid JSON ({error}): {value!r}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"lora_modules: expected a JSON object, got {value!r}")
+    fields = json_object("lora_modules", value)
     unknown = sorted(set(fields) - {"name", "path", "base_model_name"})
     if unknown:
         raise ValueError(f"lora_modules: unknown key(s) {', '.join(unknown)} in {value!r}")

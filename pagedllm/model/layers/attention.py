@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.ops.attention import AttentionBackend, AttentionMetadata
+from pagedllm.ops.kv_quant import KVCache
 
 
 def layer_sliding_windows(config: Any) -> list[int | None]:
@@ -53,7 +54,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = scale
         self.sliding_window = sliding_window
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_cache: KVCache | None = None  # (K, V), with scales if 8-bit
         self.kv_group = 0
 
     def forward(
@@ -73,10 +74,11 @@ class Attention(nn.Module):
 
 def bind_kv_caches(
     layers: Sequence[Attention],
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: Sequence[KVCache],
     kv_groups: Sequence[int] | None = None,
 ) -> None:
-    """Give each attention layer (in layer order) its (K, V) cache and its KV cache group."""
+    """Give each attention layer (in layer order) its KV cache entry ((K, V), or (K, V,
+    K scale, V scale) when 8-bit: `ops/kv_quant.py`) and its KV cache group."""
     groups = kv_groups if kv_groups is not None else [0] * len(layers)
     for layer, kv_cache, group in zip(layers, kv_caches, groups, strict=True):
         layer.kv_cache = kv_cache

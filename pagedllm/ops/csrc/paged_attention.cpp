@@ -2,7 +2,10 @@
 // request's block table (no gather), for decode and (chunked) prefill in one call.
 //
 // Layout (see pagedllm/ops/attention.py): query [T, H, D] fp32, caches
-// [num_blocks, block_size, Hkv, D] in fp32 / bf16 / fp16, block tables [R, M] int32,
+// [num_blocks, block_size, Hkv, D] in fp32 / bf16 / fp16, or int8 / fp8 (e4m3, e5m2) with
+// an fp32 scale per token and kv head ([num_blocks, block_size, Hkv]: pagedllm/ops/kv_quant.py)
+// dequantized in the inner loops (a key's scale multiplies its scores, a value's its
+// weight), never into a full-precision copy; block tables [R, M] int32,
 // query_start_loc [R + 1] and seq_lens [R] int32. Request r's queries sit at positions
 // seq_len - query_len .. seq_len - 1 and see keys 0 .. their own position (causal), or
 // with a sliding window W only the last W of those (position - W + 1 .. position): blocks
@@ -37,6 +40,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -139,6 +144,12 @@ inline void prefetch_rows(const T* first_row, int64_t stride, int n, int64_t row
   }
 }
 
+// x[j] *= unit * scale[j * stride] for j < n: a quantized cache's per-key factors applied
+// to scores (keys) or softmax weights (values).
+inline void scale_by_rows(float* x, const float* scale, int64_t stride, int n, float unit) {
+  for (int j = 0; j < n; ++j) x[j] *= unit * scale[j * stride];
+}
+
 // ---- problem, work items, per-thread scratch -------------------------------------------
 
 // Query rows per work item: a prefill tile is this many rows over the tokens of one kv
@@ -153,6 +164,10 @@ struct Problem {
   const T* key_cache;
   const T* value_cache;
   int64_t block_stride, token_stride;  // in elements
+  // Quantized caches' scales (null otherwise): the row at element offset o (a multiple of
+  // head_dim) has its scale at o / head_dim, so a token's are token_stride / head_dim apart.
+  const float* key_scale;
+  const float* value_scale;
   const int32_t* block_tables;
   int64_t table_stride;
   const int32_t* query_start_loc;
@@ -246,14 +261,25 @@ struct Ahead {
 
 // key_t[d * kSliceKeys + j] = K[j][d] for the slice's first n keys; rows past n repeat row
 // n - 1 (finite, and masked later): they may lie outside the block.
+// A quantized cache's keys are dequantized here, by their scales (at `scale`, `scale_stride`).
 template <int NV, typename T>
-inline void transpose_keys(const T* keys, int64_t stride, int n, float* key_t) {
+inline void transpose_keys(const T* keys, int64_t stride, int n, float* key_t,
+                           const float* scale, int64_t scale_stride) {
   for (int j0 = 0; j0 < kSliceKeys; j0 += 8) {
     const T* row[8];
-    for (int i = 0; i < 8; ++i) row[i] = keys + std::min(j0 + i, n - 1) * stride;
+    __m256 factor[8];
+    for (int i = 0; i < 8; ++i) {
+      row[i] = keys + std::min(j0 + i, n - 1) * stride;
+      if constexpr (kQuantized<T>) {
+        factor[i] = _mm256_set1_ps(kRawUnit<T> * scale[std::min(j0 + i, n - 1) * scale_stride]);
+      }
+    }
     for (int v = 0; v < NV; ++v) {
       __m256 x[8];
       for (int i = 0; i < 8; ++i) x[i] = load8(row[i] + 8 * v);
+      if constexpr (kQuantized<T>) {
+        for (int i = 0; i < 8; ++i) x[i] = _mm256_mul_ps(x[i], factor[i]);
+      }
       transpose8(x);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(key_t + (8 * v + i) * kSliceKeys + j0, x[i]);
     }
@@ -349,26 +375,34 @@ inline void group_values(float* acc, const T* values, int64_t stride, const floa
 
 // One row against the first n keys of a block: the online-softmax update. Decode items'
 // rows take this path (prefill tiles take attend_group's).
+// A quantized cache's scales (key_scale, value_scale: the first key's, scale_stride apart)
+// multiply the raw dot products and the weights of the raw values.
 template <int NV, typename T>
 inline void attend_block(const T* keys, const T* values, int64_t stride, int n, int r,
-                         Scratch& s) {
+                         Scratch& s, const float* key_scale, const float* value_scale,
+                         int64_t scale_stride) {
   constexpr int D = NV * 8;
   float* scores = s.scores.data();
   block_scores<NV>(&s.q[r * D], keys, stride, n, scores);
+  if constexpr (kQuantized<T>) scale_by_rows(scores, key_scale, scale_stride, n, kRawUnit<T>);
   const float m_new = std::max(s.m[r], masked_max(scores, n));
   // exp(-inf) = 0 on the first block; libm's exp is worth skipping when the max holds.
   const float rescale = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
   s.l[r] = s.l[r] * rescale + exp_and_sum(scores, n, m_new);
   s.m[r] = m_new;
+  if constexpr (kQuantized<T>) scale_by_rows(scores, value_scale, scale_stride, n, kRawUnit<T>);
   accumulate_values<NV>(&s.acc[r * D], values, stride, scores, n, rescale);
 }
 
 // Rows r0 .. r0 + R - 1 (one kv head) against the first n keys of a slice (its keys in
 // s.key_t), row r seeing keys lo[r] .. valid[r] - 1 of them: the online-softmax update. A
 // row's weights outside its own keys are zero, so the shared value pass leaves it as it was.
+// A quantized cache's value factors (kRawUnit times each key's value scale, 0 past the
+// slice: kSliceKeys of them) multiply the rows' weights.
 template <int NV, int R, typename T>
 inline void attend_group(const T* values, int64_t stride, int n, int r0, const int* lo,
-                         const int* valid, const Ahead<T>& ahead, Scratch& s) {
+                         const int* valid, const Ahead<T>& ahead, Scratch& s,
+                         const float* value_factor) {
   constexpr int D = NV * 8;
   float* p = s.group_scores.data();
   prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
@@ -378,6 +412,13 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
   for (int i = 0; i < R; ++i) {
     rescale[i] = slice_softmax(scores[i], lo[i], std::max(valid[i], 0), r0 + i, s,
                                p + i * kSliceKeys);
+    if constexpr (kQuantized<T>) {
+      float* weights = p + i * kSliceKeys;
+      for (int h = 0; h < kSliceKeys; h += 8) {
+        _mm256_storeu_ps(weights + h, _mm256_mul_ps(_mm256_loadu_ps(weights + h),
+                                                    _mm256_loadu_ps(value_factor + h)));
+      }
+    }
   }
   prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
   group_values<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
@@ -385,15 +426,23 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
 
 template <int NV, typename T>
 inline void attend_rows(const T* values, int64_t stride, int n, int r0, int count,
-                        const int* lo, const int* valid, const Ahead<T>& ahead, Scratch& s) {
+                        const int* lo, const int* valid, const Ahead<T>& ahead, Scratch& s,
+                        const float* vf) {
   switch (count) {
-    case 1: return attend_group<NV, 1>(values, stride, n, r0, lo, valid, ahead, s);
-    case 2: return attend_group<NV, 2>(values, stride, n, r0, lo, valid, ahead, s);
-    case 3: return attend_group<NV, 3>(values, stride, n, r0, lo, valid, ahead, s);
-    case 4: return attend_group<NV, 4>(values, stride, n, r0, lo, valid, ahead, s);
-    case 5: return attend_group<NV, 5>(values, stride, n, r0, lo, valid, ahead, s);
-    default: return attend_group<NV, 6>(values, stride, n, r0, lo, valid, ahead, s);
+    case 1: return attend_group<NV, 1>(values, stride, n, r0, lo, valid, ahead, s, vf);
+    case 2: return attend_group<NV, 2>(values, stride, n, r0, lo, valid, ahead, s, vf);
+    case 3: return attend_group<NV, 3>(values, stride, n, r0, lo, valid, ahead, s, vf);
+    case 4: return attend_group<NV, 4>(values, stride, n, r0, lo, valid, ahead, s, vf);
+    case 5: return attend_group<NV, 5>(values, stride, n, r0, lo, valid, ahead, s, vf);
+    default: return attend_group<NV, 6>(values, stride, n, r0, lo, valid, ahead, s, vf);
   }
+}
+
+// The scales of the rows at element offset `offset` (null for an unquantized cache).
+template <typename T>
+inline const float* scales_at(const float* scale, int64_t offset, int head_dim) {
+  if constexpr (kQuantized<T>) return scale + offset / head_dim;
+  return nullptr;
 }
 
 // Calls visit(t0, n, block, next_n, next) for each block of the item's context in order,
@@ -425,6 +474,12 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
   const int64_t run_elements = static_cast<int64_t>(w.kv_head_end - w.kv_head) * NV * 8;
   for_each_block<NV>(p, w, kv_begin, kv_end, [&](int t0, int n, int64_t block, int next_n,
                                                  int64_t next) {
+    const int64_t scale_stride = p.token_stride / p.head_dim;
+    if constexpr (kQuantized<T>) {  // the next block's scales: a few lines, fetched once
+      const int64_t scale_floats = (next_n - 1) * scale_stride + run_elements / p.head_dim;
+      prefetch_rows(p.key_scale + next / p.head_dim, 0, 1, next_n ? scale_floats : 0);
+      prefetch_rows(p.value_scale + next / p.head_dim, 0, 1, next_n ? scale_floats : 0);
+    }
     for (int r = 0; r < rows; ++r) {
       const int j0 = r * next_n / rows, j1 = (r + 1) * next_n / rows;
       const int64_t ahead = next + j0 * p.token_stride;
@@ -435,7 +490,8 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
       if (end <= begin) continue;  // a row that ends before this block or starts after it
       const int64_t offset = block + s.head_offset[r] + begin * p.token_stride;
       attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride,
-                       end - begin, r, s);
+                       end - begin, r, s, scales_at<T>(p.key_scale, offset, p.head_dim),
+                       scales_at<T>(p.value_scale, offset, p.head_dim), scale_stride);
     }
   });
 }
@@ -452,7 +508,17 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
     for (int k0 = 0; k0 < n; k0 += kSliceKeys) {
       const int slice_n = std::min(kSliceKeys, n - k0);
       const int64_t offset = block + s.head_offset[0] + k0 * p.token_stride;
-      transpose_keys<NV>(p.key_cache + offset, p.token_stride, slice_n, s.key_t.data());
+      const int64_t scale_stride = p.token_stride / p.head_dim;
+      transpose_keys<NV>(p.key_cache + offset, p.token_stride, slice_n, s.key_t.data(),
+                         scales_at<T>(p.key_scale, offset, p.head_dim), scale_stride);
+      // A quantized cache's value factors, once per slice for all its row groups.
+      alignas(32) float value_factor[kSliceKeys] = {};
+      if constexpr (kQuantized<T>) {
+        const float* value_scale = scales_at<T>(p.value_scale, offset, p.head_dim);
+        for (int j = 0; j < slice_n; ++j) {
+          value_factor[j] = kRawUnit<T> * value_scale[j * scale_stride];
+        }
+      }
       const int ahead_n = k0 == 0 ? next_n : 0;  // the next block, prefetched once
       for (int r = 0; r < rows; r += kMaxGroupRows) {
         const int count = std::min(kMaxGroupRows, rows - r);
@@ -471,7 +537,7 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
         // Rows that all end before this slice (causal) or start after it (window).
         if (!any) continue;
         attend_rows<NV>(p.value_cache + offset, p.token_stride, group_n, r, count, lo, valid,
-                        ahead, s);
+                        ahead, s, value_factor);
       }
     }
   });
@@ -608,15 +674,44 @@ void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tens
   }
 }
 
+bool is_quantized(at::ScalarType type) {
+  return type == at::kChar || type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+// A quantized cache's scales: fp32 [blocks, block_size, Hkv], contiguous; none otherwise.
+void check_scales(const char* op, const at::Tensor& cache,
+                  const std::optional<at::Tensor>& key_scale,
+                  const std::optional<at::Tensor>& value_scale) {
+  if (!is_quantized(cache.scalar_type())) {
+    TORCH_CHECK(!key_scale.has_value() && !value_scale.has_value(), op,
+                ": scales are for int8 / fp8 caches only");
+    return;
+  }
+  TORCH_CHECK(key_scale.has_value() && value_scale.has_value(), op, ": a ",
+              cache.scalar_type(), " cache needs its key and value scales");
+  for (const auto* t : {&*key_scale, &*value_scale}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->dim() == 3 && t->sizes() == cache.sizes().slice(0, 3),
+                op, ": scales must be contiguous fp32 [blocks, block_size, Hkv]");
+  }
+}
+
+const float* scale_data(const std::optional<at::Tensor>& scale) {
+  return scale.has_value() ? scale->data_ptr<float>() : nullptr;
+}
+
 }  // namespace
 
 // out[t] = causal attention of query[t] over its request's cached keys and values.
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, int64_t sliding_window) {
+                     double scale, int64_t sliding_window,
+                     const std::optional<at::Tensor>& key_scale,
+                     const std::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0");
   check_layout(out, query, key_cache, value_cache, {&block_tables, &query_start_loc, &seq_lens});
+  check_scales("paged_attention", key_cache, key_scale, value_scale);
   const int64_t num_requests = seq_lens.numel();
   TORCH_CHECK(query_start_loc.numel() == num_requests + 1 && block_tables.dim() == 2 &&
                   block_tables.size(0) == num_requests,
@@ -642,7 +737,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     const Problem<T> problem{
         query.data_ptr<float>(), query.stride(0), query.stride(1), out.data_ptr<float>(),
         key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
-        key_cache.stride(1), block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
+        key_cache.stride(1), scale_data(key_scale), scale_data(value_scale),
+        block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
         lens, num_heads, group, head_dim, block_size, static_cast<float>(scale),
         static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int>::max()))};
     dispatch_head_dim(problem, items, max_rows);
@@ -651,6 +747,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     case at::kFloat: return run(float{});
     case at::kBFloat16: return run(at::BFloat16{});
     case at::kHalf: return run(at::Half{});
+    case at::kChar: return run(int8_t{});
+    case at::kFloat8_e4m3fn: return run(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return run(c10::Float8_e5m2{});
     default: TORCH_CHECK(false, "paged_attention: cache dtype ", key_cache.scalar_type(),
                          " is not supported");
   }
@@ -676,12 +775,108 @@ void convert_rows(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tens
   convert(value_cache, value);
 }
 
+// ---- quantized writes (kv_cache_dtype int8 / fp8) --------------------------------------
+
+template <typename T>
+constexpr float kQuantMax = std::is_same_v<T, int8_t> ? 127.0f
+                            : std::is_same_v<T, c10::Float8_e4m3fn> ? 448.0f
+                                                                     : 57344.0f;
+
+// x (already within +-kQuantMax) rounded to nearest even into T, as torch's conversions do.
+template <typename T>
+inline T quantize_one(float x) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return static_cast<int8_t>(std::nearbyint(x));
+  } else {
+    return T(x);
+  }
+}
+
+// Eight of them, the same bits. int8: cvtps rounds to nearest even. fp8 (finite, in range):
+// |x| rounded to T's grid at its binade (2^(e - mantissa bits), e no lower than T's least
+// normal exponent: subnormals alike) by adding and removing 2^23 times that step, which
+// the FPU rounds to nearest even; the result, exact in fp16, is then re-encoded: e5m2 is
+// an fp16's high byte, e4m3 an fp16 of x / 2^8 with its exponent's top bit dropped.
+template <typename T>
+inline void quantize8(__m256 x, T* out) {
+  __m128i bits;
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const __m256i i = _mm256_cvtps_epi32(x);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    bits = _mm_packs_epi16(w, w);
+  } else {
+    constexpr bool e4m3 = std::is_same_v<T, c10::Float8_e4m3fn>;
+    constexpr int mantissa = e4m3 ? 3 : 2, min_exponent = e4m3 ? -6 : -14;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 a = _mm256_andnot_ps(sign, x);
+    const __m256i exponent = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(a), 23),
+                                              _mm256_set1_epi32(min_exponent + 127));
+    const __m256 magic = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(exponent, _mm256_set1_epi32(23 - mantissa)), 23));
+    __m256 r = _mm256_sub_ps(_mm256_add_ps(a, magic), magic);
+    r = _mm256_or_ps(r, _mm256_and_ps(x, sign));
+    if constexpr (e4m3) {
+      const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(r, _mm256_set1_ps(1.0f / 256.0f)),
+                                        _MM_FROUND_TO_NEAREST_INT);
+      bits = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 8), _mm_set1_epi16(0x80)),
+                          _mm_and_si128(_mm_srli_epi16(h, 7), _mm_set1_epi16(0x7F)));
+    } else {
+      bits = _mm_srli_epi16(_mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT), 8);
+    }
+    bits = _mm_packus_epi16(bits, bits);
+  }
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bits);
+}
+
+// fp32 K/V into an int8 / fp8 cache: each token's row of each kv head scaled by its absmax
+// (scale = absmax / QMAX, stored beside it), as pagedllm/ops/kv_quant.py's quantize does,
+// in the same fp32 operations, so both store the same bits.
+template <typename T>
+void quantize_rows(at::Tensor& cache, at::Tensor& scales, const at::Tensor& src,
+                   const int64_t* slot) {
+  const int64_t num_tokens = src.size(0), heads = cache.size(2), head_dim = cache.size(3);
+  constexpr float qmax = kQuantMax<T>;
+  T* dst = cache.data_ptr<T>();
+  float* dst_scale = scales.data_ptr<float>();
+  const float* base = src.data_ptr<float>();
+  const int64_t stride = src.stride(0), vector_end = head_dim / 8 * 8;
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = base + t * stride + h * head_dim;
+        const int64_t row = slot[t] * heads + h;
+        T* out = dst + row * head_dim;
+        __m256 m = _mm256_setzero_ps();
+        for (int64_t i = 0; i < vector_end; i += 8) {
+          m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(in + i)));
+        }
+        float absmax = hmax(m);
+        for (int64_t i = vector_end; i < head_dim; ++i) absmax = std::max(absmax, std::abs(in[i]));
+        dst_scale[row] = absmax / qmax;
+        // An all-zero row: zeros, scale 0 (its inverse would be inf, and 0 * inf NaN).
+        const float inverse = absmax > 0.0f ? qmax / absmax : 0.0f;
+        const __m256 inv = _mm256_set1_ps(inverse), hi = _mm256_set1_ps(qmax);
+        const __m256 lo = _mm256_set1_ps(-qmax);
+        for (int64_t i = 0; i < vector_end; i += 8) {
+          const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(in + i), inv);
+          quantize8<T>(_mm256_min_ps(_mm256_max_ps(x, lo), hi), out + i);
+        }
+        for (int64_t i = vector_end; i < head_dim; ++i) {
+          out[i] = quantize_one<T>(std::clamp(in[i] * inverse, -qmax, qmax));
+        }
+      }
+    }
+  });
+}
+
 // key_cache/value_cache slot slots[t] = key[t] / value[t]: the step's K/V into their
 // blocks, a row copy per token spread over threads. Strided sources are read in place
 // (k and v are column slices of the fused q/k/v output), where index_copy_ makes them
 // contiguous first and copies element by element on one thread.
 void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& key,
-                    const at::Tensor& value, const at::Tensor& slots) {
+                    const at::Tensor& value, const at::Tensor& slots,
+                    const std::optional<at::Tensor>& key_scale,
+                    const std::optional<at::Tensor>& value_scale) {
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
               "write_kv_cache: caches must be contiguous [blocks, block_size, Hkv, D] pairs");
@@ -705,6 +900,22 @@ void write_kv_cache(at::Tensor key_cache, at::Tensor value_cache, const at::Tens
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv_cache: slot ", slot[t],
                 " out of range [0, ", num_slots, ")");
+  }
+  check_scales("write_kv_cache", key_cache, key_scale, value_scale);
+  if (is_quantized(key_cache.scalar_type())) {
+    TORCH_CHECK(key.scalar_type() == at::kFloat,
+                "write_kv_cache: an int8 / fp8 cache takes fp32 keys and values");
+    at::Tensor key_scales = *key_scale, value_scales = *value_scale;
+    const auto quantize = [&](auto element) {
+      using T = decltype(element);
+      quantize_rows<T>(key_cache, key_scales, key, slot);
+      quantize_rows<T>(value_cache, value_scales, value, slot);
+    };
+    switch (key_cache.scalar_type()) {
+      case at::kChar: return quantize(int8_t{});
+      case at::kFloat8_e4m3fn: return quantize(c10::Float8_e4m3fn{});
+      default: return quantize(c10::Float8_e5m2{});
+    }
   }
   if (key.scalar_type() != key_cache.scalar_type()) {
     // fp32 K/V into a 16-bit cache (kv_cache_dtype): converted row by row, rounding to
@@ -740,10 +951,10 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "int sliding_window=0) -> ()");
+      "int sliding_window=0, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
-      "Tensor slots) -> ()");
+      "Tensor slots, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
   m.def("supported_head_dims() -> int[]", &supported_head_dims);
 }
 

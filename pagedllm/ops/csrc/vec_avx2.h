@@ -2,8 +2,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <immintrin.h>
 
+#include <cstdint>
 #include <limits>
 
 namespace pagedllm_vec {
@@ -22,6 +25,43 @@ inline __m256 load8(const at::BFloat16* p) {
 
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8-bit caches (kv_cache_dtype int8 / fp8): load8 gives the raw values, kRawUnit<T> times
+// smaller than the stored numbers; the kernel multiplies by kRawUnit<T> * the row's scale.
+template <typename T>
+constexpr bool kQuantized = false;
+template <>
+constexpr bool kQuantized<int8_t> = true;
+template <>
+constexpr bool kQuantized<c10::Float8_e4m3fn> = true;
+template <>
+constexpr bool kQuantized<c10::Float8_e5m2> = true;
+
+template <typename T>
+constexpr float kRawUnit = 1.0f;
+template <>
+constexpr float kRawUnit<c10::Float8_e4m3fn> = 256.0f;
+
+inline __m256 load8(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+
+// e5m2 is the high byte of an fp16: exact, subnormals included.
+inline __m256 load8(const c10::Float8_e5m2* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
+}
+
+// e4m3 (bias 7) as an fp16 (bias 15) with the same sign, mantissa and exponent bits: its
+// value / 2^8, exact for normals and subnormals alike (the NaN code 0x7f reads as 480 / 256,
+// but a scaled row is never NaN unless its keys were).
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i bits = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(raw), 7),
+                                     _mm_set1_epi16(static_cast<int16_t>(0xBF80)));
+  return _mm256_cvtph_ps(bits);
 }
 
 // ---- vector helpers --------------------------------------------------------------------
