@@ -84,9 +84,6 @@ class EngineCore:
             config.speculative_config,
             self.kv_tiers,
         )
-        # A KV consumer takes the blocks its peer sent before each step's scheduling.
-        transfer = tiers.transfer if tiers is not None else None
-        self._receives_kv = transfer is not None and transfer.receives
         # Pipeline parallel: (reply, scheduler output) of the batches in flight, oldest first.
         self.batch_queue: deque[tuple[Any, SchedulerOutput]] | None = None
         if scheduler_config.max_batches_in_flight > 1:
@@ -204,7 +201,7 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.get_stats())
 
     def _schedule(self) -> SchedulerOutput:
-        if self._receives_kv and self.kv_tiers is not None:
+        if self.kv_tiers is not None and self.kv_tiers.receives:  # before the scheduling
             (received,) = self.model_executor.collective_rpc("take_received_kv")
             self.kv_tiers.on_received(received)
         scheduler_output = self.scheduler.schedule()

@@ -81,10 +81,9 @@ class KVTierStats:
     sent_requests: int = 0
     failed_sends: int = 0
     send_seconds: float = 0.0
-    last_send_seconds: list[float] = field(default_factory=list)
 
     def snapshot(self) -> dict[str, float]:
-        return {k: v for k, v in vars(self).items() if not isinstance(v, list)}
+        return dict(vars(self))
 
 
 # What `find` answers for a request whose blocks are being read from disk.
@@ -123,6 +122,11 @@ class KVTierManager:
     def sends(self) -> bool:
         """A producer: each prompt's blocks go to its peer once computed."""
         return self.config.transfer is not None and self.config.transfer.sends
+
+    @property
+    def receives(self) -> bool:
+        """A consumer: blocks its peer sent join the host tier before each step."""
+        return self.config.transfer is not None and self.config.transfer.receives
 
     # ---- the host tier's slots --------------------------------------------------------
     @property
@@ -261,11 +265,9 @@ class KVTierManager:
             entry = self.host.get(key)
             if entry is not None and entry.token_ids == tokens:
                 row.append((entry.slot, key))
-            elif (
-                key in self.disk_keys
-                and key not in self.fetching
-                and request.request_id not in self._fetched_for
-            ) or key in self.fetching:
+            elif key in self.fetching or (
+                key in self.disk_keys and request.request_id not in self._fetched_for
+            ):
                 on_disk.append(DiskFetch(key, -1, tokens))
                 row.append((-1, key))
             else:

@@ -46,6 +46,7 @@ class KVTierWorker:
             host_zeros((config.num_host_blocks, n), self.device) for n in self.block_nbytes
         ]
         self._lock = threading.Lock()
+        self._fetch_ended = threading.Event()
         self._fetched: list[tuple[str, int, bool]] = []
         self._sent: list[tuple[str, bool, float]] = []
         self._namespace: Path | None = None
@@ -114,16 +115,12 @@ class KVTierWorker:
         with self._lock:
             result = KVTransferResult(self._fetched, self._sent)
             self._fetched, self._sent = [], []
+            self._fetch_ended.clear()
         return result if result else None
 
     def wait_for_fetches(self, timeout_s: float) -> None:
         """A step with nothing to run waits (a little) for disk reads instead of spinning."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._fetched:
-                    return
-            time.sleep(0.0005)
+        self._fetch_ended.wait(timeout_s)
 
     def take_received(self) -> list[tuple[str, tuple[int, ...]]]:
         """Blocks received since the last call: (key, token ids); their bytes wait in the
@@ -188,6 +185,7 @@ class KVTierWorker:
             path.unlink(missing_ok=True)  # a bad file is rewritten when recomputed
         with self._lock:
             self._fetched.append((key, slot, ok))
+            self._fetch_ended.set()
 
     # ---- the peer link ----------------------------------------------------------------
     def _send(self, send: RequestSend) -> None:

@@ -286,7 +286,7 @@ class ModelRunner:
     def _start_prefault(self) -> KVCachePrefaulter | None:
         if self.device.type != "cpu" or not prefault_enabled():
             return None
-        prefaulter = KVCachePrefaulter([t for pair in self.kv_cache_pool for t in pair]).start()
+        prefaulter = KVCachePrefaulter(self.kv_block_tensors()).start()
         # Stop with the runner, so a dropped engine's pool is not kept alive and faulted in.
         weakref.finalize(self, prefaulter.stop)
         return prefaulter
