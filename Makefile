@@ -27,7 +27,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# The dashboard's test drives Debian's headless chromium: a fresh machine gets it (as root).
+BROWSER := /usr/bin/chromium /usr/bin/chromedriver
+
+$(BROWSER):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+
+test: $(STAMP) $(BROWSER)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: $(STAMP)

@@ -11,6 +11,10 @@ Throughput and serving against other engines
     serve_vs_offline    What does the server (HTTP, SSE, two processes) cost against the
                         offline engine on one workload?
     startup             How long from launching `pagedllm serve` until `/health` answers?
+    embeddings          How many inputs and tokens per second does `/v1/embeddings` embed at
+                        batch 1 and 64, against the offline `LLM.embed`?
+    run_batch_overhead  What does `pagedllm run-batch` (OpenAI's batch format) cost against
+                        `LLM.chat` on the same 1,000 requests?
 
 The CPU step against the machine
     arithmetic_peak     What do the cores issue at most (FMA and VNNI), that no matmul passes?

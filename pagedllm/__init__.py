@@ -5,7 +5,13 @@ from pagedllm.config import EngineArgs
 from pagedllm.llm import LLM
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -14,8 +20,11 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
 ]

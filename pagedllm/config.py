@@ -21,6 +21,7 @@ from pagedllm.parallel_config import (
     ParallelConfig,
     default_executor_backend,
 )
+from pagedllm.pooling_params import RUNNERS, PoolerConfig
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.value_checks import check_known_keys
 
@@ -366,6 +367,8 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     # KV tiers (host memory, disk, swap, prefill/decode transfer); None: off.
     kv_tier_config: KVTierConfig | None = None
+    # runner="pooling": how prompts become embeddings; None: the generate runner.
+    pooler_config: PoolerConfig | None = None
 
     @property
     def distributed_executor_backend(self) -> str:
@@ -427,6 +430,10 @@ class EngineArgs:
     kv_offload_dir: str | None = None
     preemption_mode: str = "recompute"
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    # vLLM's runner switch: "generate" (tokens) or "pooling" (embeddings: prefill only, the
+    # final hidden states pooled by `pooler_config`, no KV kept after).
+    runner: str = "generate"
+    pooler_config: PoolerConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any model is loaded, so a typo fails in milliseconds.
@@ -460,6 +467,7 @@ class EngineArgs:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.lora_config()  # bad LoRA sizes fail here
         self._check_kv_tiers()
+        self._check_runner()
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "
@@ -511,6 +519,23 @@ class EngineArgs:
                 f"got {self.preemption_mode!r}"
             )
         self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+
+    def _check_runner(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise ValueError("pooler_config needs runner='pooling'")
+        if self.runner != "pooling":
+            return
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        # A pooling request is one prefill: nothing is drafted, and no KV outlives it.
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not apply to runner='pooling'")
+        if self.uses_kv_tiers:
+            raise ValueError(
+                "KV tiers (kv_offload_memory, kv_offload_dir, preemption_mode='swap', "
+                "kv_transfer_config) do not apply to runner='pooling': it keeps no KV"
+            )
 
     @property
     def uses_kv_tiers(self) -> bool:

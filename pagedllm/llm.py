@@ -16,7 +16,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType, render_chat
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -85,6 +86,38 @@ class LLM:
         request_ids = [request.request_id for _, request in processed]
         return self._run_engine(request_ids, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One embedding per prompt, in input order (needs runner="pooling"): the prompt's
+        final hidden states pooled as `pooler_config` says (`outputs.embedding`)."""
+        engine = self.llm_engine
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if prompt_list and isinstance(prompt_list[0], int):  # one prompt of token ids
+            prompt_list = [prompt_list]
+        prompt_list = [_as_prompt(prompt) for prompt in prompt_list]
+        params_list = _per_prompt(
+            "pooling_params", pooling_params or PoolingParams(), len(prompt_list)
+        )
+        loras = _per_prompt("lora_request", lora_request, len(prompt_list))
+        processed = [
+            engine.process_inputs(
+                str(next(self._request_counter)),
+                prompt,
+                POOLING_SAMPLING_PARAMS,
+                lora_request=lora,
+                pooling_params=params,
+            )
+            for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True)
+        ]
+        for prompt_text, request in processed:
+            engine.add_processed_request(prompt_text, request)
+        return self._run_engine([request.request_id for _, request in processed], use_tqdm)
+
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -150,11 +183,12 @@ class LLM:
         # The template already holds any special tokens the model expects.
         return self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list:
         outputs: dict[str, RequestOutput] = {}
         pending = set(request_ids)
         started = time.perf_counter()
-        num_output_tokens = 0
+        num_tokens = 0
+        unit = "input" if self.llm_engine.config.pooler_config is not None else "output"
         with tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -166,11 +200,21 @@ class LLM:
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         outputs[output.request_id] = output
-                        num_output_tokens += len(output.outputs[0].token_ids)
+                        if isinstance(output, RequestOutput):
+                            num_tokens += len(output.outputs[0].token_ids)
+                        else:
+                            num_tokens += len(output.prompt_token_ids)
                         elapsed = max(time.perf_counter() - started, 1e-9)
-                        progress.set_postfix_str(f"output {num_output_tokens / elapsed:.1f} tok/s")
+                        progress.set_postfix_str(f"{unit} {num_tokens / elapsed:.1f} tok/s")
                         progress.update(1)
         return [outputs[request_id] for request_id in request_ids]
+
+
+def _as_prompt(prompt: Any) -> Any:
+    """A list of token ids is the prompt of those ids."""
+    if isinstance(prompt, list):
+        return {"prompt_token_ids": prompt}
+    return prompt
 
 
 def _params_per_prompt(

@@ -64,3 +64,27 @@ class RequestOutput:
     def error(self) -> str | None:
         """What failed, if a sequence here ended with finish_reason "error" (else None)."""
         return next((c.error for c in self.outputs if c.error is not None), None)
+
+
+@dataclass
+class PoolingOutput:
+    """An embedding request's vector (vLLM's `EmbeddingOutput.embedding`); None if it
+    failed (see `PoolingRequestOutput.error`)."""
+
+    embedding: list[float] | None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What an embedding request returns (`LLM.embed`, /v1/embeddings)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # it failed on its own in the engine: what failed
+
+
+# vLLM's name for the same thing.
+EmbeddingRequestOutput = PoolingRequestOutput

@@ -75,6 +75,21 @@ def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("LlamaForCausalLM")
 
 
+@pytest.fixture(scope="session")
+def hf_default_model():
+    """Transformers' model on the default model's GGUF (dequantized to fp32: as the engine
+    reads it without quantization=), loaded once for every test that compares with it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model.loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+
+
 _TIE_REPORT: list[str] = []
 
 

@@ -1,5 +1,7 @@
-"""`pagedllm generate` end to end on a tiny model, and its flags mapping to engine arguments."""
+"""`pagedllm generate` end to end on a tiny model, its flags mapping to engine arguments, and
+every subcommand's flags explaining themselves (help, defaults, sections, --help=SECTION)."""
 
+import argparse
 import dataclasses
 import logging
 
@@ -9,6 +11,7 @@ from pagedllm import LLM
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import build_parser, main
 from pagedllm.entrypoints.engine_flags import engine_args_from
+from pagedllm.entrypoints.flag_help import HelpAction
 
 
 def test_generate_prints_the_completion(tiny_llama, capsys):
@@ -91,12 +94,129 @@ def test_bad_lora_flag_value_is_a_clear_error(tiny_llama, capsys):
     assert "max_cpu_loras must be an integer >= max_loras (2)" in capsys.readouterr().err
 
 
+def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pagedllm",)):
+    """(command path, parser) of `pagedllm` and of every subcommand, nested ones included."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _subcommands(sub, (*path, name))
+
+
+def _flags(parser: argparse.ArgumentParser):
+    return [
+        action
+        for action in parser._actions
+        if not isinstance(action, (argparse._SubParsersAction, HelpAction))
+    ]
+
+
+def _rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The flag's entry in `--help`, on one line."""
+    return " ".join(parser._get_formatter()._format_action(action).split())
+
+
+ALL_SUBCOMMANDS = list(_subcommands(build_parser()))
+
+
 def test_every_engine_flag_has_help():
-    engine = next(g for g in build_parser()._subparsers._group_actions[0].choices["serve"]
-                  ._action_groups if g.title == "engine")  # fmt: skip
-    helps = {action.dest: action.help for action in engine._group_actions}
-    assert set(helps) == {field.name for field in dataclasses.fields(EngineArgs)}
+    serve = dict(ALL_SUBCOMMANDS)[("pagedllm", "serve")]
+    engine = {f.name for f in dataclasses.fields(EngineArgs)}
+    helps = {action.dest: action.help for action in _flags(serve) if action.dest in engine}
+    assert set(helps) == engine
     assert all(helps.values()), [name for name, text in helps.items() if not text]
+
+
+def test_subcommands_are_walked():
+    names = {" ".join(path) for path, _ in ALL_SUBCOMMANDS}
+    assert {"pagedllm serve", "pagedllm generate", "pagedllm proxy"} <= names
+    assert {"pagedllm bench throughput", "pagedllm bench latency", "pagedllm bench serve"} <= names
+
+
+@pytest.mark.parametrize(
+    "path,parser", ALL_SUBCOMMANDS, ids=[" ".join(p) for p, _ in ALL_SUBCOMMANDS]
+)
+def test_every_flag_has_help_with_its_default(path, parser):
+    """Every flag and positional of every subcommand (later ones too) says what it does, and
+    one whose default is set says it; a default of None or False is never printed as such."""
+    missing = [a.dest for a in _flags(parser) if not a.help or a.help == argparse.SUPPRESS]
+    assert not missing, f"{' '.join(path)}: flags without help: {missing}"
+    silent = [
+        a.option_strings[-1]
+        for a in _flags(parser)
+        if a.option_strings
+        and a.default not in (None, argparse.SUPPRESS)
+        and a.default is not False
+        and "default:" not in _rendered(parser, a).lower()
+    ]
+    assert not silent, f"{' '.join(path)}: flags whose help hides their default: {silent}"
+    text = parser.format_help()
+    assert "(default: None)" not in text and "%(" not in text
+
+
+def test_default_printed_is_the_flags_own():
+    serve = dict(ALL_SUBCOMMANDS)[("pagedllm", "serve")]
+    actions = {a.dest: a for a in _flags(serve)}
+    assert _rendered(serve, actions["max_num_seqs"]).endswith("(default: 256)")
+    assert _rendered(serve, actions["allowed_origins"]).endswith('(default: ["*"])')
+    assert _rendered(serve, actions["enable_prefix_caching"]).endswith("(default: True)")
+    assert _rendered(serve, actions["enable_lora"]).endswith("(default: False)")
+    # Said in words where the help says it, not appended again.
+    assert _rendered(serve, actions["max_model_len"]).endswith("(default: the model's)")
+    assert _rendered(serve, actions["max_model_len"]).count("default") == 1
+    bench = dict(ALL_SUBCOMMANDS)[("pagedllm", "bench", "serve")]
+    rate = next(a for a in _flags(bench) if a.dest == "request_rate")
+    assert _rendered(bench, rate).endswith("(default: inf)")
+
+
+def _help_output(argv, capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    captured = capsys.readouterr()
+    return exit_.value.code, captured.out, captured.err
+
+
+def test_help_shows_sections_in_order(capsys):
+    code, out, _ = _help_output(["serve", "--help"], capsys)
+    assert code == 0
+    titles = [line[:-1] for line in out.splitlines() if line and line[0] != " " and line[-1] == ":"]
+    assert titles[:3] == ["positional arguments", "options", "frontend"]
+    assert titles.index("model") < titles.index("cache") < titles.index("scheduler")
+    assert {"tenants", "tls", "lora", "speculative", "kv-transfer", "parallel"} <= set(titles)
+
+
+@pytest.mark.parametrize("name", ["cache", "CacheConfig", "CACHE"])
+def test_help_section_prints_that_section_only(name, capsys):
+    code, out, _ = _help_output(["serve", f"--help={name}"], capsys)
+    assert code == 0
+    assert out.startswith("cache:")
+    assert "--block-size" in out and "--kv-cache-dtype" in out and "(default: 16)" in out
+    assert "--max-num-seqs" not in out and "--host" not in out and "usage" not in out
+
+
+def test_help_lists_sections_and_searches_flags(capsys):
+    code, out, _ = _help_output(["serve", "--help=listgroup"], capsys)
+    assert code == 0
+    listed = [line.split(":")[0] for line in out.splitlines()]
+    assert {"frontend", "model", "cache", "scheduler", "lora", "tls", "tenants"} <= set(listed)
+    code, out, _ = _help_output(["serve", "--help=max-num"], capsys)
+    assert code == 0
+    assert "--max-num-seqs" in out and "--max-num-queued-tokens" in out and "--host" not in out
+    code, out, _ = _help_output(["bench", "latency", "--help=cache"], capsys)
+    assert code == 0 and "--block-size" in out and "--batch-size" not in out
+
+
+def test_help_for_an_unknown_section_is_a_clear_error(capsys):
+    code, out, err = _help_output(["serve", "--help=nonsense"], capsys)
+    assert code == 2 and out == ""
+    assert "--help=nonsense: no section and no flag named like it" in err
+    assert "cache" in err and "frontend" in err
+
+
+def test_plain_help_still_works(capsys):
+    for argv in (["--help"], ["serve", "-h"], ["bench", "--help"], ["proxy", "--help"]):
+        code, out, _ = _help_output(argv, capsys)
+        assert code == 0 and out.startswith("usage: pagedllm"), argv
 
 
 def test_distributed_executor_backend_is_checked():

@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
             "pagedllm.metrics.prometheus",
+            "pagedllm.metrics.timeseries",  # the dashboard's live samples
         ],
     ),
     ("engine client", ["pagedllm.engine.client", "pagedllm.engine.dp_router"]),
@@ -67,6 +68,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.worker.compiled_forward",
             "pagedllm.worker.huge_pages",
             "pagedllm.worker.kv_prefault",
+            "pagedllm.worker.pooler",
             # The KV tiers' bytes: host memory, disk files, the link to a peer.
             "pagedllm.kv_transfer.tier_worker",
             "pagedllm.kv_transfer.transport",
@@ -93,6 +95,7 @@ SHARED: list[str] = [
     "pagedllm.config",
     "pagedllm.parallel_config",  # how the model is split over ranks (config's)
     "pagedllm.sampling_params",
+    "pagedllm.pooling_params",
     "pagedllm.outputs",
     "pagedllm.errors",
     "pagedllm.value_checks",  # checks of user values (ints, floats, text, JSON documents)

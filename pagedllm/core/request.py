@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -86,6 +87,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # An embedding request (runner="pooling"): it ends with its prefill, sampling nothing.
+    pooling_params: PoolingParams | None = None
 
     @property
     def num_unforked_samples(self) -> int:

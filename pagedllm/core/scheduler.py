@@ -476,6 +476,7 @@ class Scheduler(FairScheduling):
             eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
     def _fork_samples(self, output: SchedulerOutput, parent: Request) -> None:
@@ -554,6 +555,10 @@ class Scheduler(FairScheduling):
                 outputs.append(self._fail_request(request, message))
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
+            pooled = runner_output.pooler_output.get(request_id)
+            if request is not None and pooled is not None:
+                outputs.append(self._finish_pooled(request, pooled))
+                continue
             token_ids = runner_output.sampled_token_ids.get(request_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             # None: aborted or failed while the step ran; or a prefill chunk with nothing to say.
@@ -580,6 +585,21 @@ class Scheduler(FairScheduling):
                 self._append_tokens(child, child_tokens, runner_output, child_output)
                 outputs.append(child_output)
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """A pooling request ends with the step that computed its prompt's last token."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._free(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            True,
+            num_cached_tokens=request.num_cached_tokens,
+            finish_reason=request.status.finish_reason,
+            first_scheduled_time=request.first_scheduled_time,
+            pooling_output=pooled,
+        )
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """Speculative decoding: the step computed the request's last token and `num_drafts`

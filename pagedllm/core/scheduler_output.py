@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -113,3 +115,5 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV tiers: disk reads and sends that ended.
     kv_transfer: KVTransferResult | None = None
+    # runner="pooling": the vector of each request whose prompt this step finished.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

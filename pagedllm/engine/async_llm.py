@@ -48,6 +48,7 @@ from pagedllm.errors import EngineDeadError, InvalidRequestError, RequestFailedE
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -199,11 +200,18 @@ class AsyncLLM:
         priority: int = 0,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (`InvalidRequestError` naming the field at fault);
         call it before answering, so bad input is refused before any output is streamed."""
         return self.input_processor.process_inputs(
-            request_id, prompt, params, priority, tenant=tenant, lora_request=lora_request
+            request_id,
+            prompt,
+            params,
+            priority,
+            tenant=tenant,
+            lora_request=lora_request,
+            pooling_params=pooling_params,
         )
 
     async def generate(

@@ -147,6 +147,7 @@ class EngineCore:
                 bad_words_token_ids=request.bad_words_token_ids,
                 tenant=request.tenant,
                 lora_request=request.lora_request,
+                pooling_params=request.pooling_params,
             )
         )
 

@@ -215,6 +215,7 @@ def build_engine_config(
         draft_model_config=draft_model_config,
         lora_config=lora_config,
         kv_tier_config=kv_tier_config,
+        pooler_config=args.pooler_config if args.runner == "pooling" else None,
     )
 
 
@@ -353,7 +354,9 @@ def _cache_config(
         block_size,
         num_blocks,
         memory,
-        args.enable_prefix_caching,
+        # A pooling request keeps no KV after its prefill (last-token pooling could share
+        # prefixes, but mean and cls need every token's hidden state computed).
+        args.enable_prefix_caching and args.runner != "pooling",
         cache_dtype,
         kv_groups if kv_groups.num_groups > 1 or kv_groups.has_windows else None,
     )

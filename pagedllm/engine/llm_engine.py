@@ -30,6 +30,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.logger import StatLogger
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -83,10 +84,17 @@ class LLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request (ValueError naming the field at fault)."""
         return self.input_processor.process_inputs(
-            request_id, prompt, params, priority, tenant=tenant, lora_request=lora_request
+            request_id,
+            prompt,
+            params,
+            priority,
+            tenant=tenant,
+            lora_request=lora_request,
+            pooling_params=pooling_params,
         )
 
     def add_request(

@@ -13,6 +13,7 @@ import msgspec
 from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -32,6 +33,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     tenant: str | None = None
     # The LoRA adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # runner="pooling": an embedding request (its prompt's hidden states pooled, no tokens).
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
@@ -50,6 +53,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     first_scheduled_time: float | None = None
     # finish_reason "error": what failed for this request alone, in one line.
     error: str | None = None
+    # A pooling request's vector (it finishes in the step that computes its last token).
+    pooling_output: list[float] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

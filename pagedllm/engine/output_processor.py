@@ -24,6 +24,8 @@ from pagedllm.errors import describe_error
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PositionLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -55,6 +57,8 @@ class RequestState:
     error: str | None = None  # finish_reason "error": what failed
     index: int = 0  # which of the request's n completions this is
     group: SampleGroup | None = None  # the request's n completions when n > 1
+    pooling: bool = False  # an embedding request: it ends with one vector, no tokens
+    pooled: list[float] | None = None
 
 
 @dataclass
@@ -96,6 +100,7 @@ class OutputProcessor:
             )
             for index, member_id in enumerate(member_ids)
         ]
+        states[0].pooling = request.pooling_params is not None
         if params.n > 1:
             group = SampleGroup(states[0], member_ids)
             self.groups[request_id] = group
@@ -181,6 +186,7 @@ class OutputProcessor:
         finished = output.finished
         state.finish_reason, state.stop_reason = output.finish_reason, output.stop_reason
         state.error = output.error
+        state.pooled = output.pooling_output
         if stop_string is not None:
             finished = True
             state.finish_reason, state.stop_reason = "stop", stop_string
@@ -220,7 +226,9 @@ class OutputProcessor:
 
     def _make_output(
         self, state: RequestState, finished: bool, force: bool = False
-    ) -> RequestOutput | None:
+    ) -> RequestOutput | PoolingRequestOutput | None:
+        if state.pooling:
+            return self._pooling_output(state) if finished else None
         kind = state.params.output_kind
         has_news = len(state.output_token_ids) > state.num_sent_tokens
         if not force and (
@@ -254,6 +262,16 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             prompt_logprobs=self._prompt_logprobs(state, first_output),
+        )
+
+    @staticmethod
+    def _pooling_output(state: RequestState) -> PoolingRequestOutput:
+        return PoolingRequestOutput(
+            state.request_id,
+            state.prompt_token_ids,
+            PoolingOutput(state.pooled),
+            metrics=state.metrics,
+            error=state.error,
         )
 
     def _group_output(

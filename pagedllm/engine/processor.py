@@ -17,6 +17,7 @@ from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.peft import LoRAAdapterError, projection_shapes, read_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.value_checks import check_int, check_text, short_repr
 
@@ -189,12 +190,17 @@ class InputProcessor:
         arrival_time: float | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if known, the request for the core); ValueError naming the field at
         fault. `prompt` is a string or a dict with `prompt_token_ids` (or `prompt`), and
         optionally the prompt's text under `prompt` and a `cache_salt`. `tenant`: who the
-        request runs for (the "fair" policy shares the engine between tenants)."""
+        request runs for (the "fair" policy shares the engine between tenants).
+        `pooling_params` makes it an embedding request (a runner="pooling" engine takes
+        only those; `params` is then ignored)."""
         check_request_id(request_id)
+        if self.check_pooling(pooling_params):
+            params = POOLING_SAMPLING_PARAMS
         text, token_ids = self.process_prompt(prompt, params)
         self.check_priority(priority)
         check_tenant(tenant)
@@ -211,8 +217,39 @@ class InputProcessor:
             bad_words_token_ids(params.bad_words, self.tokenizer),
             tenant=tenant,
             lora_request=lora_request,
+            pooling_params=pooling_params,
         )
         return text, request
+
+    def check_pooling(self, pooling_params: PoolingParams | None) -> bool:
+        """Whether the request is an embedding request; one the engine's runner does not
+        run, or asking for a length the model cannot give, is refused naming the field."""
+        pooling = self.config.pooler_config is not None
+        if pooling_params is None:
+            if pooling:
+                raise InvalidRequestError(
+                    "this engine runs runner='pooling': it embeds (/v1/embeddings, "
+                    "LLM.embed) and does not generate",
+                    "model",
+                )
+            return False
+        if not pooling:
+            raise InvalidRequestError(
+                "this engine runs runner='generate': start it with runner='pooling' "
+                "(--runner pooling) to embed",
+                "model",
+            )
+        if not isinstance(pooling_params, PoolingParams):
+            raise InvalidRequestError("pooling_params: must be a PoolingParams", "pooling_params")
+        hidden_size = self.config.model_config.hf_config.hidden_size
+        if pooling_params.dimensions is not None and pooling_params.dimensions != hidden_size:
+            raise InvalidRequestError(
+                f"dimensions: this model's embeddings have {hidden_size} dimensions and it "
+                "was not trained for shorter ones (Matryoshka); leave dimensions out or give "
+                f"{hidden_size}",
+                "dimensions",
+            )
+        return True
 
     def check_lora_request(self, lora_request: LoRARequest | None) -> None:
         """An adapter must be served by this engine and readable (`check_lora_adapter`)."""

@@ -13,6 +13,7 @@ import os
 
 from pagedllm.bench.datasets import DATASETS, DatasetConfig, load_dataset
 from pagedllm.bench.runs import format_table, run_latency, run_throughput, write_json
+from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 
 
@@ -21,31 +22,74 @@ def add_bench_parser(subparsers) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     throughput = kinds.add_parser("throughput", help="requests/s and tokens/s over a dataset")
     _add_dataset_args(throughput)
-    throughput.add_argument("--output-json", default=None)
+    throughput.add_argument(
+        "--output-json",
+        default=None,
+        metavar="FILE",
+        help="write the results to this JSON file (default: none: printed only)",
+    )
     add_engine_args(throughput)
     throughput.set_defaults(handler=run_throughput_command)
     latency = kinds.add_parser("latency", help="latency of one batch, repeated")
-    latency.add_argument("--batch-size", type=int, default=8)
-    latency.add_argument("--input-len", type=int, default=32)
-    latency.add_argument("--output-len", type=int, default=128)
-    latency.add_argument("--num-iters", type=int, default=10)
-    latency.add_argument("--num-iters-warmup", type=int, default=2)
-    latency.add_argument("--output-json", default=None)
+    latency.add_argument("--batch-size", type=int, default=8, help="prompts in the batch")
+    latency.add_argument("--input-len", type=int, default=32, help="tokens in each prompt")
+    latency.add_argument(
+        "--output-len", type=int, default=128, help="tokens generated for each prompt"
+    )
+    latency.add_argument("--num-iters", type=int, default=10, help="timed runs of the batch")
+    latency.add_argument(
+        "--num-iters-warmup", type=int, default=2, help="untimed runs of the batch before them"
+    )
+    latency.add_argument(
+        "--output-json",
+        default=None,
+        metavar="FILE",
+        help="write the results to this JSON file (default: none: printed only)",
+    )
     add_engine_args(latency)
     latency.set_defaults(handler=run_latency_command)
     _add_serve_parser(kinds)
 
 
 def _add_dataset_args(parser: argparse.ArgumentParser, seed_default: int | None = 0) -> None:
-    parser.add_argument("--dataset-name", default="random", choices=sorted(DATASETS))
-    parser.add_argument("--dataset-path", default=None, help="JSONL for --dataset-name file")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--range-ratio", type=float, default=0.0)
-    parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--dataset-seed", type=int, default=seed_default)
+    dataset = parser.add_argument_group("dataset", "the prompts sent and their output lengths")
+    dataset.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=sorted(DATASETS),
+        help="random: random token ids; sharegpt-like: conversation-like lengths; "
+        "shared-prefix: --num-prefixes system prompts before the questions; file: "
+        "--dataset-path",
+    )
+    dataset.add_argument(
+        "--dataset-path",
+        default=None,
+        metavar="FILE.jsonl",
+        help="JSONL of prompt or prompt_token_ids (and output_len) lines, for --dataset-name "
+        "file (default: none)",
+    )
+    dataset.add_argument("--num-prompts", type=int, default=64, help="requests in the run")
+    dataset.add_argument("--input-len", type=int, default=256, help="prompt tokens, mean")
+    dataset.add_argument("--output-len", type=int, default=128, help="output tokens, mean")
+    dataset.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random lengths: drawn from len x [1 - r, 1 + r] (0: every length the mean)",
+    )
+    dataset.add_argument(
+        "--num-prefixes", type=int, default=4, help="shared-prefix: system prompts"
+    )
+    dataset.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: tokens per system prompt"
+    )
+    dataset.add_argument(
+        "--dataset-seed",
+        type=int,
+        default=seed_default,
+        help="seed of the dataset's prompts"
+        + (" (default: --seed's value)" if seed_default is None else ""),
+    )
 
 
 def _dataset_config(args: argparse.Namespace, seed: int) -> DatasetConfig:
@@ -105,24 +149,51 @@ def _add_serve_parser(kinds) -> None:
     )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root URL")
     serve.add_argument(
-        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="the route requests are sent to",
     )
-    serve.add_argument("--model", default=None, help="default: the first id of GET /v1/models")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="model requests name (default: the first id of GET /v1/models)",
+    )
     _add_dataset_args(serve, seed_default=None)
     serve.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)"
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="mean arrivals in requests per second (inf: all at once)",
     )
     serve.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)"
     )
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--ignore-eos", action="store_true")
-    serve.add_argument("--temperature", type=float, default=0.0)
-    serve.add_argument("--seed", type=int, default=0, help="arrivals; dataset unless given")
-    serve.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
-    serve.add_argument("--request-timeout", type=float, default=3600.0, help="seconds")
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight at once (default: no limit)",
+    )
+    serve.add_argument(
+        "--ignore-eos", action="store_true", help="generate each request's whole output length"
+    )
+    serve.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    serve.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the arrival times, and of the dataset without --dataset-seed",
+    )
+    serve.add_argument(
+        "--api-key", default=None, help="bearer token sent (default: $OPENAI_API_KEY)"
+    )
+    serve.add_argument(
+        "--request-timeout", type=float, default=3600.0, help="seconds one request may take"
+    )
     _add_serve_prompt_args(serve)
     _add_serve_report_args(serve)
+    add_config_arg(serve)
     serve.set_defaults(handler=run_serve_command)
 
 
@@ -131,12 +202,12 @@ def _add_serve_prompt_args(serve: argparse.ArgumentParser) -> None:
         "--prompt-format",
         default="text",
         choices=["text", "token-ids"],
-        help="token-ids: send prompt ids (/v1/completions only)",
+        help="text: send prompts as text; token-ids: as token ids (/v1/completions only)",
     )
     serve.add_argument(
         "--tokenizer",
         default=None,
-        help="model dir or .gguf whose tokenizer renders prompts (default model's)",
+        help="model dir or .gguf whose tokenizer renders prompts (default: the default model's)",
     )
     serve.add_argument(
         "--tokenizer-free",
@@ -157,7 +228,8 @@ def _add_serve_report_args(serve: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         metavar="METRIC:MS",
-        help="SLOs, e.g. ttft:500 tpot:50 e2el:5000",
+        help="SLOs in milliseconds, e.g. ttft:500 tpot:50 e2el:5000, for the goodput "
+        "(requests/s meeting all of them) (default: none: no goodput)",
     )
     serve.add_argument(
         "--percentile-metrics",
@@ -169,11 +241,21 @@ def _add_serve_report_args(serve: argparse.ArgumentParser) -> None:
         "--metric-percentiles",
         type=_comma_list(float),
         default="90,99",
-        help="comma-separated percentiles (mean, median and std always)",
+        help="comma-separated percentiles reported (mean, median and std always)",
     )
-    serve.add_argument("--disable-tqdm", action="store_true")
-    serve.add_argument("--output-json", default=None)
-    serve.add_argument("--plot", default=None, metavar="FILE.png")
+    serve.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    serve.add_argument(
+        "--output-json",
+        default=None,
+        metavar="FILE",
+        help="write the results to this JSON file (default: none: printed only)",
+    )
+    serve.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="plot the run's latencies to this image (default: none)",
+    )
 
 
 def run_serve_command(args: argparse.Namespace) -> int:

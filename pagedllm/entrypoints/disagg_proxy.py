@@ -25,6 +25,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.openai.errors import error_response
 
 logger = logging.getLogger("pagedllm")
@@ -65,6 +66,7 @@ def add_proxy_parser(subparsers) -> None:
         help="seconds to wait for the prefill server; past it (or on any prefill error) the "
         "request goes to the decode server, which then computes the prompt itself",
     )
+    add_config_arg(parser)
     parser.set_defaults(handler=run_proxy)
 
 

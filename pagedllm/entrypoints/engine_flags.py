@@ -1,4 +1,5 @@
-"""Engine arguments as command-line flags: one `--flag-name` per `EngineArgs` field."""
+"""Engine arguments as command-line flags: one `--flag-name` per `EngineArgs` field, each in
+its help section (model, cache, scheduler, ...), each help line saying its default and units."""
 
 from __future__ import annotations
 
@@ -6,34 +7,42 @@ import argparse
 import dataclasses
 
 from pagedllm.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
+from pagedllm.entrypoints.config_file import add_config_arg
+from pagedllm.entrypoints.flag_help import FlagParser, section
 
-# One line of help per EngineArgs field (tests/test_cli.py checks every field has one).
+# One line of help per EngineArgs field (tests/test_cli.py checks every field has one). A
+# default that is not None or False is appended by flag_help; a None default is said here in
+# words (what leaving it unset means).
 ENGINE_ARG_HELP = {
     "model": "Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer directory, if not the model's own",
+    "tokenizer": "tokenizer directory or .gguf file (default: the model's own)",
     "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs are ids only",
     "dtype": "weights' and activations' dtype: auto (the checkpoint's), float32 or bfloat16",
-    "max_model_len": "context window in tokens (default: the model's)",
+    "max_model_len": "context window in tokens, prompt and output together (default: the model's)",
     "block_size": "tokens per KV cache block",
-    "kv_cache_memory": "memory for the paged KV cache, e.g. 4GiB (default: enough for "
+    "kv_cache_memory": "bytes for the paged KV cache, a number or with a unit: 512MiB, 4GiB "
+    "(default: enough for "
     "max_num_seqs sequences at max_model_len, at most 4 GiB)",
-    "max_num_batched_tokens": "token budget of one engine step (prefill chunks and decodes)",
-    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "tokens one engine step may compute (prefill chunks and "
+    "decodes together)",
+    "max_num_seqs": "most sequences (requests) running at once in an engine step",
     "enable_prefix_caching": "share the KV of equal prompt prefixes between requests",
     "scheduling_policy": "fcfs (arrival order), priority (lowest priority value first) or "
     "fair (weighted fair share between tenants: deficit round-robin over the token budget, "
     "seats and KV cache; a tenant that floods the queue cannot starve another)",
     "tenant_weights": "fair policy: tenant weights as name=weight,name=weight (e.g. "
-    "gold=4,free=1); a tenant not named weighs 1",
-    "max_logprobs": "most logprobs / prompt_logprobs a request may ask for",
-    "disable_log_stats": "no periodic throughput / KV usage log line",
+    "gold=4,free=1); a tenant not named weighs 1 (default: every tenant weighs 1)",
+    "max_logprobs": "most logprobs / prompt_logprobs (tokens per position) a request may ask for",
+    "disable_log_stats": "no periodic throughput / KV usage log line (one every 10 seconds of "
+    "activity)",
     "seed": "random seed of the engine's unseeded sampling",
     "attention_backend": "cpu (the C++ paged-attention kernel) or torch (the reference)",
     "device": "torch device the model runs on",
     "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)} (default: none)",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
     "compile": "run decode steps through one torch.compile graph, compiled at start-up",
-    "enforce_eager": "never compile: every step runs eagerly (the default)",
+    "enforce_eager": "keep every step eager and refuse --compile (without --compile steps run "
+    "eagerly too)",
     "tensor_parallel_size": "ranks that split every layer (heads, MLP columns, vocabulary)",
     "pipeline_parallel_size": "pipeline stages that split the layers",
     "data_parallel_size": "engine cores, each with a whole copy of the model, its own "
@@ -49,7 +58,8 @@ ENGINE_ARG_HELP = {
     'ngram (prompt lookup), suffix (suffix decoding), draft_model (with "model": a smaller '
     'model with the same tokenizer), self_quantized (with "quantization": gguf or int8: the '
     'model\'s own quantized weights draft); "disable_by_batch_size": N stops speculating in '
-    "steps of N or more requests (default: off)",
+    "steps of N or more requests (default: off: no speculation; with a config, "
+    "disable_by_batch_size unset speculates at every batch size)",
     "enable_lora": "serve LoRA adapters (PEFT format) on top of the model: each request may "
     "name one, and requests of different adapters run in one batch",
     "max_loras": "most LoRA adapters in one batch (each holds a slot of weights in every "
@@ -66,12 +76,17 @@ ENGINE_ARG_HELP = {
     "(keyed by model, dtypes, block size, salt and block hash; checksummed), found again "
     "after a restart (default: none)",
     "preemption_mode": "what a preempted request's KV becomes: recompute (freed, recomputed "
-    "on resume; the default) or swap (saved to host memory and loaded back)",
+    "on resume) or swap (saved to host memory and loaded back)",
     "kv_transfer_config": "prefill/decode disaggregation as JSON, vLLM's keys: "
     """'{"kv_role": "kv_producer", "kv_connector_extra_config": {"peer": "HOST:PORT"}}' on """
     """the prefill instance, '{"kv_role": "kv_consumer", "kv_port": PORT}' on the decode """
     "instance (it listens on kv_ip:kv_port, 127.0.0.1:14579 by default); route requests "
     "through `pagedllm proxy` (default: off)",
+    "runner": "generate (tokens) or pooling (embeddings: /v1/embeddings and LLM.embed; "
+    "prefill only, no KV kept after)",
+    "pooler_config": "runner=pooling: how hidden states become one vector, as JSON, vLLM's "
+    """keys: '{"pooling_type": "last"|"mean"|"cls", "normalize": true}' (default: last, """
+    "normalized)",
     "cpu_threads_bind": "CPU cores each rank's threads run on: auto (one rank per NUMA node "
     "when there are several, else the cores split evenly), nobind, or one list per rank "
     "such as 0-7|8-15",
@@ -85,12 +100,32 @@ _SHORT_FLAGS = {
 }
 
 
+# Each field's help section (vLLM's config groups); a field not listed goes to "engine".
+_SECTIONS = {
+    "model": ("model", "tokenizer", "skip_tokenizer_init", "dtype", "max_model_len",
+              "quantization", "load_format", "seed", "max_logprobs", "runner", "pooler_config"),
+    "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching"),
+    "scheduler": ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
+                  "tenant_weights", "preemption_mode"),
+    "parallel": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                 "distributed_executor_backend", "cpu_threads_bind"),
+    "device": ("device", "attention_backend", "compile", "enforce_eager"),
+    "lora": ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras"),
+    "speculative": ("speculative_config",),
+    "kv-transfer": ("kv_offload_memory", "kv_offload_dir", "kv_transfer_config"),
+    "observability": ("disable_log_stats",),
+}  # fmt: skip
+_SECTION_OF = {name: title for title, names in _SECTIONS.items() for name in names}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag-name` per EngineArgs field (vLLM's names), typed from the field's default."""
-    group = parser.add_argument_group("engine")
-    for field in dataclasses.fields(EngineArgs):
-        if field.name == "model":
-            continue
+    """One `--flag-name` per EngineArgs field (vLLM's names), typed from the field's default,
+    in its section; and `--config FILE.yaml` where the parser can expand it (a FlagParser)."""
+    if isinstance(parser, FlagParser) and "--config" not in parser._option_string_actions:
+        add_config_arg(parser)
+    fields = sorted(dataclasses.fields(EngineArgs), key=lambda f: f.name != "model")
+    for field in fields:
+        group = section(parser, _SECTION_OF.get(field.name, "engine"))
         flags = ["--" + field.name.replace("_", "-")]
         if field.name in _SHORT_FLAGS:
             flags.insert(0, _SHORT_FLAGS[field.name])
@@ -106,7 +141,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(*flags, type=int, default=field.default, help=help_text)
         else:
             group.add_argument(*flags, default=field.default, help=help_text)
-    group.add_argument("--model", default=None, help=ENGINE_ARG_HELP["model"])
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

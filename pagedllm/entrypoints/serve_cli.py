@@ -7,6 +7,7 @@ import json
 import os
 
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
+from pagedllm.entrypoints.flag_help import section
 
 
 def _json_list(value: str) -> list[str]:
@@ -24,36 +25,47 @@ def _json_list(value: str) -> list[str]:
 
 def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model to serve, as --model (default: --model's)",
+    )
+    frontend = section(parser, "frontend")
+    frontend.add_argument("--host", default="127.0.0.1", help="address the server listens on")
+    frontend.add_argument("--port", type=int, default=8000, help="TCP port the server listens on")
+    section(parser, "tenants").add_argument(
         "--api-key",
         action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health; repeat for "
         "several keys, each its own tenant (key-1, key-2, ...) (default: $PAGEDLLM_API_KEY)",
     )
-    _add_tenant_args(parser)
-    parser.add_argument("--served-model-name", nargs="+", default=None)
-    parser.add_argument("--allowed-origins", type=_json_list, default=["*"])
-    parser.add_argument("--allowed-methods", type=_json_list, default=["*"])
-    parser.add_argument("--allowed-headers", type=_json_list, default=["*"])
-    parser.add_argument("--allow-credentials", action="store_true")
-    _add_admission_args(parser)
-    parser.add_argument(
+    _add_tenant_args(section(parser, "tenants"))
+    frontend.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names requests may give as model, the first in responses and /v1/models "
+        "(default: the model as given, e.g. its path)",
+    )
+    _add_cors_args(frontend)
+    _add_admission_args(section(parser, "admission"))
+    frontend.add_argument(
         "--allow-unknown-fields",
         action="store_true",
         help="log unknown request fields instead of refusing the request",
     )
-    parser.add_argument(
+    frontend.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
         help="seconds SIGTERM waits for requests in flight to finish; the rest then end with "
         "a 503 error (an error event and [DONE] in a stream)",
     )
-    parser.add_argument(
+    frontend.add_argument(
         "--engine-iteration-timeout",
         type=float,
         default=60.0,
@@ -61,27 +73,66 @@ def add_serve_parser(subparsers) -> None:
         "before it is reported stalled (/health 503, an error in the log, the "
         "pagedllm:engine_stalled gauge); vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S",
     )
-    parser.add_argument(
+    frontend.add_argument(
         "--restart-on-engine-failure",
         action="store_true",
         help="when the engine core exits or stalls, end the requests in flight with an error, "
         "start a new core and go on serving (default: the server exits 1)",
     )
-    parser.add_argument("--enable-log-requests", action="store_true")
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
-    parser.add_argument(
+    observability = section(parser, "observability")
+    observability.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's id, prompt lengths and sampling parameters",
+    )
+    observability.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no uvicorn log line per HTTP request",
+    )
+    frontend.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let tool_choice="auto" parse tool calls from free text (needs --tool-call-parser)',
     )
-    parser.add_argument("--tool-call-parser", choices=["hermes"], default=None)
+    frontend.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="how tool calls are parsed from the model's text for tool_choice=auto "
+        "(default: none: auto tool choice is off)",
+    )
+    frontend.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="responses kept per API key (least recently used dropped first) for "
+        "/v1/responses' previous_response_id and store (default: 0, none kept: "
+        "those fields are refused)",
+    )
     _add_template_and_tls_args(parser)
-    _add_lora_args(parser)
+    _add_lora_args(section(parser, "lora"))
     add_engine_args(parser)
     parser.set_defaults(handler=run_serve)
 
 
-def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+def _add_cors_args(frontend: argparse._ArgumentGroup) -> None:
+    for what in ("origins", "methods", "headers"):
+        frontend.add_argument(
+            f"--allowed-{what}",
+            type=_json_list,
+            default=["*"],
+            help=f"CORS: allowed {what} as a JSON list ('*': any)",
+        )
+    frontend.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: let browsers send cookies and credentials",
+    )
+
+
+def _add_lora_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--lora-modules",
         nargs="+",
@@ -90,7 +141,7 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE",
         help="LoRA adapters served from the start, each name=path or a JSON object "
         '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}\'; a request '
-        "runs one by naming it as its model (needs --enable-lora); repeatable",
+        "runs one by naming it as its model (needs --enable-lora); repeatable (default: none)",
     )
     parser.add_argument(
         "--allow-runtime-lora-updating",
@@ -103,33 +154,34 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_tenant_args(parser: argparse.ArgumentParser) -> None:
+def _add_tenant_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--api-keys-file",
         default=None,
         metavar="PATH",
         help="API keys as 'name key [max_requests_per_minute=N ...]' lines, one tenant each "
-        "('#' comments); SIGHUP reloads it (a bad file keeps the old keys)",
+        "('#' comments); SIGHUP reloads it (a bad file keeps the old keys) (default: none)",
     )
     parser.add_argument(
         "--tenant-max-requests-per-minute",
         type=int,
         default=None,
-        help="each tenant's requests a minute (429 beyond); the keys file may override it",
+        help="each tenant's requests a minute (429 beyond); the keys file may override it "
+        "(default: no limit)",
     )
     parser.add_argument(
         "--tenant-max-tokens-per-minute",
         type=int,
         default=None,
         help="each tenant's prompt + generated tokens a minute (429 while overdrawn); "
-        "the keys file may override it",
+        "the keys file may override it (default: no limit)",
     )
     parser.add_argument(
         "--tenant-max-concurrent-requests",
         type=int,
         default=None,
         help="each tenant's generation requests in flight (429 beyond); the keys file may "
-        "override it",
+        "override it (default: no limit)",
     )
     parser.add_argument(
         "--share-prefix-cache-across-tenants",
@@ -139,13 +191,14 @@ def _add_tenant_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_admission_args(parser: argparse.ArgumentParser) -> None:
+def _add_admission_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument(
         "--max-num-queued-requests",
         type=int,
         default=None,
         help="engine requests (prompts x n) that may wait for their first token; an HTTP "
-        "request that would pass it is refused whole with a 503 and Retry-After",
+        "request that would pass it is refused whole with a 503 and Retry-After (default: "
+        "no limit)",
     )
     parser.add_argument(
         "--max-num-queued-tokens",
@@ -153,14 +206,14 @@ def _add_admission_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens that may wait for their first token (each prompt once, whatever "
         "its n); an HTTP request that would pass it is refused whole with a 503 and "
-        "Retry-After; a prompt longer than this is never admitted",
+        "Retry-After; a prompt longer than this is never admitted (default: no limit)",
     )
     parser.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=None,
-        help="largest request body, checked while it is read (413 beyond) (default: 64 bytes "
-        "a token times max_model_len, plus 1 MiB for messages, tools and schemas)",
+        help="largest request body in bytes, checked while it is read (413 beyond) (default: "
+        "64 bytes a token times max_model_len, plus 1 MiB for messages, tools and schemas)",
     )
     parser.add_argument(
         "--request-header-timeout",
@@ -208,35 +261,41 @@ def _tenant_overrides(args: argparse.Namespace) -> dict:
 
 
 def _add_template_and_tls_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    frontend, tls = section(parser, "frontend"), section(parser, "tls")
+    frontend.add_argument(
         "--chat-template",
         default=None,
         metavar="TEMPLATE",
         help="the chat template to render instead of the model's (needed where the model has "
-        "none, e.g. a base model's GGUF): a file holding a Jinja template, or the template",
+        "none, e.g. a base model's GGUF): a file holding a Jinja template, or the template "
+        "(default: the model's own)",
     )
-    parser.add_argument(
+    frontend.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="render a chat_template sent in a request (chat completions, /tokenize); by "
         "default such a request is refused with a 400 and only the model's template runs",
     )
-    parser.add_argument(
-        "--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this private key"
+    tls.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        metavar="PATH",
+        help="serve HTTPS with this private key (default: none: plain HTTP)",
     )
-    parser.add_argument(
+    tls.add_argument(
         "--ssl-certfile",
         default=None,
         metavar="PATH",
-        help="serve HTTPS with this certificate (chain), together with --ssl-keyfile",
+        help="serve HTTPS with this certificate (chain), together with --ssl-keyfile "
+        "(default: none: plain HTTP)",
     )
-    parser.add_argument(
+    tls.add_argument(
         "--ssl-ca-certs",
         default=None,
         metavar="PATH",
-        help="CA certificates to verify client certificates against",
+        help="CA certificates to verify client certificates against (default: none)",
     )
-    parser.add_argument(
+    tls.add_argument(
         "--ssl-cert-reqs",
         type=int,
         default=0,
@@ -312,6 +371,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "disable_uvicorn_access_log": args.disable_uvicorn_access_log,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        "responses_store_size": args.responses_store_size,
         **_template_and_tls_overrides(args),
         **_lora_overrides(args),
     }

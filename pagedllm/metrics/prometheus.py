@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -35,6 +36,9 @@ from prometheus_client import (
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.metrics.stats import EngineStats
+
+if TYPE_CHECKING:
+    from pagedllm.engine.async_llm import StepObserver
 
 # As vLLM: no `_created` series, which dashboards do not use and which double the output.
 disable_created_metrics()
@@ -116,6 +120,8 @@ class PrometheusMetrics:
         """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics)."""
         self.registry = CollectorRegistry()
         self._sequences: dict[str, _Sequence] = {}
+        # Observers fed the same calls (the dashboard's time series): see `follow`.
+        self._followers: list[StepObserver] = []
         labels = ["model_name"]
         engine_labels = [*labels, "engine"]
 
@@ -231,10 +237,16 @@ class PrometheusMetrics:
             "request_success", "Finished sequences by finish reason.", ("finished_reason",)
         )
 
+    def follow(self, observer: StepObserver) -> None:
+        """Pass every request and step this sees on to `observer` too."""
+        self._followers.append(observer)
+
     # ---- StepObserver -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
         # Called while the request's HTTP handler runs, so its tenant is the current one.
         self._sequences[request_id] = _Sequence(arrival_time, num_prompt, current_tenant_name())
+        for follower in self._followers:
+            follower.on_request_added(request_id, arrival_time, num_prompt)
 
     def on_step(
         self,
@@ -259,11 +271,15 @@ class PrometheusMetrics:
             if output.finished or output.request_id in stopped_ids:
                 reason = output.finish_reason if output.finished else "stop"
                 self._finish(output.request_id, reason or "stop", now)
+        for follower in self._followers:
+            follower.on_step(outputs, stopped, stats, now, engine_index)
 
     def on_request_aborted(self, request_ids: list[str], now: float) -> None:
         for request_id in request_ids:
             if request_id in self._sequences:
                 self._finish(request_id, "abort", now)
+        for follower in self._followers:
+            follower.on_request_aborted(request_ids, now)
 
     # ---- engine supervision (AsyncLLM's on_stalled and on_restarted) ------------------------
     def on_engine_stalled(self, engine_index: int, stalled: bool) -> None:

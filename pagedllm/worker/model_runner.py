@@ -67,6 +67,7 @@ from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limi
 from pagedllm.worker.huge_pages import place_weights_on_huge_pages, release_free_heap
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_prefault import KVCachePrefaulter, prefault_enabled
+from pagedllm.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,8 @@ class ModelRunner:
         self.lora_manager: LoRAModelManager | None = None
         # KV tiers: host memory, disk, a peer instance (None: off).
         self.kv_tiers: KVTierWorker | None = None
+        # runner="pooling": prompts become vectors, nothing is sampled (None: generate).
+        self.pooler = Pooler(config.pooler_config) if config.pooler_config is not None else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
@@ -355,6 +358,13 @@ class ModelRunner:
         output = ModelRunnerOutput(failed_requests=failed)
         if not self.is_last_stage:
             self._send_to_next_stage(hidden_states)
+            return output
+        if self.pooler is not None:
+            if self.is_sampling_rank:
+                starts = self.input_batch.num_computed_tokens[rows].tolist()
+                output.pooler_output = self.pooler.pool(
+                    req_ids, starts, num_scheduled.tolist(), hidden_states
+                )
             return output
         self._prompt_logprobs(output, req_ids, rows, num_scheduled, hidden_states)
         if not len(logits_indices):
@@ -782,8 +792,14 @@ class ModelRunner:
                 self.proposer.remove_request(request_id)
             if self.lora_manager is not None:
                 self.lora_manager.remove_request(request_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(request_id)
         for new in scheduler_output.scheduled_new_reqs:
             row = self._add_request(new, failed)
+            if self.pooler is not None:
+                self.pooler.add_request(
+                    new.request_id, new.pooling_params, len(new.prompt_token_ids)
+                )
             batch.set_blocks(row, new.block_ids, replace=True)
             batch.num_computed_tokens[row] = new.num_computed_tokens
             if self.proposer is not None:

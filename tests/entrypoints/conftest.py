@@ -14,6 +14,7 @@ from pagedllm import LLM
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--max-num-seqs", "64", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args += ["--responses-store-size", "16"]  # /v1/responses' previous_response_id
     running = RunningServer(args, log, api_key=API_KEY)
     yield running
     assert running.stop() == 0, running.log()

@@ -59,8 +59,11 @@ SERVER_ARGS = [
     # (no adapter directory exists for what is generated: loads are refused, unloads 404).
     "--enable-lora",
     "--allow-runtime-lora-updating",
+    # /v1/responses keeps responses, so previous_response_id and store are fuzzed too.
+    "--responses-store-size",
+    "4",
 ]
-GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +177,15 @@ def bounded(case) -> None:
     if case.operation.path not in GENERATING_PATHS or not isinstance(case.body, dict):
         return
     body = case.body
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         count = as_count(body.get(key))
         if count is not None and MAX_TOKENS_CAP < count <= MAX_MODEL_LEN:
             body[key] = MAX_TOKENS_CAP
+    if case.operation.path == "/v1/responses":
+        # Without a limit, a response generates up to the context window.
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_TOKENS_CAP
+        return
     # Without a limit, chat completions generate up to the context window, completions 16.
     if not body.get("max_completion_tokens") and body.get("max_tokens") is None:
         body["max_tokens"] = MAX_TOKENS_CAP
@@ -220,9 +228,9 @@ def call_and_check(case, server, spent: dict, collect: list | None) -> None:
         tally["seconds"] += time.monotonic() - start
 
 
-def run_fuzz(schema, server, collect: list | None = None):
+def run_fuzz(schema, server, collect: list | None = None, min_operations: int = 8):
     """(failures by operation, a tally of statuses and seconds by operation and phase) over
-    every operation of the schema."""
+    every operation of the schema (at least `min_operations` of them)."""
     failures: dict[str, str] = {}
     spent: dict[str, Counter] = {}
     labels = []
@@ -236,7 +244,7 @@ def run_fuzz(schema, server, collect: list | None = None):
             run_operation(server=server, spent=spent, collect=collect)
         except (AssertionError, FailureGroup) as error:
             failures[operation.label] = str(error)
-    assert len(labels) == len(set(labels)) >= 8, labels
+    assert len(labels) == len(set(labels)) >= min_operations, labels
     return failures, spent
 
 
@@ -289,3 +297,22 @@ def test_server_healthy_after_fuzzing(fuzz_server):
     assert fuzz_server.metric("kv_cache_usage_perc") == 0.0
     assert fuzz_server.metric("num_requests_running") == 0.0
     assert fuzz_server.metric("num_requests_waiting") == 0.0
+
+
+def test_embeddings_on_a_pooling_server(tmp_path_factory):
+    """The server above generates, so its /v1/embeddings refuses every body that parses;
+    a `--runner pooling` server takes them through to the engine."""
+    log = tmp_path_factory.mktemp("fuzz-pooling") / "server.log"
+    args = ["--runner", "pooling", "--max-model-len", str(MAX_MODEL_LEN), "--allow-unknown-fields"]
+    server = RunningServer(args, log, api_key=API_KEY)
+    try:
+        schema = load_schema(server.base_url, server.headers).include(path="/v1/embeddings")
+        failures, spent = run_fuzz(schema, server, min_operations=1)
+        assert not failures, "\n\n".join(f"== {label}\n{text}" for label, text in failures.items())
+        assert sum(tally[200] for tally in spent.values()) > 0, spent  # some reached the engine
+        response = server.post("/v1/embeddings", {"model": MODEL, "input": "Say hello."})
+        assert response.status_code == 200, response.text
+        assert server.metric("kv_cache_usage_perc") == 0.0
+        assert server.metric("num_requests_running") == 0.0
+    finally:
+        assert server.stop() == 0, server.log()[-20000:]

@@ -1,14 +1,10 @@
 """The real default model (SmolLM2-135M-Instruct, from its GGUF): greedy tokens equal Transformers'
 loading the same file, in one batch under chunking, preemption and an odd block size, and alone."""
 
-import os
-
 import pytest
-import torch
 from model_utils import compare_greedy, hf_greedy
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.loader import default_model_path
 
 MAX_NEW_TOKENS = 32
 TIE_TOLERANCE = 1e-4
@@ -27,13 +23,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def prompts_and_references():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+def prompts_and_references(hf_default_model):
+    hf_model = hf_default_model
     llm = LLM(
         max_model_len=512,
         block_size=BLOCK_SIZE,

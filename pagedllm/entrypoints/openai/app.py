@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.processor import check_token_ids
+from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     as_openai_error,
@@ -36,14 +37,19 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.request_ids import request_id_from_header
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagedllm.entrypoints.openai.responses_store import ResponsesStore
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.tenant_limits import Refusal
 from pagedllm.entrypoints.openai.tenants import TenantRegistry, current_tenant
 from pagedllm.metrics.prometheus import PrometheusMetrics
@@ -51,7 +57,9 @@ from pagedllm.metrics.prometheus import PrometheusMetrics
 # Routes anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
 # Routes that start engine requests: the tenant limits apply to these.
-LIMITED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LIMITED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
+)
 # Status for a request whose client went away (nginx's convention; the client never sees it).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -163,6 +171,7 @@ def build_app(
         loras = lora_registry(engine, config)
     completions = OpenAIServingCompletion(engine, config, loras)
     chat = OpenAIServingChat(engine, config, loras)
+    embeddings = OpenAIServingEmbedding(engine, config, loras)
     _add_info_routes(app, engine, config, metrics, chat)
     if loras is not None and config.allow_runtime_lora_updating:
         _add_lora_routes(app, loras, chat)
@@ -171,9 +180,20 @@ def build_app(
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await until_disconnect(raw, completions.create_completion(request, raw))
 
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
+        return await until_disconnect(raw, embeddings.create_embedding(request, raw))
+
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await until_disconnect(raw, chat.create_chat_completion(request, raw))
+
+    store = ResponsesStore(config.responses_store_size) if config.responses_store_size else None
+    responses = OpenAIServingResponses(chat, store)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return await until_disconnect(raw, responses.create_response(request, raw))
 
     app.state.tenants = TenantRegistry(
         config.api_keys,
@@ -191,6 +211,8 @@ def build_app(
         body_timeout_s=config.request_body_timeout,
     )
     app.add_middleware(GuardMiddleware, tenants=app.state.tenants)
+    # Its middleware runs before the guard: it sees the guard's refusals, hands it `?key=`.
+    install_dashboard(app, metrics, app.state.tenants, LIMITED_PATHS)
     # Added last, so it runs first: preflight requests never need the API key.
     app.add_middleware(
         CORSMiddleware,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedllm.entrypoints.openai.lora_registry import check_lora_name, check_lora_path
 from pagedllm.entrypoints.openai.request_ids import check_request_id
@@ -36,6 +36,7 @@ MAX_REQUEST_DEPTH = 96
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary is checked later
+RequestId = Annotated[str, AfterValidator(lambda value: check_request_id(value, "request_id"))]
 
 
 class OpenAIModel(BaseModel):
@@ -97,7 +98,7 @@ class SamplingRequest(RequestBody):
     truncate_prompt_tokens: Int64 | None = None
     priority: Int64 = 0
     cache_salt: str | None = None
-    request_id: str | None = None
+    request_id: RequestId | None = None
     # Structured output: vLLM's field, and its older guided_* names for the same thing.
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -105,11 +106,6 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-
-    @field_validator("request_id")
-    @classmethod
-    def _check_request_id(cls, value: str | None) -> str | None:
-        return value if value is None else check_request_id(value, "request_id")
 
     @model_validator(mode="before")
     @classmethod
@@ -290,6 +286,25 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: needs logprobs=true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class EmbeddingRequest(RequestBody):
+    """`POST /v1/embeddings`: OpenAI's fields, then vLLM's extras (`normalize`, priority,
+    salt, id). Token-id inputs are checked against the vocabulary when read."""
+
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int64 | None = None
+    user: str | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+    priority: Int64 = 0
+    cache_salt: str | None = None
+    request_id: RequestId | None = None
+
+    def check_stream_options(self) -> None:
+        """Embeddings never stream: nothing to check."""
 
 
 class TokenizeRequest(RequestBody):

@@ -62,6 +62,8 @@ class ServerConfig:
     # and whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # Responses kept per API key for `previous_response_id` (/v1/responses; 0: none kept).
+    responses_store_size: int = 0
 
     def __post_init__(self) -> None:
         check_tls(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs, self.ssl_cert_reqs)
@@ -99,6 +101,8 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be 'hermes', got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_key: must not be empty")
         self._check_lora_modules()

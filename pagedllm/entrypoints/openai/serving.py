@@ -19,15 +19,17 @@ from fastapi import Request
 from pagedllm.engine.admission import Cost, QueueFullError, QueueLimits, Reservation
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.messages import EngineCoreRequest
+from pagedllm.engine.processor import check_token_ids
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
-from pagedllm.entrypoints.openai.protocol import OpenAIModel, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIModel, SamplingRequest
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
 from pagedllm.entrypoints.openai.tenants import current_tenant
 from pagedllm.errors import InvalidRequestError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("pagedllm")
@@ -189,6 +191,27 @@ class OpenAIServing:
         )
         return self.check_prompt(token_ids) if check_length else token_ids
 
+    async def read_prompts(
+        self, value: str | list, add_special_tokens: bool, param: str
+    ) -> list[Prompt]:
+        """A body's prompts (`prompt`, `input`): a string, strings, token ids or lists of
+        them, each tokenized or checked against the vocabulary and the context window."""
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            value = [value]
+        if not value:
+            raise InvalidRequestError(f"{param}: must not be empty", param)
+        prompts = []
+        for item in value:
+            if not item:
+                raise InvalidRequestError(f"{param}: empty prompt", param)
+            if isinstance(item, str):
+                prompts.append(Prompt(item, await self.tokenize(item, add_special_tokens)))
+            else:
+                vocab_size = self.engine.model_config.vocab_size
+                token_ids = check_token_ids(item, vocab_size, param)
+                prompts.append(Prompt(None, self.check_prompt(token_ids)))
+        return prompts
+
     def check_prompt(self, token_ids: list[int]) -> list[int]:
         processor = self.engine.input_processor
         return processor.process_prompt({"prompt_token_ids": token_ids})[1]
@@ -213,13 +236,14 @@ class OpenAIServing:
         request_id: str,
         prompts: list[Prompt],
         params: list[SamplingParams],
-        request: SamplingRequest,
+        request: SamplingRequest | EmbeddingRequest,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Every prompt's engine request is built and checked before any is started, so a bad
         one refuses the whole HTTP request before anything streams. The requests run as the
         tenant the API key named (its cache salt, its token budget), with `lora_request`'s
-        adapter if one is given."""
+        adapter if one is given; with `pooling_params`, as embedding requests."""
         tenant = current_tenant.get()
         salt = request.cache_salt if tenant is None else tenant.cache_salt(request.cache_salt)
         processed = [
@@ -234,6 +258,7 @@ class OpenAIServing:
                 request.priority,
                 tenant=None if tenant is None else tenant.name,
                 lora_request=lora_request,
+                pooling_params=pooling_params,
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
@@ -242,6 +267,8 @@ class OpenAIServing:
         if tenant is None:
             return merge_streams(streams, reservation)
         tenant.limiter.charge_tokens(sum(len(r.prompt_token_ids) for _, r in processed))
+        if pooling_params is not None:  # an embedding generates no tokens to charge
+            return merge_streams(streams, reservation)
         return charge_generated_tokens(merge_streams(streams, reservation), tenant.limiter, params)
 
 

@@ -4,6 +4,7 @@ logprobs with top alternatives, streaming deltas with an optional usage chunk.""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,11 +29,46 @@ from pagedllm.entrypoints.openai.tool_calls import (
     plan_tools,
 )
 from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class PreparedChat:
+    """A chat request checked and converted (`prepare_chat`): what the engine runs and what
+    its response needs. `pagedllm run-batch` runs these through the offline LLM."""
+
+    lora_request: LoRARequest | None
+    model_name: str
+    plan: ToolPlan
+    prompt: Prompt
+    params: SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw: Request):
+        prepared = await self.prepare_chat(request)
+        lora_request, model_name = prepared.lora_request, prepared.model_name
+        plan, prompt, params = prepared.plan, prepared.prompt, prepared.params
+        request_id = self.request_id(raw, request, "chatcmpl")
+        self.log_request(request_id, [prompt], params)
+        results = self.generations(request_id, [prompt], [params], request, lora_request)
+        headers = {"X-Request-Id": request_id}
+        if request.stream:
+            chunks = self._stream(request_id, request, prompt, results, plan, model_name)
+            return StreamingResponse(
+                stream_with_errors(chunks), media_type="text/event-stream", headers=headers
+            )
+        final = None
+        async for _, output in results:
+            final = output
+        assert final is not None
+        body = self._response(request_id, request, prompt, final, plan, model_name)
+        return JSONResponse(body, headers=headers)
+
+    async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Every check and conversion before the engine: an error here is the client's 4xx."""
         lora_request = self.check_request(request, request.refused_fields())
         model_name = self.response_model(lora_request)
         auto_parser = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
@@ -49,21 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_constraint = plan.constraint()
         extra = [("tool_choice", tool_constraint)] if tool_constraint is not None else []
         params = self.with_structured_output(params, request, extra)
-        request_id = self.request_id(raw, request, "chatcmpl")
-        self.log_request(request_id, [prompt], params)
-        results = self.generations(request_id, [prompt], [params], request, lora_request)
-        headers = {"X-Request-Id": request_id}
-        if request.stream:
-            chunks = self._stream(request_id, request, prompt, results, plan, model_name)
-            return StreamingResponse(
-                stream_with_errors(chunks), media_type="text/event-stream", headers=headers
-            )
-        final = None
-        async for _, output in results:
-            final = output
-        assert final is not None
-        body = self._response(request_id, request, prompt, final, plan, model_name)
-        return JSONResponse(body, headers=headers)
+        return PreparedChat(lora_request, model_name, plan, prompt, params)
 
     async def render(
         self, request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None
@@ -200,10 +222,16 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_completion = 0
         streamers = {i: ToolCallStreamer(plan) for i in range(request.n)} if plan.active else {}
-        for index in range(request.n):
-            role = {"index": index, "delta": {"role": "assistant", "content": ""}}
-            yield sse({**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]})
+        sent_roles = False
         async for _, output in results:
+            if not sent_roles:
+                # Only once the first token exists, as OpenAI's server: clients and load
+                # generators time the first chunk as the time to first token.
+                sent_roles = True
+                for index in range(request.n):
+                    role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+                    choice = {**role, "logprobs": None, "finish_reason": None}
+                    yield sse({**base, "choices": [choice]})
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
                 choice = self._delta_choice(request, completion, streamers.get(completion.index))

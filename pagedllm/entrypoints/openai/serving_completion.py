@@ -4,11 +4,11 @@ streaming with an optional usage chunk."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.processor import check_token_ids
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.serving import (
     stream_with_errors,
     usage,
 )
-from pagedllm.errors import InvalidRequestError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,12 +27,22 @@ from pagedllm.sampling_params import SamplingParams
 DEFAULT_MAX_TOKENS = 16
 
 
+@dataclass
+class PreparedCompletion:
+    """A completion request checked and converted (`prepare_completion`): one prompt and its
+    params per engine request. `pagedllm run-batch` runs these through the offline LLM."""
+
+    lora_request: LoRARequest | None
+    model_name: str
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw: Request):
-        lora_request = self.check_request(request, request.refused_fields())
-        model_name = self.response_model(lora_request)
-        prompts = await self._prompts(request)
-        params = [self._params(request, len(prompt.token_ids)) for prompt in prompts]
+        prepared = await self.prepare_completion(request)
+        lora_request, model_name = prepared.lora_request, prepared.model_name
+        prompts, params = prepared.prompts, prepared.params
         request_id = self.request_id(raw, request, "cmpl")
         self.log_request(request_id, prompts, params[0])
         results = self.generations(request_id, prompts, params, request, lora_request)
@@ -48,24 +58,13 @@ class OpenAIServingCompletion(OpenAIServing):
         body = self._response(request_id, request, prompts, finals, model_name)
         return JSONResponse(body, headers=headers)
 
-    async def _prompts(self, request: CompletionRequest) -> list[Prompt]:
-        prompt = request.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompt = [prompt]
-        if not prompt:
-            raise InvalidRequestError("prompt: must not be empty", "prompt")
-        prompts = []
-        for item in prompt:
-            if isinstance(item, str):
-                if not item:
-                    raise InvalidRequestError("prompt: empty prompt", "prompt")
-                token_ids = await self.tokenize(item, request.add_special_tokens)
-                prompts.append(Prompt(item, token_ids))
-            else:
-                vocab_size = self.engine.model_config.vocab_size
-                token_ids = check_token_ids(item, vocab_size, "prompt")
-                prompts.append(Prompt(None, self.check_prompt(token_ids)))
-        return prompts
+    async def prepare_completion(self, request: CompletionRequest) -> PreparedCompletion:
+        """Every check and conversion before the engine: an error here is the client's 4xx."""
+        lora_request = self.check_request(request, request.refused_fields())
+        model_name = self.response_model(lora_request)
+        prompts = await self.read_prompts(request.prompt, request.add_special_tokens, "prompt")
+        params = [self._params(request, len(prompt.token_ids)) for prompt in prompts]
+        return PreparedCompletion(lora_request, model_name, prompts, params)
 
     def _params(self, request: CompletionRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens(request.max_tokens, num_prompt_tokens, DEFAULT_MAX_TOKENS)
