@@ -65,7 +65,10 @@ def token_buckets(max_model_len: int) -> list[int]:
 
 
 @dataclass
-class _Sequence:
+class SequenceTimes:
+    """One request's token times, as the metrics observers (this and the dashboard's
+    `timeseries.py`) follow it."""
+
     arrival_time: float
     num_prompt_tokens: int
     tenant: str
@@ -119,7 +122,7 @@ class PrometheusMetrics:
     ) -> None:
         """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics)."""
         self.registry = CollectorRegistry()
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, SequenceTimes] = {}
         # Observers fed the same calls (the dashboard's time series): see `follow`.
         self._followers: list[StepObserver] = []
         labels = ["model_name"]
@@ -244,7 +247,7 @@ class PrometheusMetrics:
     # ---- StepObserver -----------------------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
         # Called while the request's HTTP handler runs, so its tenant is the current one.
-        self._sequences[request_id] = _Sequence(arrival_time, num_prompt, current_tenant_name())
+        self._sequences[request_id] = SequenceTimes(arrival_time, num_prompt, current_tenant_name())
         for follower in self._followers:
             follower.on_request_added(request_id, arrival_time, num_prompt)
 
@@ -295,12 +298,14 @@ class PrometheusMetrics:
         return generate_latest(self.registry)
 
     # ---- internals --------------------------------------------------------------------------
-    def _sequence(self, request_id: str) -> _Sequence | None:
+    def _sequence(self, request_id: str) -> SequenceTimes | None:
         sequence = self._sequences.get(request_id)
         if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
             parent = self._sequences.get(request_id.rsplit("#", 1)[0])
             if parent is not None:
-                sequence = _Sequence(parent.arrival_time, parent.num_prompt_tokens, parent.tenant)
+                sequence = SequenceTimes(
+                    parent.arrival_time, parent.num_prompt_tokens, parent.tenant
+                )
                 self._sequences[request_id] = sequence
         return sequence
 
@@ -375,7 +380,9 @@ class PrometheusMetrics:
             series = self._by_tenant[tenant] = _TenantSeries(**children)
         return series
 
-    def _observe_tokens(self, sequence: _Sequence, output: EngineCoreOutput, now: float) -> None:
+    def _observe_tokens(
+        self, sequence: SequenceTimes, output: EngineCoreOutput, now: float
+    ) -> None:
         series = self._series(sequence.tenant)
         num_new = len(output.new_token_ids)
         if sequence.first_token_time is None:

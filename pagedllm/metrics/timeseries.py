@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.metrics.prometheus import SequenceTimes
 from pagedllm.metrics.stats import EngineStats
 
 PERCENTILES = (50, 90, 99)
@@ -98,13 +99,7 @@ class _Second:
 
 
 @dataclass
-class _Sequence:
-    arrival_time: float
-    num_prompt_tokens: int
-    tenant: str
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-    num_generation_tokens: int = 0
+class _Sequence(SequenceTimes):
     parent_id: str | None = None  # a parallel sample's (n > 1) request
     open_samples: int = 0  # a parent's samples not finished yet
 

@@ -21,6 +21,7 @@ def make_processor(policy="fcfs", max_num_seqs=8, tokenizer=None):
     config = SimpleNamespace(
         model_config=model_config,
         scheduler_config=SchedulerConfig(64, max_num_seqs, 16, policy),
+        pooler_config=None,  # the generate runner
     )
     return InputProcessor(config, tokenizer)
 

@@ -367,7 +367,9 @@ def test_generations_run_as_the_tenant_with_its_salt_and_budget(tmp_path):
 
     calls = []
 
-    def process_inputs(request_id, prompt, params, priority, tenant=None, lora_request=None):
+    def process_inputs(
+        request_id, prompt, params, priority, tenant=None, lora_request=None, pooling_params=None
+    ):
         calls.append((prompt.get("cache_salt"), tenant))
         return None, SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"])
 
