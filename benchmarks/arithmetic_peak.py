@@ -5,6 +5,8 @@ Builds a small C program (gcc, OpenMP) and runs register-only loops on every cor
   clock       a chain of dependent integer adds (one a cycle) gives the cycles per second
   fp32 FMA    12 independent FMA chains on 256- and 512-bit vectors: FLOP per cycle and s
   int8 VNNI   12 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
+  bf16 dot    12 independent vdpbf16ps chains (bf16 pairs into fp32, AVX512-BF16): FLOP
+              per cycle, two products and two adds per fp32 lane
 
 No memory is touched inside the loops, so these are the cores' issue rates, the bound above
 `ceiling.py`'s measured matmul rate. `--json PATH` writes the figures.
@@ -69,6 +71,13 @@ __attribute__((target("avx512f,avx512vnni"))) static void vnni512(long iteration
     LOOP("zmm", "vpdpbusd")
 }
 
+__attribute__((target("avx512f,avx512vl,avx512bf16"))) static void bf16dot256(long iterations) {
+    LOOP("ymm", "vdpbf16ps")
+}
+__attribute__((target("avx512f,avx512bf16"))) static void bf16dot512(long iterations) {
+    LOOP("zmm", "vdpbf16ps")
+}
+
 typedef void (*loop_fn)(long);
 
 /* Every thread runs `fn` for about `seconds`; prints the iterations a second of all threads
@@ -102,6 +111,10 @@ int main(int argc, char **argv) {
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
         run("int8_vnni_256", vnni256, seconds, CHAINS * 32);
         run("int8_vnni_512", vnni512, seconds, CHAINS * 64);
+    }
+    if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl")) {
+        run("bf16_dot_256", bf16dot256, seconds, CHAINS * 8 * 4);
+        run("bf16_dot_512", bf16dot512, seconds, CHAINS * 16 * 4);
     }
     return 0;
 }
@@ -146,7 +159,7 @@ def main() -> None:
     for name, figure in figures.items():
         if name == "clock":
             continue
-        unit = "GFLOP/s" if name.startswith("fp32") else "G int8 MAC/s"
+        unit = "G int8 MAC/s" if name.startswith("int8") else "GFLOP/s"
         print(
             f"{name:14s} {figure['per_second'] / 1e9:8.1f} {unit:13s}"
             f" {figure['per_cycle_per_core']:6.1f} a cycle a core"

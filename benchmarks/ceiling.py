@@ -48,14 +48,14 @@ def best_seconds(fn, repeats: int = 10) -> float:
     return best
 
 
-def matmul_gflops(rows: int) -> float:
-    """The rate of one layer's four projections at `rows` tokens, FLOP-weighted: for each
-    shape the faster of torch's sgemm (`F.linear`) and oneDNN on a prepacked weight (on
-    AMD CPUs sgemm takes its AVX2 path and oneDNN its AVX-512 one)."""
+def matmul_gflops(rows: int, dtype: torch.dtype = torch.float32) -> float:
+    """The rate of one layer's four projections at `rows` tokens in `dtype`, FLOP-weighted:
+    for each shape the faster of torch's `F.linear` (sgemm for fp32) and oneDNN on a
+    prepacked weight (on AMD CPUs sgemm takes its AVX2 path and oneDNN its AVX-512 one)."""
     flops, seconds = 0.0, 0.0
     for in_features, out_features in LINEAR_SHAPES.values():
-        x = torch.randn(rows, in_features)
-        w = torch.randn(out_features, in_features)
+        x = torch.randn(rows, in_features).to(dtype)
+        w = torch.randn(out_features, in_features).to(dtype)
         candidates = [lambda x=x, w=w: torch.nn.functional.linear(x, w)]
         if onednn is not None and onednn.available():
             packed = onednn.pack(w)

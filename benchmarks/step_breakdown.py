@@ -1,12 +1,13 @@
 """Where one engine step's time goes, at the shapes the CPU performance targets name.
 
-Runs the default model (fp32) on `--batch` random prompts of `--input-len` tokens with
-`--max-num-batched-tokens` (2048) per step, so the prompts are prefilled in 2,048-token
-chunks and then `--batch` sequences decode together. For each kind of step (full prefill
-chunk; decode with every sequence running) it reports the median step time split into
-scheduling, model forward, logits, sampling and the rest (output handling), the model
-FLOP/s against this machine's matmul ceiling at the same number of rows, and the engine
-overhead (everything but forward and logits) as a share of the step.
+Runs the default model (`--dtype`, fp32 by default) on `--batch` random prompts of
+`--input-len` tokens with `--max-num-batched-tokens` (2048) per step, so the prompts are
+prefilled in 2,048-token chunks and then `--batch` sequences decode together. For each kind
+of step (full prefill chunk; decode with every sequence running) it reports the median
+step time split into scheduling, model forward, logits, sampling and the rest (output
+handling), the model FLOP/s against this machine's matmul ceiling (in the model's dtype) at
+the same number of rows, and the engine overhead (everything but forward and logits) as a
+share of the step.
 
     .venv/bin/python -m benchmarks.step_breakdown [--batch 256] [--decode-steps 16]
         [--profile decode_profile.txt] [--output-json out.json]
@@ -87,7 +88,8 @@ def step_flops(num_tokens: int, context_sum: int, num_sampled: int) -> float:
 
 def ceilings(args: argparse.Namespace) -> dict[int, float]:
     """The matmul ceiling at each step kind's row count."""
-    return {rows: matmul_gflops(rows) for rows in (args.max_num_batched_tokens, args.batch)}
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    return {rows: matmul_gflops(rows, dtype) for rows in (args.max_num_batched_tokens, args.batch)}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         compile=args.compile,
         kv_cache_dtype=args.kv_cache_dtype,
+        dtype=args.dtype,
     )
     if args.populate_kv_cache:
         populate_kv_cache(llm)
@@ -195,6 +198,7 @@ def summarize(steps: dict[str, list[dict]], args, ceiling_by_rows: dict[int, flo
         "batch": args.batch,
         "input_len": args.input_len,
         "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "populated_kv_cache": args.populate_kv_cache,
     }
@@ -270,6 +274,11 @@ def main() -> None:
     )
     parser.add_argument("--compile", action="store_true", help="decode steps through torch.compile")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, float16 or bfloat16")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="the model's dtype, float32 or bfloat16 (the ceiling is measured in the same)",
+    )
     parser.add_argument(
         "--populate-kv-cache",
         action="store_true",

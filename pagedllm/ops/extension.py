@@ -37,6 +37,7 @@ _SOURCES = [
         "gguf_linear.cpp",
         "gguf_pack.cpp",
         "lora.cpp",
+        "cpu_probe.cpp",
     )
 ]
 # Explicit ISA flags rather than -march=native: the cache directory may be shared by

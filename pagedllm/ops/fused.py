@@ -5,8 +5,9 @@ Each op has a torch reference (any device and dtype) and a C++ kernel (ops/csrc/
 that makes one pass over memory where the torch sequence makes several and allocates
 temporaries. Which of the two runs is the engine's `KernelSelection` (`kernels`, decided once
 in `ops/kernel_selection.py`); per call an op checks only that the tensors are laid out as
-its kernel takes them (fp32, CPU, unit stride), else it runs the reference. Kernels work in
-place where the reference returns new tensors: callers use the return values only.
+its kernel takes them (fp32, or bf16 for the element-wise ops; CPU; unit stride), else it
+runs the reference. Kernels work in place where the reference returns new tensors: callers
+use the return values only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ def _kernel_fits(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+# The element-wise kernels (norms, SiLU·up, RoPE) take bf16 too, rounding where the eager
+# bf16 ops round; the linear and sampler kernels take fp32 only.
+_ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _elementwise_fits(x: torch.Tensor, *alike: torch.Tensor) -> bool:
+    return (
+        x.dtype in _ELEMENTWISE_DTYPES
+        and x.device.type == "cpu"
+        and all(t.dtype == x.dtype and t.device.type == "cpu" for t in alike)
+    )
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -32,12 +46,12 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) with no residual; with one, (norm(x + residual), x + residual), which the
     kernel computes in place in x and residual (the residual stream of the decoder)."""
-    if kernels.fused_ops and _kernel_fits(x, weight) and x.dim() == 2 and x.stride(-1) == 1:
+    if kernels.fused_ops and _elementwise_fits(x, weight) and x.dim() == 2 and x.stride(-1) == 1:
         if residual is None:
             out = torch.empty_like(x)
             load().rms_norm(out, x, weight, eps)
             return out, None
-        if residual.shape == x.shape and residual.stride(-1) == 1:
+        if residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1:
             load().fused_add_rms_norm(x, residual, weight, eps)
             return x, residual
     if residual is not None:
@@ -68,25 +82,36 @@ def _packed_min_rows() -> int:
 PACKED_MIN_ROWS = _packed_min_rows()
 
 
+# From this many rows a bf16 layer with an fp32 packed copy multiplies on it: where bf16
+# dot products issue at half the FMA rate (Intel without AMX) fp32 wins from 16 rows (the
+# default model's and Llama-3.2-1B's projections: 166-200 against 139-165 GFLOP/s), while
+# up to 8 rows the bf16 copy's half-size reads win (47-49 against 23-24 GFLOP/s at one row):
+# docs/performance.md, "bf16".
+BF16_IN_FP32_MIN_ROWS = 16
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernels: KernelSelection = TORCH_KERNELS,
     packed: torch.Tensor | None = None,
+    packed_fp32: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b), W shaped [out, in]. With `packed` (W prepacked for oneDNN,
-    `model/layers/onednn.py`) batches of PACKED_MIN_ROWS rows or more run on oneDNN; the
-    fewest rows go to the skinny kernel, and the rest to torch's sgemm."""
-    if (
-        # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
-        # packed tensors (and checked first, the row count adds no guard to the graph).
-        not torch.compiler.is_compiling()
-        and packed is not None
-        and x.dim() == 2
-        and x.shape[0] >= PACKED_MIN_ROWS
-    ):
-        return onednn_linear(x, packed, bias)
+    `model/layers/onednn.py`) batches of PACKED_MIN_ROWS rows or more run on oneDNN (a bf16
+    layer's every batch: the skinny kernel takes fp32 only), and with `packed_fp32` (a bf16
+    W's fp32 copy) bf16 batches of BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest
+    rows go to the skinny kernel, and the rest to torch's sgemm."""
+    # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
+    # packed tensors (and checked first, the row count adds no guard to the graph).
+    if not torch.compiler.is_compiling() and x.dim() == 2:
+        rows = x.shape[0]
+        if packed_fp32 is not None and rows >= BF16_IN_FP32_MIN_ROWS:
+            fp32_bias = None if bias is None else bias.float()
+            return onednn_linear(x.float(), packed_fp32, fp32_bias).to(x.dtype)
+        if packed is not None and (rows >= PACKED_MIN_ROWS or x.dtype == torch.bfloat16):
+            return onednn_linear(x, packed, bias)
     if (
         x.dim() == 2
         and x.shape[0] <= SKINNY_MAX_ROWS
@@ -111,7 +136,7 @@ def onednn_linear(
 def silu_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension."""
     d = x.shape[-1] // 2
-    if kernels.fused_ops and _kernel_fits(x) and x.dim() == 2 and x.stride(-1) == 1:
+    if kernels.fused_ops and _elementwise_fits(x) and x.dim() == 2 and x.stride(-1) == 1:
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         load().silu_and_mul(out, x)
         return out
@@ -130,7 +155,8 @@ def rotary_embedding(
     (q and k may be strided views into the fused q/k/v output)."""
     if (
         kernels.fused_ops
-        and _kernel_fits(q, k, cos_cache)
+        and _elementwise_fits(q, k)
+        and _kernel_fits(cos_cache, sin_cache)
         and q.stride(-1) == 1
         and k.stride(-1) == 1
         and positions.dtype == torch.int64

@@ -6,7 +6,7 @@ C++ extension builds and loads), and returns a `KernelSelection`. The model runn
 when it loads the model and hands the same object to the model (its layers keep it) and to
 the sampler; `ops/fused.py` reads it on every call instead of a flag of its own. Each kernel
 keeps its torch reference, which runs wherever the selection says no: other devices (any,
-not only CUDA), CPUs without AVX2, non-fp32 models for the fused ops, and
+not only CUDA), CPUs without AVX2, models neither fp32 nor bf16 for the fused ops, and
 `attention_backend="torch"`, which asks for the torch references throughout.
 
 The GGUF kernel's path (AVX-512 VNNI, AVX2, portable) is not part of this decision: each
@@ -16,6 +16,7 @@ the first selection.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_attention import kernel_covers
-from pagedllm.ops.cpu_features import describe_cpu, kernel_isa_missing
+from pagedllm.ops.cpu_features import cpu_features, describe_cpu, kernel_isa_missing
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +35,24 @@ class KernelSelection:
     """The implementations one engine runs (frozen: a compiled graph may guard on it)."""
 
     attention: str  # the attention backend's name: "cpu" (C++ kernel) or "torch"
-    # The C++ RMSNorm, SiLU·up, RoPE and few-row linear (fp32 tensors on the CPU).
+    # The C++ RMSNorm, SiLU·up and RoPE (fp32 and bf16 tensors on the CPU) and few-row
+    # linear (fp32).
     fused_ops: bool
     # The C++ plain draw of the sampler (fp32 logits on the CPU: the sampler upcasts them).
     sampler_draw: bool
+    # A bf16 model's linear layers multiply batches of many rows in fp32, on an fp32 copy of
+    # their weights (exact: bf16 products are fp32 numbers), where the CPU's bf16 matmuls
+    # are slower than fp32's (`fused.BF16_IN_FP32_MIN_ROWS`).
+    bf16_matmul_in_fp32: bool = False
 
     def describe(self) -> str:
         def which(kernel: bool) -> str:
             return "C++" if kernel else "torch"
 
+        matmul = ", bf16 matmuls in fp32" if self.bf16_matmul_in_fp32 else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
-            f"sampler draw={which(self.sampler_draw)}"
+            f"sampler draw={which(self.sampler_draw)}{matmul}"
         )
 
 
@@ -69,7 +76,8 @@ def select_kernels(
 
     The C++ kernels all come from one extension and serve only the CPU; "torch" asks for
     the references everywhere. With "cpu" on the CPU: the attention kernel where it covers
-    the head size and cache dtype, the fused ops for fp32 models, the sampler's draw always.
+    the head size and cache dtype, the fused ops for fp32 and bf16 models, the sampler's draw
+    always.
     Where the extension cannot load (no AVX2/FMA, no compiler) the references run and the
     reason is logged once per process, as an error.
     """
@@ -83,9 +91,31 @@ def select_kernels(
         return TORCH_KERNELS
     return KernelSelection(
         attention="cpu" if kernel_covers(head_dim, cache_dtype) else "torch",
-        fused_ops=dtype == torch.float32,
+        fused_ops=dtype in (torch.float32, torch.bfloat16),
         sampler_draw=True,
+        bf16_matmul_in_fp32=dtype == torch.bfloat16 and not bf16_matmul_native(),
     )
+
+
+# vdpbf16ps must do at least an fp32 FMA's work a cycle for oneDNN's bf16 matmuls to win:
+# twice it on AMD Zen 4, half of it on Intel cores without AMX (ops/csrc/cpu_probe.cpp).
+BF16_DOT_MIN_SPEED_RATIO = 1.0
+
+
+@functools.cache
+def bf16_matmul_native() -> bool:
+    """Whether oneDNN's bf16 matmuls beat fp32 ones on this CPU: AMX tiles, or AVX512-BF16
+    dot products measured at least as fast as fp32 FMAs (a register loop of ~5 ms, once a
+    process). Elsewhere bf16 products are converted to fp32 (no AVX512-BF16) or issue at
+    half the FMA rate, and a bf16 model's linear layers multiply in fp32 instead."""
+    features = cpu_features()
+    if features.amx_bf16:
+        return True
+    if not features.avx512_bf16:
+        return False
+    ratio = float(extension.load().bf16_dot_speed_ratio())
+    logger.info("bf16 dot products run at %.2fx the fp32 FMA rate on this CPU", ratio)
+    return ratio >= BF16_DOT_MIN_SPEED_RATIO
 
 
 def _extension_error() -> str | None:

@@ -1,16 +1,18 @@
 """`dtype`: "auto" follows vLLM's rule (the checkpoint's dtype; bf16 on the CPU only where it
-has bf16 arithmetic), and a bf16 engine stays on the fp32 engine's greedy tokens on the
-default model's prompts above a stated floor (reported)."""
+has bf16 arithmetic), and a bf16 engine's most likely tokens stay with the fp32 engine's on
+the default model's prompts above a stated floor, as closely as Transformers' bf16 does
+(reported)."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 from model_utils import greedy_with_logprobs
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine import engine_config
 from pagedllm.ops.cpu_features import CpuFeatures
@@ -52,11 +54,15 @@ def test_an_explicit_dtype_is_kept(monkeypatch):
     assert _auto(torch.float32, AVX2, monkeypatch, dtype="bfloat16") == torch.bfloat16
 
 
-# Greedy agreement of bf16 with fp32: the share of generated tokens equal position by
-# position, up to each sequence's first difference. Measured 0.80 (154 of 192) on these
-# prompts (AVX2 EPYC, 2026-11-26): bf16 weights and activations keep 8 bits of mantissa,
-# so on some prompts the 135M model's greedy path leaves fp32's after a dozen tokens.
-AGREEMENT_FLOOR = 0.6
+# How closely bf16 follows fp32, teacher-forced: on fp32's own greedy continuations (64
+# tokens after each prompt), the share of positions where bf16's most likely next token is
+# fp32's. Free-running agreement (tokens equal up to each sequence's first difference) is a
+# poorer measure: one near-tie that bf16's 8-bit mantissa resolves the other way ends the
+# count for the rest of the sequence (0.80 on an AVX2 EPYC, 0.63 on a Sapphire Rapids core
+# without AMX for the same 192 tokens), while teacher-forced the engine's bf16 kept 376 of
+# 384 (0.98) there, and Transformers' own bf16 371 (docs/performance.md, "bf16").
+AGREEMENT_FLOOR = 0.95
+CONTINUATION_TOKENS = 64
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -67,12 +73,19 @@ QUESTIONS = [
 ]
 
 
-@pytest.mark.slow
-def test_bf16_keeps_fp32s_greedy_tokens_above_the_floor():
-    engines = [
-        LLM(dtype=d, max_model_len=256, kv_cache_memory="64MiB") for d in ("float32", "bfloat16")
+def _top_tokens(prompt_logprobs: list, prompt_len: int) -> list[int]:
+    """The most likely token at each position after the prompt (prompt_logprobs=1 gives the
+    position's own token and the top one)."""
+    return [
+        max(position.items(), key=lambda item: item[1].logprob)[0]
+        for position in prompt_logprobs[prompt_len:]
     ]
-    tokenizer = engines[0].get_tokenizer()
+
+
+@pytest.mark.slow
+def test_bf16_follows_fp32_as_closely_as_transformers_bf16(hf_default_model):
+    fp32 = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    tokenizer = fp32.get_tokenizer()
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
@@ -80,12 +93,33 @@ def test_bf16_keeps_fp32s_greedy_tokens_above_the_floor():
         )
         for q in QUESTIONS
     ]  # fmt: skip
-    fp32, bf16 = (
-        [list(o.token_ids) for o in greedy_with_logprobs(e, prompts, 32)] for e in engines
+    continuations = [
+        list(o.token_ids) for o in greedy_with_logprobs(fp32, prompts, CONTINUATION_TOKENS)
+    ]
+    del fp32
+    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory="64MiB")
+    outputs = bf16.generate(
+        [{"prompt_token_ids": s} for s in sequences],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
     )
-    same = total = 0
-    for a, b in zip(fp32, bf16, strict=True):
-        prefix = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        same, total = same + prefix, total + len(a)
-    print(f"bf16 greedy agreement with fp32: {same}/{total} = {same / total:.2f}")
-    assert same / total >= AGREEMENT_FLOOR
+    reference = copy.deepcopy(hf_default_model).to(torch.bfloat16)
+    engine_same = reference_same = total = 0
+    for prompt, sequence, output in zip(prompts, sequences, outputs, strict=True):
+        wanted = sequence[len(prompt) :]
+        with torch.no_grad():
+            logits = reference(torch.tensor([sequence])).logits[0, len(prompt) - 1 : -1]
+        top = _top_tokens(output.prompt_logprobs, len(prompt))
+        engine_same += sum(a == b for a, b in zip(top, wanted, strict=True))
+        reference_same += sum(
+            a == b for a, b in zip(logits.argmax(-1).tolist(), wanted, strict=True)
+        )
+        total += len(wanted)
+    print(
+        f"bf16 top-1 agreement with fp32, teacher-forced: engine {engine_same}/{total}, "
+        f"Transformers bf16 {reference_same}/{total}"
+    )
+    assert engine_same / total >= AGREEMENT_FLOOR
+    # Not further from fp32 than Transformers' bf16 on the same weights, give or take 1%.
+    assert engine_same >= reference_same - total // 100

@@ -63,3 +63,61 @@ def test_packing_is_skipped_when_the_copies_would_not_fit(tiny_model_factory, mo
     directory = tiny_model_factory("LlamaForCausalLM")
     model = model_runner(small_engine(directory)).model
     assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+
+
+# ---- bf16 layers: a bf16 packed weight, and an fp32 copy for many rows where it pays ----
+
+BF16_KERNELS = KernelSelection("cpu", fused_ops=True, sampler_draw=True, bf16_matmul_in_fp32=True)
+
+
+def bf16_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """bf16 products summed in fp32, rounded once: what either packed path computes."""
+    return torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 3, fused.BF16_IN_FP32_MIN_ROWS - 1, 16, 300])
+def test_bf16_packed_linear_rounds_fp32_sums(rows, monkeypatch):
+    """Few rows run on the bf16 packed weight, from BF16_IN_FP32_MIN_ROWS on the fp32 copy;
+    both give the fp32 sum of the same products, rounded to bf16 (one ulp apart at most)."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(129, 200).bfloat16(), torch.randn(129).bfloat16()
+    x = torch.randn(rows, 200).bfloat16()
+    seen = []
+    onednn_linear = fused.onednn_linear
+    monkeypatch.setattr(
+        fused, "onednn_linear", lambda a, p, b=None: seen.append(p.dtype) or onednn_linear(a, p, b)
+    )
+    out = fused.linear(
+        x, weight, bias, BF16_KERNELS, onednn.pack(weight), onednn.pack(weight.float())
+    )
+    wide = rows >= fused.BF16_IN_FP32_MIN_ROWS
+    assert seen == [torch.float32 if wide else torch.bfloat16]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, bf16_reference(x, weight, bias), rtol=8e-3, atol=1e-2)
+
+
+def _bf16_linears(directory, **engine_args) -> list[Linear]:
+    model = model_runner(small_engine(directory, dtype="bfloat16", **engine_args)).model
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def test_every_bf16_linear_is_packed_with_an_fp32_copy_where_asked(tiny_model_factory, monkeypatch):
+    directory = tiny_model_factory("LlamaForCausalLM:tied-bias")
+    monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: False)
+    linears = _bf16_linears(directory)
+    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
+    assert all(m.packed_fp32_weight.dtype == torch.float32 for m in linears)
+    monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: True)
+    linears = _bf16_linears(directory)
+    assert all(m.packed_weight is not None and m.packed_fp32_weight is None for m in linears)
+
+
+def test_the_fp32_copies_go_first_when_memory_is_short(tiny_model_factory, monkeypatch):
+    directory = tiny_model_factory("LlamaForCausalLM")
+    monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: False)
+    # Room for the bf16 packed weights (as many bytes as the plain ones) but not for a
+    # further fp32 copy (twice that).
+    plain = sum(m.weight.nbytes for m in _bf16_linears(directory))
+    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: 2 * plain / 0.25)
+    linears = _bf16_linears(directory)
+    assert all(m.packed_weight is not None and m.packed_fp32_weight is None for m in linears)

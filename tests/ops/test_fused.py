@@ -91,6 +91,87 @@ def test_rotary_rotates_strided_views_in_place():
     torch.testing.assert_close(out_k, expected_k, rtol=1e-5, atol=1e-6)
 
 
+# ---- bf16: the element-wise kernels round where the eager bf16 ops round -----------------
+
+
+def bf16_mismatches(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """The share of elements whose bf16 bits differ from the reference's."""
+    assert out.dtype == expected.dtype == torch.bfloat16
+    return (out.view(torch.int16) != expected.view(torch.int16)).float().mean().item()
+
+
+@pytest.mark.parametrize("width", [64, 67, 576])
+def test_bf16_rms_norm_gives_the_reference_bits(width):
+    """67 runs the scalar tail; the normalized row is rounded before the weight multiplies
+    it, as Transformers' Llama norm does, so the bits agree (the fp32 sum of squares may
+    round the other way only on a tie)."""
+    torch.manual_seed(width)
+    x, weight = torch.randn(33, width).bfloat16(), torch.randn(width).bfloat16()
+    residual = torch.randn(33, width).bfloat16()
+    out, _ = fused.rms_norm(x, weight, 1e-5, kernels=KERNELS)
+    assert bf16_mismatches(out, fused.rms_norm(x, weight, 1e-5)[0]) < 1e-3
+    expected_out, expected_residual = fused.rms_norm(x.clone(), weight, 1e-5, residual.clone())
+    x_in, residual_in = x.clone(), residual.clone()
+    out, new_residual = fused.rms_norm(x_in, weight, 1e-5, residual_in, kernels=KERNELS)
+    assert out.data_ptr() == x_in.data_ptr() and new_residual.data_ptr() == residual_in.data_ptr()
+    assert torch.equal(new_residual, expected_residual)  # one rounded add: exact
+    assert bf16_mismatches(out, expected_out) < 1e-3
+
+
+@pytest.mark.parametrize("width", [8, 13, 1536])
+def test_bf16_silu_and_mul_gives_the_reference_bits(width):
+    torch.manual_seed(width)
+    x = (torch.randn(9, 2 * width) * 6).bfloat16()
+    out = fused.silu_and_mul(x, kernels=KERNELS)
+    expected = fused.silu_and_mul(x)
+    # The kernel's exp differs from libm's by an ulp or so of fp32: a product that lands
+    # next to a rounding boundary of bf16 may round the other way, by one bf16 ulp.
+    assert bf16_mismatches(out, expected) < 0.01
+    torch.testing.assert_close(out, expected, rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [12, 64])
+def test_bf16_rotary_gives_the_reference_bits(head_dim):
+    """cos and sin rounded to bf16 first and every product rounded on its own, as the eager
+    q * cos + rotate_half(q) * sin in bf16."""
+    torch.manual_seed(head_dim)
+    tokens, max_pos = 19, 100
+    angles = torch.randn(max_pos, head_dim // 2) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.randint(0, max_pos, (tokens,))
+    q = torch.randn(tokens, 9, head_dim).bfloat16()
+    k = torch.randn(tokens, 3, head_dim).bfloat16()
+    expected_q, expected_k = fused.rotary_embedding(positions, q.clone(), k.clone(), cos, sin)
+    out_q, out_k = fused.rotary_embedding(positions, q, k, cos, sin, kernels=KERNELS)
+    assert out_q.data_ptr() == q.data_ptr()
+    assert bf16_mismatches(out_q, expected_q) == 0 and bf16_mismatches(out_k, expected_k) == 0
+
+
+def test_bf16_rounding_matches_torch_on_ties_nan_and_infinities():
+    """The kernels' fp32 -> bf16 rounding (to nearest, ties to even, NaN kept), seen through
+    the residual add, against torch's bf16 add: exact ties of both parities, overflow to
+    infinity, NaN and infinities, and sums in the subnormal range."""
+    half_ulp_at_one = 2.0**-8
+    pairs = [
+        (1.0, half_ulp_at_one),  # tie, even below: stays 1
+        (1.0 + 2.0**-7, half_ulp_at_one),  # tie, odd below: rounds up
+        (-1.0 - 2.0**-7, -half_ulp_at_one),
+        (3.3e38, 3.3e38),  # overflow
+        (float("nan"), 1.0),
+        (float("inf"), -1.0),
+        (-float("inf"), 5.0),
+        (1e-39, 2e-39),  # subnormal
+        (-0.0, 0.0),
+    ]
+    pairs += [(float(a), float(b)) for a, b in torch.randn(55, 2) * 100]
+    residual = torch.tensor([a for a, _ in pairs]).bfloat16().view(-1, 8)
+    x = torch.tensor([b for _, b in pairs]).bfloat16().view(-1, 8)
+    expected = x + residual
+    _, got = fused.rms_norm(x.clone(), torch.ones(8).bfloat16(), 1e-5, residual.clone(), KERNELS)
+    same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+    assert bool(same.all())
+
+
 def test_rotary_refuses_positions_outside_the_cache():
     q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
     cos = sin = torch.ones(4, 16)

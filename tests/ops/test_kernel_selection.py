@@ -1,6 +1,7 @@
 """The one decision of which kernels run: torch's references wherever the C++ kernels do not
-apply (another device, no AVX2/FMA, no extension, non-fp32 fused ops, attention_backend
-"torch"), the kernels exactly where they ran before; and everything in the engine (layers,
+apply (another device, no AVX2/FMA, no extension, fused ops for models neither fp32 nor
+bf16, attention_backend "torch"), the kernels exactly where they ran before; bf16 matmuls in
+fp32 where the CPU's bf16 dot products are slow; and everything in the engine (layers,
 attention backend, sampler) follows the same decision object."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from model_utils import model_runner
 
 from pagedllm import LLM
 from pagedllm.ops import extension, fused, kernel_selection
+from pagedllm.ops.cpu_features import CpuFeatures, cpu_features
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection, select_kernels
 
 needs_kernels = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
@@ -47,10 +49,59 @@ def test_fp32_model_on_this_cpu_runs_every_kernel():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_model_keeps_attention_and_draw_kernels(dtype):
-    # The fused kernels take fp32 only; the sampler upcasts logits, so its draw stays.
-    assert select(dtype=dtype) == KernelSelection("cpu", fused_ops=False, sampler_draw=True)
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_model_runs_every_kernel(native, monkeypatch):
+    # The element-wise kernels take bf16; the sampler upcasts logits, so its draw stays.
+    monkeypatch.setattr(kernel_selection, "bf16_matmul_native", lambda: native)
+    assert select(dtype=torch.bfloat16) == KernelSelection(
+        "cpu", fused_ops=True, sampler_draw=True, bf16_matmul_in_fp32=not native
+    )
+    assert not select(dtype=torch.float32).bf16_matmul_in_fp32
+
+
+@pytest.fixture
+def measured_again():
+    """bf16_matmul_native measures once a process: the test's answer must not stay."""
+    kernel_selection.bf16_matmul_native.cache_clear()
+    yield
+    kernel_selection.bf16_matmul_native.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("flags", "ratio", "native"),
+    [
+        ((), 9.0, False),  # no bf16 dot products: bf16 is converted to fp32 anyway
+        (("avx512_bf16",), 2.0, True),  # a full-rate vdpbf16ps (AMD Zen 4)
+        (("avx512_bf16",), 0.5, False),  # half the FMA rate (Intel without AMX)
+        (("avx512_bf16", "amx_tile", "amx_bf16"), 0.5, True),  # oneDNN takes AMX tiles
+    ],
+)
+def test_bf16_matmuls_are_native_where_they_beat_fp32(
+    flags, ratio, native, monkeypatch, measured_again
+):
+    features = CpuFeatures.from_flags({"avx2", "fma", "avx512f", *flags})
+    monkeypatch.setattr(kernel_selection, "cpu_features", lambda: features)
+
+    class Probe:
+        def bf16_dot_speed_ratio(self) -> float:
+            return ratio
+
+    monkeypatch.setattr(extension, "load", lambda: Probe())
+    assert kernel_selection.bf16_matmul_native() is native
+
+
+@needs_kernels
+def test_the_probe_measures_bf16_dot_products_only_where_the_cpu_has_them():
+    ratio = extension.load().bf16_dot_speed_ratio()
+    if cpu_features().avx512_bf16:
+        assert 0.1 < ratio < 10  # a rate, measured (0.5 on Intel without AMX, 2 on Zen 4)
+    else:
+        assert ratio == 0
+
+
+@needs_kernels
+def test_fp16_model_keeps_attention_and_draw_kernels():
+    assert select(dtype=torch.float16) == KernelSelection("cpu", fused_ops=False, sampler_draw=True)
 
 
 @needs_kernels

@@ -47,7 +47,10 @@ class Linear(nn.Module):
                 self.weight_loader,
             )
         self.kernels = kernels
-        self.packed_weight: torch.Tensor | None = None  # set by model/layers/onednn.py
+        # Set by model/layers/onednn.py: the weight packed for oneDNN, and a bf16 weight's
+        # fp32 copy where the CPU multiplies large bf16 batches faster in fp32.
+        self.packed_weight: torch.Tensor | None = None
+        self.packed_fp32_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -55,7 +58,9 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.linear(x, self.weight, self.bias, self.kernels, self.packed_weight)
+        return fused.linear(
+            x, self.weight, self.bias, self.kernels, self.packed_weight, self.packed_fp32_weight
+        )
 
 
 class SplitOutputs:

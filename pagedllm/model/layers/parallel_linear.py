@@ -200,6 +200,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = fused.linear(x, self.weight, None, self.kernels, self.packed_weight)
+        out = fused.linear(
+            x, self.weight, None, self.kernels, self.packed_weight, self.packed_fp32_weight
+        )
         out = self.tp_group.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)

@@ -1,5 +1,5 @@
-// Fused element-wise kernels of the decoder step and the sampler's plain draw, for fp32 on
-// the CPU: each reads and writes its tensors once, where the eager torch sequence makes
+// Fused element-wise kernels of the decoder step (fp32 and bf16) and the sampler's plain
+// draw (fp32), on the CPU: each reads and writes its tensors once, where the eager torch sequence makes
 // four to twelve passes and as many temporary tensors (RMSNorm, SiLU * up, RoPE), or a
 // softmax, a cumulative sum and a search over the vocabulary (sampling).
 //
@@ -25,48 +25,76 @@ using namespace pagedllm_vec;
 // Rows handed to one thread at a time: small row counts stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
+// The element types of the fused ops: fp32, and bf16 read as fp32 with every result rounded
+// where the eager model's bf16 op would round it (Transformers' Llama: the normalized row
+// before the weight, silu before the product, cos/sin and each RoPE product), so a bf16
+// model gives the reference's bits in most places instead of fp32-accurate values.
+template <typename Fn>
+void dispatch_dtype(const at::Tensor& t, const char* what, Fn&& fn) {
+  TORCH_CHECK(t.device().is_cpu(), what, ": expected a CPU tensor");
+  if (t.scalar_type() == at::kFloat) {
+    fn(float{});
+  } else if (t.scalar_type() == at::kBFloat16) {
+    fn(at::BFloat16{});
+  } else {
+    TORCH_CHECK(false, what, ": expected fp32 or bf16, got ", t.scalar_type());
+  }
+}
+
+template <typename T>
 void check_rows(const at::Tensor& t, int64_t cols, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what,
-              ": expected an fp32 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value,
+              what, ": expected a CPU tensor of the kernel's dtype");
   TORCH_CHECK(t.dim() == 2 && t.size(1) == cols && t.stride(1) == 1, what,
               ": expected [rows, ", cols, "] with unit stride in the last dimension");
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * weight, one row of n elements.
-inline void rms_norm_row(const float* x, const float* weight, float* out, int64_t n,
-                         float eps) {
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * weight, one row of n elements (the sum of squares in
+// fp32; in bf16 the normalized row is rounded before the weight multiplies it).
+template <typename T>
+inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 v = _mm256_loadu_ps(x + j);
+    const __m256 v = load8(x + j);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   float sum = hsum(acc);
-  for (; j < n; ++j) sum += x[j] * x[j];
+  for (; j < n; ++j) sum += to_float(x[j]) * to_float(x[j]);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   const __m256 scale = _mm256_set1_ps(inv);
   j = 0;
   for (; j + 8 <= n; j += 8) {
-    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + j), scale);
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(v, _mm256_loadu_ps(weight + j)));
+    const __m256 v = round_to<T>(_mm256_mul_ps(load8(x + j), scale));
+    store8(out + j, _mm256_mul_ps(v, load8(weight + j)));
   }
-  for (; j < n; ++j) out[j] = x[j] * inv * weight[j];
+  for (; j < n; ++j) {
+    out[j] = static_cast<T>(round_to<T>(to_float(x[j]) * inv) * to_float(weight[j]));
+  }
 }
 
 // out[i] = rms_norm(x[i]) * weight.
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const int64_t n = weight.numel();
-  check_rows(x, n, "rms_norm x");
-  check_rows(out, n, "rms_norm out");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  out.size(0) == x.size(0),
-              "rms_norm: weight must be contiguous fp32 and out shaped like x");
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      rms_norm_row(x.data_ptr<float>() + i * x.stride(0), w,
-                   out.data_ptr<float>() + i * out.stride(0), n, static_cast<float>(eps));
-    }
+  dispatch_dtype(x, "rms_norm", [&](auto type) {
+    using T = decltype(type);
+    const int64_t n = weight.numel();
+    check_rows<T>(x, n, "rms_norm x");
+    check_rows<T>(out, n, "rms_norm out");
+    TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                    out.size(0) == x.size(0),
+                "rms_norm: weight must be contiguous in x's dtype and out shaped like x");
+    const T* w = weight.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        rms_norm_row(x.data_ptr<T>() + i * x.stride(0), w, out.data_ptr<T>() + i * out.stride(0),
+                     n, static_cast<float>(eps));
+      }
+    });
   });
 }
 
@@ -74,82 +102,104 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
 // add and the next norm in one pass.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
                         double eps) {
-  const int64_t n = weight.numel();
-  check_rows(x, n, "fused_add_rms_norm x");
-  check_rows(residual, n, "fused_add_rms_norm residual");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                  residual.size(0) == x.size(0),
-              "fused_add_rms_norm: weight must be contiguous fp32, x and residual alike");
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* xi = x.data_ptr<float>() + i * x.stride(0);
-      float* ri = residual.data_ptr<float>() + i * residual.stride(0);
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        _mm256_storeu_ps(ri + j, _mm256_add_ps(_mm256_loadu_ps(ri + j), _mm256_loadu_ps(xi + j)));
+  dispatch_dtype(x, "fused_add_rms_norm", [&](auto type) {
+    using T = decltype(type);
+    const int64_t n = weight.numel();
+    check_rows<T>(x, n, "fused_add_rms_norm x");
+    check_rows<T>(residual, n, "fused_add_rms_norm residual");
+    TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                    residual.size(0) == x.size(0),
+                "fused_add_rms_norm: weight must be contiguous in x's dtype, x and residual "
+                "alike");
+    const T* w = weight.data_ptr<T>();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        T* xi = x.data_ptr<T>() + i * x.stride(0);
+        T* ri = residual.data_ptr<T>() + i * residual.stride(0);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) store8(ri + j, _mm256_add_ps(load8(ri + j), load8(xi + j)));
+        for (; j < n; ++j) ri[j] = static_cast<T>(to_float(ri[j]) + to_float(xi[j]));
+        rms_norm_row(ri, w, xi, n, static_cast<float>(eps));
       }
-      for (; j < n; ++j) ri[j] += xi[j];
-      rms_norm_row(ri, w, xi, n, static_cast<float>(eps));
-    }
+    });
   });
 }
 
-// out = silu(gate) * up, where x = [gate | up] along the last dimension.
+// out = silu(gate) * up, where x = [gate | up] along the last dimension (in bf16 silu is
+// rounded before the product).
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [rows, 2 * d]");
-  const int64_t d = x.size(1) / 2;
-  check_rows(x, 2 * d, "silu_and_mul x");
-  check_rows(out, d, "silu_and_mul out");
-  TORCH_CHECK(out.size(0) == x.size(0), "silu_and_mul: out must have x's rows");
-  const __m256 one = _mm256_set1_ps(1.0f);
-  const __m256 zero = _mm256_setzero_ps();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* gate = x.data_ptr<float>() + i * x.stride(0);
-      const float* up = gate + d;
-      float* o = out.data_ptr<float>() + i * out.stride(0);
-      int64_t j = 0;
-      for (; j + 8 <= d; j += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + j);
-        const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
+  dispatch_dtype(x, "silu_and_mul", [&](auto type) {
+    using T = decltype(type);
+    const int64_t d = x.size(1) / 2;
+    check_rows<T>(x, 2 * d, "silu_and_mul x");
+    check_rows<T>(out, d, "silu_and_mul out");
+    TORCH_CHECK(out.size(0) == x.size(0), "silu_and_mul: out must have x's rows");
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 zero = _mm256_setzero_ps();
+    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const T* gate = x.data_ptr<T>() + i * x.stride(0);
+        const T* up = gate + d;
+        T* o = out.data_ptr<T>() + i * out.stride(0);
+        int64_t j = 0;
+        for (; j + 8 <= d; j += 8) {
+          const __m256 g = load8(gate + j);
+          const __m256 sig =
+              _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+          store8(o + j, _mm256_mul_ps(round_to<T>(_mm256_mul_ps(g, sig)), load8(up + j)));
+        }
+        for (; j < d; ++j) {
+          const float g = to_float(gate[j]);
+          o[j] = static_cast<T>(round_to<T>(g / (1.0f + std::exp(-g))) * to_float(up[j]));
+        }
       }
-      for (; j < d; ++j) o[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
-    }
+    });
   });
 }
 
-// Rotate-half RoPE of one head in place: x' = x * cos + rotate_half(x) * sin.
-inline void rotate_head(float* x, const float* cos, const float* sin, int64_t half) {
+// Rotate-half RoPE of one head in place: x' = x * cos + rotate_half(x) * sin. In bf16 cos
+// and sin are rounded first and each product on its own, as the eager bf16 ops round.
+template <typename T>
+inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
   int64_t j = 0;
   for (; j + 8 <= half; j += 8) {
-    const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + half + j);
-    const __m256 c = _mm256_loadu_ps(cos + j), s = _mm256_loadu_ps(sin + j);
-    _mm256_storeu_ps(x + j, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
-    _mm256_storeu_ps(x + half + j, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+    const __m256 a = load8(x + j), b = load8(x + half + j);
+    const __m256 c = round_to<T>(_mm256_loadu_ps(cos + j));
+    const __m256 s = round_to<T>(_mm256_loadu_ps(sin + j));
+    if constexpr (std::is_same_v<T, float>) {
+      store8(x + j, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+      store8(x + half + j, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+    } else {
+      store8(x + j, _mm256_sub_ps(round_to<T>(_mm256_mul_ps(a, c)),
+                                  round_to<T>(_mm256_mul_ps(b, s))));
+      store8(x + half + j, _mm256_add_ps(round_to<T>(_mm256_mul_ps(b, c)),
+                                         round_to<T>(_mm256_mul_ps(a, s))));
+    }
   }
   for (; j < half; ++j) {
-    const float a = x[j], b = x[half + j];
-    x[j] = a * cos[j] - b * sin[j];
-    x[half + j] = b * cos[j] + a * sin[j];
+    const float a = to_float(x[j]), b = to_float(x[half + j]);
+    const float c = round_to<T>(cos[j]), s = round_to<T>(sin[j]);
+    x[j] = static_cast<T>(round_to<T>(a * c) - round_to<T>(b * s));
+    x[half + j] = static_cast<T>(round_to<T>(b * c) + round_to<T>(a * s));
   }
 }
 
+template <typename T>
 void check_heads(const at::Tensor& t, int64_t tokens, int64_t head_dim, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 3 &&
-                  t.size(0) == tokens && t.size(2) == head_dim && t.stride(2) == 1,
-              what, ": expected fp32 [tokens, heads, ", head_dim, "] with unit stride in D");
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+                  t.dim() == 3 && t.size(0) == tokens && t.size(2) == head_dim &&
+                  t.stride(2) == 1,
+              what, ": expected [tokens, heads, ", head_dim,
+              "] in the kernel's dtype with unit stride in D");
 }
 
 // q [T, H, D] and k [T, Hkv, D] rotated in place (any token/head strides: they may be
-// views into the fused q/k/v output) at positions [T]; cos/sin caches [max_pos, D] hold the
-// half-frequencies twice, so their first D / 2 columns are all that is read.
+// views into the fused q/k/v output) at positions [T]; cos/sin caches [max_pos, D] (fp32)
+// hold the half-frequencies twice, so their first D / 2 columns are all that is read.
 void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions,
                       const at::Tensor& cos_cache, const at::Tensor& sin_cache) {
   const int64_t tokens = positions.numel(), head_dim = cos_cache.size(1), half = head_dim / 2;
-  check_heads(q, tokens, head_dim, "rotary_embedding q");
-  check_heads(k, tokens, head_dim, "rotary_embedding k");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "rotary_embedding: positions must be contiguous int64");
   TORCH_CHECK(cos_cache.is_contiguous() && sin_cache.is_contiguous() &&
@@ -161,17 +211,22 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions,
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_embedding: position ", pos[t],
                 " outside [0, ", max_pos, ")");
   }
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos_cache.data_ptr<float>() + pos[t] * head_dim;
-      const float* s = sin_cache.data_ptr<float>() + pos[t] * head_dim;
-      for (int64_t h = 0; h < q.size(1); ++h) {
-        rotate_head(q.data_ptr<float>() + t * q.stride(0) + h * q.stride(1), c, s, half);
+  dispatch_dtype(q, "rotary_embedding", [&](auto type) {
+    using T = decltype(type);
+    check_heads<T>(q, tokens, head_dim, "rotary_embedding q");
+    check_heads<T>(k, tokens, head_dim, "rotary_embedding k");
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cos_cache.data_ptr<float>() + pos[t] * head_dim;
+        const float* s = sin_cache.data_ptr<float>() + pos[t] * head_dim;
+        for (int64_t h = 0; h < q.size(1); ++h) {
+          rotate_head(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1), c, s, half);
+        }
+        for (int64_t h = 0; h < k.size(1); ++h) {
+          rotate_head(k.data_ptr<T>() + t * k.stride(0) + h * k.stride(1), c, s, half);
+        }
       }
-      for (int64_t h = 0; h < k.size(1); ++h) {
-        rotate_head(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), c, s, half);
-      }
-    }
+    });
   });
 }
 
@@ -236,7 +291,7 @@ int64_t draw_row(const float* logits, int64_t n, float inv_temperature, float u,
 void sample_plain(at::Tensor out, const at::Tensor& logits, const at::Tensor& inv_temperature,
                   const at::Tensor& uniforms) {
   const int64_t rows = logits.size(0), n = logits.size(1);
-  check_rows(logits, n, "sample_plain logits");
+  check_rows<float>(logits, n, "sample_plain logits");
   for (const auto* t : {&inv_temperature, &uniforms}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == rows,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace pagedllm_vec {
 
@@ -25,6 +26,44 @@ inline __m256 load8(const at::BFloat16* p) {
 
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// ---- bf16 results: rounded as torch rounds (to nearest, ties to even; NaN stays NaN) ----
+
+// v rounded to the nearest bf16, kept as fp32 (the low 16 bits cleared): what a bf16 op
+// of the eager model stores, so a fused kernel can round where each of its ops would.
+inline __m256 round_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_and_si256(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// Rounding to the element type T: nothing for fp32.
+template <typename T>
+inline __m256 round_to(__m256 v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return round_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 // 8-bit caches (kv_cache_dtype int8 / fp8): load8 gives the raw values, kRawUnit<T> times
