@@ -3,6 +3,7 @@
 Streams `max_tokens` one-token chunks per request: the first `--ttft-ms` after the request
 arrived, then one every `--itl-ms`, each on an absolute deadline (arrival + ttft + i × itl)
 so sleep jitter does not add up; then a finish chunk, a usage chunk and `[DONE]`.
+With `--hold-file PATH` each stream pauses after its first token until PATH exists.
 Serves POST /v1/completions, POST /v1/chat/completions and GET /v1/models. Every
 `--fail-every`-th request answers HTTP 500; `--log` appends each request body, with
 its path and Authorization header (JSONL).
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import select
 import socket
 import subprocess
@@ -66,6 +68,8 @@ async def _stream(request: web.Request, body: dict[str, Any], arrived: float) ->
         deadline = arrived + (options.ttft_ms + index * options.itl_ms) / 1000
         await asyncio.sleep(max(0.0, deadline - loop.time()))
         await _send(response, _chunk(chat, f" tok{index}"))
+        while index == 0 and options.hold_file and not os.path.exists(options.hold_file):
+            await asyncio.sleep(0.01)
     await _send(response, _chunk(chat, "", finish="length"))
     usage = {"prompt_tokens": _prompt_tokens(body), "completion_tokens": tokens}
     usage["total_tokens"] = usage["prompt_tokens"] + tokens
@@ -122,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--itl-ms", type=float, default=20.0)
     parser.add_argument("--fail-every", type=int, default=0)
     parser.add_argument("--log", default=None)
+    parser.add_argument("--hold-file", default=None)
     return parser.parse_args(argv)
 
 

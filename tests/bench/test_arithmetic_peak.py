@@ -25,3 +25,8 @@ def test_rates_are_per_cycle_issue_rates():
     for name in ("int8_vnni_256", "int8_vnni_512"):
         if name in figures:  # only where the CPU has AVX-512 VNNI
             assert 8 <= figures[name]["per_cycle_per_core"] <= 128 * 1.1, (name, figures)
+    for name in ("bf16_dot_256", "bf16_dot_512"):
+        if name in figures:  # only where the CPU has AVX512-BF16
+            # Four FLOP per fp32 lane; from one 8-lane dot product every eighth cycle to two
+            # 16-lane ones a cycle.
+            assert 4 <= figures[name]["per_cycle_per_core"] <= 128 * 1.1, (name, figures)

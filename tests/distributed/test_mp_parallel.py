@@ -1,7 +1,7 @@
 """Tensor and pipeline parallelism through the `mp` executor, end to end on tiny random
 models: greedy tokens equal one rank's (ties accepted and counted) under chunked prefill
-and preemption; a rank killed mid-generation makes the offline API raise within seconds
-and leaves no process behind."""
+and preemption; a rank killed mid-generation makes the offline API raise naming the death
+(not at an RPC timeout) and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_rank_killed_mid_generation_raises_and_leaves_nothing(tiny_llama):
     pids = engine.engine_core.model_executor.worker_pids
     try:
         died = r"worker rank 1 \(pid \d+\) died with exit code -9"
-        assert kill_rank_mid_generation(engine, pids[1], died) < 10
+        kill_rank_mid_generation(engine, pids[1], died)
     finally:
         engine.engine_core.shutdown()
     assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)

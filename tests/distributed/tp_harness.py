@@ -44,6 +44,10 @@ def _entry(target, rank, world_size, port, results, timeout_s, env, args) -> Non
         parallel_state.destroy_model_parallel()
 
 
+# How long a rank found dead may still take to deliver the result it sent before exiting.
+DEAD_RANK_GRACE_S = 10.0
+
+
 def run_ranks(
     target: Callable[..., Any],
     world_size: int,
@@ -81,12 +85,15 @@ def run_ranks(
                     for r, p in enumerate(procs)
                     if r not in got and p.exitcode is not None
                 ]
-                if dead:
-                    # Give a rank that reported just before exiting a moment to arrive.
-                    time.sleep(0.5)
-                    if results.empty():
-                        raise AssertionError(f"rank(s) died without a result: {dead}") from None
-                continue
+                if not dead:
+                    continue
+                # A rank that reported just before exiting: a process flushes its queue
+                # before it exits, so its result is already on the way. Waiting for it (not
+                # for a fixed moment) is bounded only for a rank that died without one.
+                try:
+                    rank, ok, payload = results.get(timeout=DEAD_RANK_GRACE_S)
+                except queue.Empty:
+                    raise AssertionError(f"rank(s) died without a result: {dead}") from None
             if not ok:
                 raise AssertionError(f"rank {rank} raised:\n{payload}")
             got[rank] = pickle.loads(payload)

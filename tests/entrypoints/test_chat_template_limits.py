@@ -22,6 +22,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 BENIGN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
 NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
 HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
+# A bound on waits that only guards against a hang (the machine may be busy).
+HANG_GUARD_S = 60.0
 # The trusted server's --chat-template (a file), in place of the model's.
 SERVER_TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<bot>> "
 
@@ -91,30 +93,48 @@ def test_trusted_benign_template_renders(trusted):
 
 
 def test_trusted_hostile_template_is_stopped_while_others_are_served(trusted):
-    hostile: dict[str, object] = {}
+    hostile: dict[str, float | httpx.Response] = {}
 
     def send_hostile() -> None:
-        started = time.monotonic()
+        hostile["sent_at"] = time.monotonic()
         hostile["response"] = trusted.post("/v1/chat/completions", chat(NESTED_LOOPS))
-        hostile["elapsed_s"] = time.monotonic() - started
         hostile["done_at"] = time.monotonic()
 
-    thread = threading.Thread(target=send_hostile)
-    thread.start()
-    time.sleep(0.3)  # the template is rendering now
-    health = trusted.get("/health")
-    health_at = time.monotonic()
-    short = trusted.post("/v1/chat/completions", chat())
-    thread.join(timeout=60)
-    assert not thread.is_alive()
+    def send_short() -> None:
+        hostile["short"] = trusted.post("/v1/chat/completions", chat())
 
+    thread = threading.Thread(target=send_hostile, daemon=True)
+    thread.start()
+    other = threading.Thread(target=send_short, daemon=True)
+    other.start()
+    # /health asked again and again (sent, answered, status) while the hostile request is out.
+    polls: list[tuple[float, float, int]] = []
+    deadline = time.monotonic() + HANG_GUARD_S
+    while thread.is_alive() and time.monotonic() < deadline:
+        sent = time.monotonic()
+        status = trusted.get("/health").status_code
+        polls.append((sent, time.monotonic(), status))
+        time.sleep(0.02)
+    thread.join(timeout=HANG_GUARD_S)
+    other.join(timeout=HANG_GUARD_S)
+    assert not thread.is_alive() and not other.is_alive()
+
+    # Stopped by the time bound: it would otherwise loop for hours.
     message = assert_refused(hostile["response"])
     assert "did not finish rendering" in message
-    assert hostile["elapsed_s"] < 4 * RENDER_TIMEOUT_S
-    # The server answered others while the template ran: /health before it was refused.
-    assert health.status_code == 200
-    assert health_at < hostile["done_at"]
-    assert short.status_code == 200, short.text
+    assert hostile["short"].status_code == 200, hostile["short"].text
+    assert all(status == 200 for _, _, status in polls), polls
+    # The server answered others while the template ran. Its rendering began after the
+    # request was sent, ended before the answer came, and lasted at least RENDER_TIMEOUT_S
+    # (it never finishes on its own), so it covered [done_at - T, sent_at + T]: a /health
+    # asked and answered within that span was answered mid-rendering. No guess at when the
+    # rendering started, and no speed, decides this.
+    began_by = hostile["done_at"] - RENDER_TIMEOUT_S
+    still_on = hostile["sent_at"] + RENDER_TIMEOUT_S
+    during = [
+        (sent, answered) for sent, answered, _ in polls if began_by <= sent and answered <= still_on
+    ]
+    assert during, (hostile["sent_at"], hostile["done_at"], polls)
     assert_healthy(trusted)
 
 
@@ -128,9 +148,9 @@ def test_trusted_hostile_template_is_stopped_while_others_are_served(trusted):
     ],
 )
 def test_trusted_template_past_a_bound_is_refused(trusted, path, body):
-    started = time.monotonic()
+    # Refused by a bound (the answer says which), not rendered: these would loop for hours
+    # or write far past the context window.
     message = assert_refused(trusted.post(path, body))
-    assert time.monotonic() - started < 4 * RENDER_TIMEOUT_S
     assert "too large" in message or "did not finish rendering" in message
     assert_healthy(trusted)
 

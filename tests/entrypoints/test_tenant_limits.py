@@ -279,11 +279,14 @@ def _output(index: int, token_ids: list[int], finished: bool) -> RequestOutput:
     return RequestOutput("r", None, [1], [completion], finished=finished)
 
 
-async def _replay(outputs: list[tuple[int, RequestOutput]], hold: bool = False):
+async def _replay(outputs: list[tuple[int, RequestOutput]], held: asyncio.Event | None = None):
+    """`outputs`, one by one; with `held`, then set it and wait (as a request still
+    generating does) until cancelled."""
     for item in outputs:
         yield item
-    if hold:
-        await asyncio.sleep(3600)
+    if held is not None:
+        held.set()
+        await asyncio.Event().wait()
 
 
 def test_generated_tokens_are_charged_as_they_arrive():
@@ -316,9 +319,10 @@ def test_a_generation_cut_short_is_charged_its_max_tokens():
     outputs = [(0, _output(0, [1, 2], False)), (0, _output(1, [3], True))]
 
     async def run():
-        stream = charge_generated_tokens(_replay(outputs, hold=True), limiter, [params])
+        held = asyncio.Event()
+        stream = charge_generated_tokens(_replay(outputs, held), limiter, [params])
         task = asyncio.create_task(anext_all(stream))
-        await asyncio.sleep(0.05)
+        await held.wait()  # every output went through: the cut comes mid-generation
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -123,11 +123,12 @@ def with_core_resumed(server: RunningServer) -> None:
 def test_frozen_core_is_reported_and_recovers(tiny_llama, tmp_path):
     server = RunningServer([str(tiny_llama), *ITERATION_TIMEOUT], tmp_path / "log")
     try:
-        pending = start_request(server, max_tokens=200)
-        wait_running(server, 1)
         core = core_process(server)
         core.suspend()
         try:
+            # Sent to the frozen core: it owes this request outputs and sends none, however
+            # fast the model would have finished it (nothing stalls while nothing is owed).
+            pending = start_request(server, max_tokens=200)
             wait_until(lambda: health(server) == 503, "/health to report the stall")
             assert "Engine core stalled" in server.log()
             assert server.metric("engine_stalled") == 1
@@ -167,7 +168,7 @@ def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tm
         assert_stream_ended_with_error(stream, 500, "engine")
 
         wait_until(lambda: health(server) == 200, "the new core")
-        wait_until(lambda: not old_core.is_running(), "the old core to be gone", 10)
+        wait_until(lambda: not old_core.is_running(), "the old core to be gone", WAIT_S)
         new_core = core_process(server)
         assert new_core.pid != old_core.pid
         answer = server.post("/v1/completions", body(max_tokens=8))

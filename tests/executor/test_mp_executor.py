@@ -38,7 +38,12 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> bool:
+# A bound on waits that only guards against a hang (the machine may be busy).
+HANG_GUARD_S = 60.0
+
+
+def _wait_gone(pids: list[int], timeout_s: float = HANG_GUARD_S) -> bool:
+    """Polls until every process in `pids` has exited; False if one outlives `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(_gone(pid) for pid in pids):
@@ -76,7 +81,7 @@ def test_rpc_replies_in_rank_order_and_shutdown_leaves_no_process(make_executor,
     pids = executor.collective_rpc("pid")
     assert pids == executor.worker_pids
     executor.shutdown()
-    assert _wait_gone(pids, 1.0)
+    assert _wait_gone(pids)
     executor.shutdown()  # twice is fine
 
 
@@ -98,7 +103,7 @@ def test_a_worker_exception_names_its_rank_and_traceback(make_executor):
     message = str(raised.value)
     assert "worker rank 1 raised in raise_on: ValueError: boom on rank 1" in message
     assert "mp_fake_workers.py" in message  # the worker's traceback
-    assert _wait_gone(pids, 5.0)  # a broken world is stopped at once
+    assert _wait_gone(pids)  # a broken world is stopped, with no shutdown() called
     with pytest.raises(WorkerError, match="workers are gone"):
         executor.collective_rpc("echo", (1,))
 
@@ -113,21 +118,20 @@ def test_a_failed_start_raises_and_leaves_no_process(monkeypatch):
 def test_a_dead_worker_raises_at_once_with_rank_and_exit_code(make_executor):
     executor = make_executor()
     pids = executor.worker_pids
-    start = time.monotonic()
+    # At once: the death itself is reported, not the RPC timeout (600 s by default) that a
+    # missed death would end in ("did not answer ... within").
     with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died with exit code 7"):
         executor.collective_rpc("exit_on", (1, 7))
-    assert time.monotonic() - start < 10
-    assert _wait_gone(pids, 5.0)
+    assert _wait_gone(pids)
 
 
 def test_a_hung_worker_raises_after_the_rpc_timeout(make_executor):
     executor = make_executor(rpc_timeout_s=1.0)
     pids = executor.worker_pids
-    start = time.monotonic()
+    # The RPC timeout ends the wait: the worker would have answered after its 60 s sleep.
     with pytest.raises(WorkerError, match=r"rank\(s\) \[0\] did not answer sleep_on within 1 s"):
         executor.collective_rpc("sleep_on", (0, 60))
-    assert time.monotonic() - start < 10
-    assert _wait_gone(pids, 5.0)
+    assert _wait_gone(pids)
 
 
 _OWNER = """
@@ -161,8 +165,8 @@ def test_workers_die_with_the_executors_owner(how):
         assert len(pids) == 2, line
         if how == "SIGKILL":
             owner.send_signal(signal.SIGKILL)
-        assert owner.wait(timeout=10) == (-signal.SIGKILL if how == "SIGKILL" else 0)
-        assert _wait_gone(pids, 5.0), "worker processes outlived their owner"
+        assert owner.wait(timeout=HANG_GUARD_S) == (-signal.SIGKILL if how == "SIGKILL" else 0)
+        assert _wait_gone(pids), "worker processes outlived their owner"
     finally:
         owner.kill()
-        owner.wait(timeout=10)
+        owner.wait(timeout=HANG_GUARD_S)

@@ -1,7 +1,9 @@
 """A grammar that compiles past the time limit ends its request with an error naming the
 field, while the compiles queued behind it move to a fresh thread and finish, and requests
 without a grammar run on. A fake backend stands in for xgrammar: no model, no timings
-asserted (the slow compile waits on an event the test sets only at the end)."""
+asserted (the slow compile waits on an event the test sets only at the end), and the
+manager's clock is the test's: the slow compile passes its time limit when the test moves
+that clock, and the quick ones, which it never moves past, never can."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import manager as manager_module
 from pagedllm.structured_output.backend import GrammarMatcher, StructuredOutputBackend
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 VOCAB, EOS = 40, 39
+COMPILE_TIMEOUT_S = 0.5
+HANG_GUARD_S = 30.0  # only a bound on waiting, never what decides an outcome
 
 
 class AnyTokenMatcher(GrammarMatcher):
@@ -38,15 +43,18 @@ class AnyTokenMatcher(GrammarMatcher):
 
 
 class SlowBackend(StructuredOutputBackend):
-    """The regex "slow" compiles until `release` is set; any other spec at once."""
+    """The regex "slow" compiles until `release` is set (`started` says it is running); any
+    other spec at once."""
 
     name = "slow"
 
     def __init__(self) -> None:
+        self.started = threading.Event()
         self.release = threading.Event()
 
     def compile(self, spec: StructuredOutputsParams):
         if spec.regex == "slow":
+            self.started.set()
             self.release.wait(60)
         return spec.regex
 
@@ -57,9 +65,29 @@ class SlowBackend(StructuredOutputBackend):
         pass
 
 
+class FakeClock:
+    """The manager's `time`: its monotonic() moves only when the test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
-def scheduler():
-    manager = StructuredOutputManager(object(), VOCAB, [EOS], compile_timeout_s=0.5)
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(manager_module, "time", fake)
+    return fake
+
+
+@pytest.fixture
+def scheduler(clock):
+    manager = StructuredOutputManager(object(), VOCAB, [EOS], compile_timeout_s=COMPILE_TIMEOUT_S)
     manager._backend = SlowBackend()
     yield Scheduler(SchedulerConfig(64, 8, 128, "fcfs"), KVCacheManager(33, 4, False), manager)
     manager._backend.release.set()  # the abandoned compile thread ends
@@ -75,7 +103,7 @@ def add(scheduler: Scheduler, request_id: str, regex: str | None) -> None:
 def run_until_done(scheduler: Scheduler) -> dict[str, object]:
     """Step with token 3 for every sampling row until nothing is left; the final outputs."""
     finished = {}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_GUARD_S
     while scheduler.has_unfinished_requests():
         assert time.monotonic() < deadline, "requests did not finish"
         output = scheduler.schedule()
@@ -91,10 +119,17 @@ def run_until_done(scheduler: Scheduler) -> dict[str, object]:
     return finished
 
 
-def test_a_compile_past_the_limit_fails_its_request_alone(scheduler):
+def past_the_limit(scheduler: Scheduler, clock: FakeClock) -> None:
+    """Once the slow compile is running, move the clock past its time limit."""
+    assert scheduler.structured_output._backend.started.wait(HANG_GUARD_S)
+    clock.advance(2 * COMPILE_TIMEOUT_S)
+
+
+def test_a_compile_past_the_limit_fails_its_request_alone(scheduler, clock):
     add(scheduler, "slow", "slow")
     add(scheduler, "queued-behind", "quick")  # waits for the compile thread "slow" holds
     add(scheduler, "free", None)
+    past_the_limit(scheduler, clock)
     finished = run_until_done(scheduler)
     slow = finished["slow"]
     assert slow.finish_reason == "error"
@@ -105,8 +140,9 @@ def test_a_compile_past_the_limit_fails_its_request_alone(scheduler):
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
 
 
-def test_the_same_slow_spec_again_fails_without_a_second_stuck_thread(scheduler):
+def test_the_same_slow_spec_again_fails_without_a_second_stuck_thread(scheduler, clock):
     add(scheduler, "slow-1", "slow")
+    past_the_limit(scheduler, clock)
     assert run_until_done(scheduler)["slow-1"].finish_reason == "error"
     manager = scheduler.structured_output
     add(scheduler, "slow-2", "slow")  # shares the still-running compile
