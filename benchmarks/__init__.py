@@ -17,7 +17,8 @@ Throughput and serving against other engines
                         `LLM.chat` on the same 1,000 requests?
 
 The CPU step against the machine
-    arithmetic_peak     What do the cores issue at most (FMA and VNNI), that no matmul passes?
+    arithmetic_peak     What do the cores issue at most (FMA, VNNI, bf16 dot products), that no
+                        matmul passes?
     ceiling             What is the fp32 matmul rate at the model's shapes, and what share of
                         it does an engine run reach?
     step_breakdown      Where does a prefill and a decode step's time go (schedule, forward,
@@ -25,6 +26,8 @@ The CPU step against the machine
     skinny_linear       At one to a few hundred rows, which matmul wins: the skinny kernel,
                         sgemm or oneDNN's prepacked weights?
     gguf_matmul         How fast is the gguf kernel on a layer's four matmuls beside fp32?
+    bf16_matmul         Does a bf16 layer multiply faster on its bf16 packed weight or on an
+                        fp32 copy, at how many rows?
     attention_kernel    How long does one layer's attention call take, per case and backend?
     decode_attention_floor  How close is decode attention to what memory allows?
     compiled_decode     How much does the compiled decode step save over the eager forward?
@@ -84,6 +87,8 @@ Shell entries (run by path, they call the modules above)
                         a worktree, beside vLLM and llama.cpp.
     w1_sitting.sh       W1 against vLLM in one sitting, beside the cores' peak and the matmul
                         rates (the current throughput figure).
+    bf16_sitting.sh     bf16 against fp32, beside vLLM: the cores' rates, W1-lite and
+                        Llama-3.2-1B's shape in one sitting (results/bf16.md).
     ab_pairs.sh         Did a change move W1 or single-stream decode? Before and after in
                         alternating pairs of processes (results/refactors.md).
 

@@ -31,6 +31,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workload", required=True)
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights, no files")
+    parser.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="for a directory with no tokenizer"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--output-json", required=True)
     return parser.parse_args()
 
@@ -47,11 +52,24 @@ def main() -> None:
 
     workload = read_workload(args.workload, args.num_prompts)
     started = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        seed=0,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        max_model_len=args.max_model_len,
+    )
     startup_s = time.perf_counter() - started
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     params = [
-        SamplingParams(temperature=1.0, top_p=1.0, max_tokens=n, ignore_eos=True)
+        SamplingParams(
+            temperature=1.0,
+            top_p=1.0,
+            max_tokens=n,
+            ignore_eos=True,
+            detokenize=not args.skip_tokenizer_init,
+        )
         for _, n in workload
     ]
     started = time.perf_counter()

@@ -118,6 +118,10 @@ def test_the_fp32_copies_go_first_when_memory_is_short(tiny_model_factory, monke
     # Room for the bf16 packed weights (as many bytes as the plain ones) but not for a
     # further fp32 copy (twice that).
     plain = sum(m.weight.nbytes for m in _bf16_linears(directory))
-    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: 2 * plain / 0.25)
+    share = onednn.MAX_SHARE_OF_AVAILABLE_MEMORY
+    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: 2 * plain / share)
     linears = _bf16_linears(directory)
     assert all(m.packed_weight is not None and m.packed_fp32_weight is None for m in linears)
+    # An operator who gives the packed copies a larger share gets them.
+    monkeypatch.setenv("PAGEDLLM_PACKED_WEIGHTS_SHARE", str(min(1.0, 1.5 * share)))
+    assert all(m.packed_fp32_weight is not None for m in _bf16_linears(directory))

@@ -46,16 +46,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACKING_ROWS)
 
 
-# Packed copies may take at most this share of the memory available when packing starts:
-# a large fp32 model keeps its plain weights alone rather than run out of memory.
-MAX_SHARE_OF_AVAILABLE_MEMORY = 0.25
+# Packed copies may take at most this share of the memory available when packing starts
+# (PAGEDLLM_PACKED_WEIGHTS_SHARE overrides it): a large fp32 model keeps its plain weights
+# alone rather than run out of memory, and a bf16 one drops its fp32 copies first. A
+# quarter left Llama-3.2-1B's shape unpacked on a 24 GiB machine (4.9 GB of fp32 copies
+# against ~4 GB allowed) and its 32-sequence batches 35-40% slower, in fp32 and bf16 alike
+# (benchmarks/results/bf16.md); half still leaves half of what is available.
+MAX_SHARE_OF_AVAILABLE_MEMORY = 0.5
+
+
+def packing_budget_bytes() -> float:
+    """The bytes packed copies may take now."""
+    share = float(os.environ.get("PAGEDLLM_PACKED_WEIGHTS_SHARE", MAX_SHARE_OF_AVAILABLE_MEMORY))
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"PAGEDLLM_PACKED_WEIGHTS_SHARE must be in [0, 1], got {share}")
+    return share * available_memory_bytes()
 
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every fp32 or bf16 CPU `Linear` of the model (a tied head included) a packed
     weight, and bf16 ones an fp32 packed copy where the kernels ask for it; returns how many
     weights were packed (0 where oneDNN is unavailable or the copies would not fit in
-    MAX_SHARE_OF_AVAILABLE_MEMORY of the available memory)."""
+    `packing_budget_bytes`)."""
     if not available():
         return 0
     linears = [
@@ -66,15 +78,22 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     in_fp32 = [linear for linear in linears if _wants_fp32_copy(linear)]
     packed_bytes = sum(linear.weight.nbytes for linear in linears)
     fp32_bytes = sum(linear.weight.numel() * 4 for linear in in_fp32)
-    budget = MAX_SHARE_OF_AVAILABLE_MEMORY * available_memory_bytes()
-    if packed_bytes + fp32_bytes > budget:
+    budget = packing_budget_bytes()
+    if packed_bytes + fp32_bytes > budget and in_fp32:
+        logger.warning(
+            "bf16 layers keep no fp32 copies: with them the packed weights (%.1f GB) would "
+            "exceed %.1f GB (PAGEDLLM_PACKED_WEIGHTS_SHARE); batches multiply in bf16",
+            (packed_bytes + fp32_bytes) / 1e9,
+            budget / 1e9,
+        )
         in_fp32, fp32_bytes = [], 0
     if packed_bytes > budget:
         logger.warning(
-            "oneDNN packing skipped: the packed weights (%.1f GB) would exceed %.0f%% of the "
-            "available memory; linear layers use sgemm",
+            "oneDNN packing skipped: the packed weights (%.1f GB) would exceed %.1f GB, the "
+            "share of the available memory they may take (PAGEDLLM_PACKED_WEIGHTS_SHARE); "
+            "linear layers use sgemm",
             packed_bytes / 1e9,
-            100 * MAX_SHARE_OF_AVAILABLE_MEMORY,
+            budget / 1e9,
         )
         return 0
     for linear in linears:
