@@ -34,6 +34,20 @@ def health(server: RunningServer) -> int:
         return 0
 
 
+def queue_is_full(server: RunningServer) -> bool:
+    """Whether the admission queue (`--max-num-queued-requests`) refuses one more request.
+    The probe asks for more tokens than any context holds: refused at the capacity check
+    (503) when the queue is full, else refused as invalid (400) before it is admitted, so it
+    never takes a place itself. A request stays queued until its first token, so with the
+    engine core stopped this tells, without a model step, that requests were admitted (and
+    so handed to the engine, in the same step of the server's event loop)."""
+    probe = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 1_000_000})
+    if probe.status_code == 503 and "--max-num-queued-requests" in probe.text:
+        return True
+    assert probe.status_code == 400, probe.text
+    return False
+
+
 class RunningServer:
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
         self.port = free_port()

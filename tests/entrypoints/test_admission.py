@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx2 as httpx
+import psutil
 import pytest
 from server_utils import RunningServer
 
@@ -243,6 +244,10 @@ def limited_server(tiny_llama, tmp_path_factory):
         str(READ_TIMEOUT_S),
         "--request-body-timeout",
         str(READ_TIMEOUT_S),
+        # The engine core is stopped while requests wait in the queue (`engine_stopped`): it
+        # must never be reported stalled then, however slowly the test sends its burst.
+        "--engine-iteration-timeout",
+        "3600",
     ]
     server = RunningServer(args, tmp_path_factory.mktemp("admission") / "server.log")
     yield server
@@ -260,20 +265,23 @@ def completion(prompt, n: int = 1, max_tokens: int = 3) -> dict:
     return {"prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1}
 
 
+def engine_core(server: RunningServer) -> psutil.Process:
+    """The engine-core process: the API process's child started by multiprocessing's spawn."""
+    children = psutil.Process(server.process.pid).children()
+    return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
+
+
 @contextlib.contextmanager
-def engine_busy(server: RunningServer):
-    """Every sequence slot taken by one streamed request with n = max-num-seqs, until the
-    block ends (the stream is closed, which aborts it): new requests wait in the queue."""
-    body = {**completion("hold", n=QUEUE, max_tokens=900), "ignore_eos": True, "stream": True}
-    with httpx.stream(
-        "POST", server.base_url + "/v1/completions", json=body, timeout=SOCKET_TIMEOUT_S
-    ) as response:
-        assert response.status_code == 200, response.read()
-        lines = response.iter_lines()
-        while not next(lines).startswith("data: {"):  # its first token: it left the queue
-            pass
+def engine_stopped(server: RunningServer):
+    """The engine core suspended (SIGSTOP) until the block ends: a request admitted meanwhile
+    gets no first token, so it stays in the admission queue however fast the machine would
+    have run it. The core is resumed on the way out, a failed assertion included."""
+    core = engine_core(server)
+    core.suspend()
+    try:
         yield
-    # Closing the stream aborts it.
+    finally:
+        core.resume()
 
 
 def burst(server: RunningServer, bodies: list[dict]) -> list[httpx.Response]:
@@ -281,12 +289,12 @@ def burst(server: RunningServer, bodies: list[dict]) -> list[httpx.Response]:
         return list(pool.map(lambda b: server.post("/v1/completions", b), bodies))
 
 
-def burst_while_busy(server: RunningServer, bodies: list[dict]) -> list[httpx.Response]:
-    """Send every body at once while the engine is busy; the requests admitted wait in the
-    queue, the others are answered at once. Once no more than the queue's worth is left
-    unanswered, the engine is let go and the admitted ones finish."""
+def burst_while_stopped(server: RunningServer, bodies: list[dict]) -> list[httpx.Response]:
+    """Send every body at once while the engine core is stopped; the requests admitted wait
+    in the queue, the others are answered at once. Once no more than the queue's worth is
+    left unanswered, the core is resumed and the admitted ones finish."""
     with ThreadPoolExecutor(len(bodies)) as pool:
-        with engine_busy(server):
+        with engine_stopped(server):
             futures = [pool.submit(server.post, "/v1/completions", b) for b in bodies]
             deadline = time.monotonic() + 60
             while sum(not f.done() for f in futures) > QUEUE and time.monotonic() < deadline:
@@ -333,13 +341,13 @@ def test_overload_and_oversized_bodies_leave_the_server_as_it_was(limited_server
 
     # 10x what the queue admits, as concurrent single-prompt requests.
     singles = [completion(f"p{i}") for i in range(10 * QUEUE)]
-    accepted, refused = check_answers(burst_while_busy(server, singles), singles)
+    accepted, refused = check_answers(burst_while_stopped(server, singles), singles)
     print(f"burst of {len(singles)} single prompts: {accepted} answered 200, {refused} refused")
     assert accepted >= QUEUE and refused > 0, (accepted, refused)
 
     # ... as concurrent multi-prompt requests, each costing the whole queue (2 prompts x n=2).
     multis = [completion([f"q{i}", f"r{i}"], n=2) for i in range(10)]
-    accepted, refused = check_answers(burst_while_busy(server, multis), multis)
+    accepted, refused = check_answers(burst_while_stopped(server, multis), multis)
     print(f"burst of {len(multis)} 2-prompt n=2 requests: {accepted} answered, {refused} refused")
     assert accepted >= 1 and refused > 0, (accepted, refused)
 
@@ -350,15 +358,24 @@ def test_overload_and_oversized_bodies_leave_the_server_as_it_was(limited_server
 
     # Queued prompt tokens: a second long prompt does not fit next to a waiting one.
     long_prompt = [7] * (QUEUED_TOKENS // 2 + 10)
-    with ThreadPoolExecutor(1) as pool:  # the engine is let go before the pool is waited for
-        with engine_busy(server):
-            waiting = pool.submit(server.post, "/v1/completions", completion(long_prompt))
-            deadline = time.monotonic() + 30
-            while server.metric("num_requests_waiting") < 1:
-                assert time.monotonic() < deadline and not waiting.done()
-                time.sleep(0.02)
+    with contextlib.ExitStack() as streams:  # the core is resumed before the stream is read
+        with engine_stopped(server):
+            # A stream's 200 comes once it was admitted (a refusal is a 503 instead): from
+            # then on it waits in the queue, since the stopped core gives it no first token.
+            waiting = streams.enter_context(
+                httpx.stream(
+                    "POST",
+                    server.base_url + "/v1/completions",
+                    json={**completion(long_prompt), "stream": True},
+                    headers=server.headers,
+                    timeout=SOCKET_TIMEOUT_S,
+                )
+            )
+            assert waiting.status_code == 200, waiting.read()
             second = server.post("/v1/completions", completion(long_prompt))
-        assert waiting.result().status_code == 200
+        waited = [line for line in waiting.iter_lines() if line]
+    assert waited[-1] == "data: [DONE]", waited[-3:]
+    assert not any('"error"' in line for line in waited), waited
     assert second.status_code == 503 and int(second.headers["Retry-After"]) >= 1
     assert "--max-num-queued-tokens" in second.json()["error"]["message"]
     too_long = server.post("/v1/completions", completion([7] * (QUEUED_TOKENS + 1)))

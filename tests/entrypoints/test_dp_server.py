@@ -7,6 +7,7 @@ with it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer, health, wait_until
+from server_utils import RunningServer, health, queue_is_full, wait_until
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.dp_router import ROUTING_ENV
@@ -151,7 +152,11 @@ def test_dp2_answers_as_dp1_beats_round_robin_and_ends_with_a_dead_core(
 
 
 def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
-    args = ("--restart-on-engine-failure", "--engine-iteration-timeout", "5")
+    # Both cores are stopped for a while below (core 1 while core 0 is replaced): no stall
+    # timeout in reach of this test. A queue of two: the two requests' admission (they stay
+    # queued without a first token) is seen from outside without a model step.
+    args = ("--restart-on-engine-failure", "--engine-iteration-timeout", "3600")
+    args += ("--max-num-queued-requests", "2")
     server = start_dp_server(tiny_llama, tmp_path, monkeypatch, "prefix", *args)
     try:
         core0, core1 = core_processes(server)
@@ -167,14 +172,27 @@ def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
             thread.start()
             return thread
 
-        # Nothing held, equal loads: the cores in turn, 0 first.
-        doomed = run("doomed", [5, 6, 7], 1000)
-        wait_until(lambda: engine_series(server, "num_requests_running")["0"] == 1, "core 0")
-        survivor = run("survivor", [8, 9, 10], 300)
-        wait_until(lambda: engine_series(server, "num_requests_running")["1"] == 1, "core 1")
-        core0.kill()
-        doomed.join(WAIT_S)
-        assert results["doomed"].status_code == 500, results["doomed"].text
+        # One block each core holds (nothing held, equal loads: the cores in turn, 0 first):
+        # prefix routing then sends a prompt starting with it to that core, whatever the
+        # order the two requests below arrive in.
+        held = [[(37 * core + 11 * i) % 500 + 3 for i in range(BLOCK)] for core in range(2)]
+        for prefix in held:
+            complete(server, prefix)
+        # Stopped before the requests are sent: both are certainly still owed when core 0
+        # dies, however fast the machine would have finished them.
+        core0.suspend()
+        core1.suspend()
+        try:
+            doomed = run("doomed", held[0] + [5, 6, 7], 1000)
+            survivor = run("survivor", held[1] + [8, 9, 10], 300)
+            # Admitted means routed and handed to its core in the same step of the server's
+            # event loop.
+            wait_until(lambda: queue_is_full(server), "both requests admitted")
+            core0.kill()  # SIGKILL ends a stopped process too
+            doomed.join(WAIT_S)
+            assert results["doomed"].status_code == 500, results["doomed"].text
+        finally:
+            core1.resume()
         survivor.join(WAIT_S)
         assert results["survivor"].status_code == 200, results["survivor"].text
         assert results["survivor"].json()["usage"]["completion_tokens"] == 300
@@ -186,4 +204,8 @@ def test_dp2_replaces_a_killed_core_alone(tiny_llama, tmp_path, monkeypatch):
             assert complete(server, prompt)["usage"]["completion_tokens"] == MAX_TOKENS
         assert "Restarting the engine core 0" in server.log()
     finally:
+        with contextlib.suppress(psutil.Error):  # a failed assertion must not leave one stopped
+            for core in core_processes(server):
+                if core.status() == psutil.STATUS_STOPPED:
+                    core.resume()
         assert server.stop() == 0, server.log()

@@ -7,6 +7,7 @@ both parts: each takes tens of seconds on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -19,7 +20,8 @@ from server_utils import RunningServer, health, offline_greedy_texts
 WAIT_S = 60.0  # bound on anything a test waits for (the machine may be busy)
 MAX_TOKENS = 8
 PROMPTS = [[5, 6, 7], [(7 * i) % 500 + 3 for i in range(40)]]
-# A stream long enough to be still running when the rank dies (the context is 1,024).
+# The rank is stopped (SIGSTOP) before the stream is sent, so no step completes and the
+# stream is certainly unfinished when the rank dies, however fast the machine.
 STREAM_TOKENS = 1000
 
 
@@ -36,9 +38,17 @@ def spawned_children(process: psutil.Process) -> list[psutil.Process]:
     return sorted(children, key=lambda c: (c.create_time(), c.pid))
 
 
+def resume_stopped(api: psutil.Process) -> None:
+    with contextlib.suppress(psutil.Error):
+        for process in api.children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if process.status() == psutil.STATUS_STOPPED:
+                    process.resume()
+
+
 def stream_completion(server: RunningServer, events: list, started: threading.Event) -> None:
-    """POST a long greedy stream; append every SSE `data:` payload to `events`; set
-    `started` at the first generated text."""
+    """POST a long greedy stream; append the status and every SSE `data:` payload to
+    `events`; set `started` once the status came (the request is admitted and running)."""
     body = {
         "prompt": PROMPTS[0],
         "max_tokens": STREAM_TOKENS,
@@ -50,13 +60,12 @@ def stream_completion(server: RunningServer, events: list, started: threading.Ev
     try:
         with httpx.stream("POST", url, json=body, timeout=WAIT_S) as response:
             events.append(response.status_code)
+            started.set()
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 payload = line.removeprefix("data: ")
                 events.append(payload if payload == "[DONE]" else json.loads(payload))
-                if payload != "[DONE]" and "choices" in events[-1]:
-                    started.set()
     except httpx.HTTPError as error:
         events.append(error)
     finally:
@@ -80,12 +89,17 @@ def test_tp2_server_answers_as_one_rank_and_a_killed_rank_ends_it(tiny_llama, tm
 
         events: list = []
         started = threading.Event()
+        victim = workers[-1]  # the last started: rank 1
+        # Stopped first: the stream's steps wait for it, so the request is still owed when
+        # the rank dies, however fast the machine would have finished it.
+        victim.suspend()
         streamer = threading.Thread(target=stream_completion, args=(server, events, started))
         streamer.start()
+        # Its 200 is sent as the stream starts, in the same step of the server's event loop
+        # that hands the request to the engine.
         assert started.wait(WAIT_S), "the stream did not start"
         assert events[0] == 200, events
-        victim = workers[-1]  # the last started: rank 1
-        victim.kill()  # SIGKILL
+        victim.kill()  # SIGKILL, which ends a stopped process too
         killed_at = time.monotonic()
 
         # The API process answers 503 from the moment it sees the core die, then exits.
@@ -105,4 +119,5 @@ def test_tp2_server_answers_as_one_rank_and_a_killed_rank_ends_it(tiny_llama, tm
         assert not alive, f"processes left behind: {alive}"
         assert f"(pid {victim.pid}) died with exit code -9" in server.log(), server.log()
     finally:
+        resume_stopped(api)  # a failed assertion must not leave a stopped rank behind
         server.stop()

@@ -4,6 +4,7 @@ queue's 503: `test_admission.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
-from server_utils import RunningServer
+from server_utils import RunningServer, queue_is_full, wait_until
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.serving import OpenAIServing
@@ -56,17 +57,36 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama, tmp_path):
 
 
 def test_dead_engine_gives_503_health_500_in_flight_and_nonzero_exit(tiny_llama, tmp_path):
-    server = RunningServer([str(tiny_llama)], tmp_path / "log")
-    pending = start_long_request(server, max_tokens=1000)
-    engine_process(server).kill()
-    pending["thread"].join(60)
-    assert pending["response"].status_code == 500
-    assert "engine" in pending["response"].json()["error"]["message"]
-    health = server.get("/health")  # the server answers a little while before it exits
-    assert health.status_code == 503
-    assert server.post("/v1/completions", {"prompt": "hi"}).status_code == 503
-    assert server.process.wait(60) != 0
-    server.stop()
+    # A queue of one: the request's admission (it stays queued without a first token) is seen
+    # from outside without a model step.
+    server = RunningServer([str(tiny_llama), "--max-num-queued-requests", "1"], tmp_path / "log")
+    engine = engine_process(server)
+    try:
+        # Stopped before the request is sent, so it is certainly still owed when the core
+        # dies, however fast the model would have finished it.
+        engine.suspend()
+        result: dict = {}
+        body = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+
+        def run() -> None:
+            result["response"] = server.post("/v1/completions", body)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        wait_until(lambda: queue_is_full(server), "the request admitted", 60)
+        engine.kill()  # SIGKILL ends a stopped process too
+        thread.join(60)
+        assert result["response"].status_code == 500, result["response"].text
+        assert "engine" in result["response"].json()["error"]["message"]
+        health = server.get("/health")  # the server answers a little while before it exits
+        assert health.status_code == 503
+        assert server.post("/v1/completions", {"prompt": "hi"}).status_code == 503
+        assert server.process.wait(60) != 0
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):  # a failed assertion left it stopped
+            if engine.status() == psutil.STATUS_STOPPED:
+                engine.resume()
+        server.stop()
 
 
 @pytest.mark.parametrize("allow", [False, True])

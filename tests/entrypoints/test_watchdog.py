@@ -15,7 +15,7 @@ from functools import partial
 import httpx2 as httpx
 import psutil
 import pytest
-from server_utils import RunningServer, health, wait_until
+from server_utils import RunningServer, health, queue_is_full, wait_until
 
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 
@@ -56,9 +56,11 @@ def start_request(server: RunningServer, max_tokens: int) -> dict:
     return result
 
 
-def start_stream(server: RunningServer, max_tokens: int) -> dict:
-    """Stream a completion in a thread; returns once its first event arrived. The dict gets
-    the `status` and every non-empty SSE `lines`."""
+def start_stream(server: RunningServer, max_tokens: int, first_event: bool = True) -> dict:
+    """Stream a completion in a thread; returns once its first event arrived (without
+    `first_event`: once its status came, which the server sends as the stream starts, in the
+    same step of its event loop that hands the request to the engine). The dict gets the
+    `status` and every non-empty SSE `lines`."""
     result: dict = {"lines": [], "started": threading.Event()}
 
     def run() -> None:
@@ -69,6 +71,8 @@ def start_stream(server: RunningServer, max_tokens: int) -> dict:
                 "POST", url, json=payload, headers=server.headers, timeout=WAIT_S
             ) as r:
                 result["status"] = r.status_code
+                if not first_event:
+                    result["started"].set()
                 for line in r.iter_lines():
                     if line:
                         result["lines"].append(line)
@@ -79,7 +83,10 @@ def start_stream(server: RunningServer, max_tokens: int) -> dict:
     result["thread"] = threading.Thread(target=run, daemon=True)
     result["thread"].start()
     assert result["started"].wait(WAIT_S), "stream never started"
-    assert result["lines"], f"stream ended before its first event: {result}"
+    if first_event:
+        assert result["lines"], f"stream ended before its first event: {result}"
+    else:
+        assert result.get("status") == 200, f"stream refused: {result}"
     return result
 
 
@@ -105,10 +112,6 @@ def assert_stream_ended_with_error(pending: dict, status: int, words: str) -> No
     assert error["code"] == status and words in error["message"], error
     # Every event before the error was an ordinary chunk.
     assert all("choices" in json.loads(line.removeprefix("data: ")) for line in lines[:-2])
-
-
-def wait_running(server: RunningServer, count: int) -> None:
-    wait_until(lambda: server.metric("num_requests_running") >= count, f"{count} running")
 
 
 def with_core_resumed(server: RunningServer) -> None:
@@ -151,17 +154,26 @@ def test_frozen_core_is_reported_and_recovers(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("failure", ["freeze", "kill"])
 def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tmp_path):
-    args = [str(tiny_llama), *ITERATION_TIMEOUT, "--restart-on-engine-failure"]
+    # A killed core is replaced for its death: no stall timeout in reach of this test. A queue
+    # of two: the two requests' admission (they stay queued without a first token) is seen
+    # from outside without a model step.
+    timeout = ITERATION_TIMEOUT if failure == "freeze" else ["--engine-iteration-timeout", "3600"]
+    args = [str(tiny_llama), *timeout, "--restart-on-engine-failure"]
+    args += ["--max-num-queued-requests", "2"]
     server = RunningServer(args, tmp_path / "log")
     try:
         old_core = core_process(server)
-        stream = start_stream(server, max_tokens=1000)
+        # Stopped before the requests are sent: no step runs, so both are certainly still
+        # owed when the core fails, however fast the machine would have finished them, and
+        # no slow step can be taken for a stall first. "freeze" leaves it stopped for the
+        # watchdog to find.
+        old_core.suspend()
+        stream = start_stream(server, max_tokens=1000, first_event=False)
         plain = start_request(server, max_tokens=1000)
-        wait_running(server, 2)
-        if failure == "freeze":
-            old_core.suspend()
-        else:
-            old_core.kill()
+        # Admitted means handed to the engine in the same step of the server's event loop.
+        wait_until(lambda: queue_is_full(server), "both requests admitted")
+        if failure == "kill":
+            old_core.kill()  # SIGKILL ends a stopped process too
         finish(plain)
         finish(stream)
         assert_openai_error(plain["response"], 500, "engine")
@@ -191,14 +203,22 @@ def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tm
 
 
 def test_drain_timeout_ends_requests_with_openai_errors(tiny_llama, tmp_path):
-    server = RunningServer([str(tiny_llama), "--shutdown-timeout", "1"], tmp_path / "log")
+    args = [str(tiny_llama), "--shutdown-timeout", "1", "--max-num-queued-requests", "2"]
+    server = RunningServer(args, tmp_path / "log")
     try:
-        stream = start_stream(server, max_tokens=1000)
-        plain = start_request(server, max_tokens=1000)
-        wait_running(server, 2)
-        server.process.send_signal(signal.SIGTERM)
-        finish(plain)
-        finish(stream)
+        core = core_process(server)
+        # Stopped before the requests are sent and until the drain gave up on them: they
+        # certainly outlast it, however fast the machine would have finished them.
+        core.suspend()
+        try:
+            stream = start_stream(server, max_tokens=1000, first_event=False)
+            plain = start_request(server, max_tokens=1000)
+            wait_until(lambda: queue_is_full(server), "both requests admitted")
+            server.process.send_signal(signal.SIGTERM)
+            finish(plain)
+            finish(stream)
+        finally:
+            core.resume()
         assert_openai_error(plain["response"], 503, "shutting down")
         assert_stream_ended_with_error(stream, 503, "shutting down")
         assert server.process.wait(WAIT_S) == 0, server.log()
@@ -213,19 +233,29 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp
     # systemd unit's control group does (KillMode=control-group signals all of them).
     with monkeypatch.context() as patch:
         patch.setattr(subprocess, "Popen", partial(subprocess.Popen, start_new_session=True))
-        server = RunningServer([str(tiny_llama), "--shutdown-timeout", "120"], tmp_path / "log")
+        args = [str(tiny_llama), "--shutdown-timeout", "120", "--max-num-queued-requests", "4"]
+        server = RunningServer(args, tmp_path / "log")
     try:
         api = psutil.Process(server.process.pid)
         processes = [api, *api.children(recursive=True)]
-        assert os.getpgid(core_process(server).pid) == server.process.pid
-        # Long enough that the first request is still running when the fourth arrives (a
-        # decode step of the tiny model takes a few milliseconds).
-        streams = [start_stream(server, max_tokens=DRAIN_TOKENS) for _ in range(2)]
-        plains = [start_request(server, max_tokens=DRAIN_TOKENS) for _ in range(2)]
-        # All four admitted: one still connecting when the signal lands is refused by a
-        # server that has stopped accepting, which is right but not what this tests.
-        wait_running(server, 4)
-        os.killpg(server.process.pid, signal.SIGTERM)
+        core = core_process(server)
+        assert os.getpgid(core.pid) == server.process.pid
+        # Stopped until the signal was sent: all four are certainly still in flight when it
+        # lands, however fast the machine would have finished them. (The core ignores
+        # SIGTERM, stopped or not.)
+        core.suspend()
+        try:
+            streams = [
+                start_stream(server, max_tokens=DRAIN_TOKENS, first_event=False) for _ in range(2)
+            ]
+            plains = [start_request(server, max_tokens=DRAIN_TOKENS) for _ in range(2)]
+            # All four admitted (a queue of four is full): one still connecting when the
+            # signal lands is refused by a server that has stopped accepting, which is right
+            # but not what this tests.
+            wait_until(lambda: queue_is_full(server), "all four requests admitted")
+            os.killpg(server.process.pid, signal.SIGTERM)
+        finally:
+            core.resume()
         for pending in plains + streams:
             finish(pending)
         assert server.process.wait(WAIT_S) == 0, server.log()
