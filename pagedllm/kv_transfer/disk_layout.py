@@ -9,13 +9,23 @@ one file per block key, in 256 subfolders by the key's first two hex digits:
 where the header names the identity, the key, the block's token ids, the payload's length
 and its SHA-256. A file is written under a temporary name and renamed, so a reader sees a
 whole file or none; a torn, foreign or altered file fails its checks and is never loaded.
+
+The folder is not trusted: no link is followed (a subfolder or block file that is a
+symbolic link is refused, the temporary file is new, created with O_EXCL), a block file is
+read only if it is a regular file of exactly the size its key's header and payload make, and
+never past that size; anything else (a link, a FIFO, a device, a folder, a wrong size) is a
+`BlockFileError`: a miss, the block is recomputed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import secrets
+import stat
 import struct
 from pathlib import Path
 
@@ -23,6 +33,11 @@ MAGIC = b"PAGEDLLM-KV1\n"
 SUFFIX = ".kvb"
 _LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 20
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+# O_NONBLOCK: opening a FIFO planted in place of a file must not wait for a writer.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 
 class BlockFileError(ValueError):
@@ -38,23 +53,54 @@ def block_path(namespace: Path, key: str) -> Path:
 
 
 def scan_keys(namespace: Path) -> set[str]:
-    """Keys of the block files under `namespace` (their contents are checked when read)."""
-    if not namespace.is_dir():
-        return set()
-    return {path.name[: -len(SUFFIX)] for path in namespace.glob(f"*/*{SUFFIX}")}
+    """Keys of the block files under `namespace`: names only, no file is opened or followed
+    (a linked subfolder is skipped; what a name holds is checked when it is read)."""
+    keys: set[str] = set()
+    try:
+        folders = os.scandir(namespace)
+    except OSError:
+        return keys
+    with folders:
+        for folder in folders:
+            try:
+                if len(folder.name) != 2 or not folder.is_dir(follow_symlinks=False):
+                    continue
+                with os.scandir(folder.path) as entries:
+                    keys.update(
+                        entry.name[: -len(SUFFIX)]
+                        for entry in entries
+                        if entry.name.endswith(SUFFIX) and entry.name.startswith(folder.name)
+                    )
+            except OSError:
+                continue
+    return keys
 
 
-def encode_block_file(identity: str, key: str, token_ids: tuple[int, ...], payload: bytes) -> bytes:
-    header = json.dumps(
+def _header(
+    identity: str, key: str, token_ids: tuple[int, ...], payload_bytes: int, sha256: str
+) -> bytes:
+    return json.dumps(
         {
             "identity": identity,
             "key": key,
             "token_ids": list(token_ids),
-            "payload_bytes": len(payload),
-            "sha256": hashlib.sha256(payload).hexdigest(),
+            "payload_bytes": payload_bytes,
+            "sha256": sha256,
         }
     ).encode()
+
+
+def encode_block_file(identity: str, key: str, token_ids: tuple[int, ...], payload: bytes) -> bytes:
+    sha256 = hashlib.sha256(payload).hexdigest()
+    header = _header(identity, key, token_ids, len(payload), sha256)
     return MAGIC + _LENGTH.pack(len(header)) + header + payload
+
+
+def block_file_size(identity: str, key: str, token_ids: tuple[int, ...], payload_bytes: int) -> int:
+    """The exact size of the block file `encode_block_file` writes for these (a SHA-256 is
+    64 hex digits whatever the payload)."""
+    header = _header(identity, key, token_ids, payload_bytes, "0" * 64)
+    return len(MAGIC) + _LENGTH.size + len(header) + payload_bytes
 
 
 def decode_block_file(
@@ -87,10 +133,92 @@ def decode_block_file(
     return payload
 
 
+def _open_folder(path: Path) -> int:
+    """A descriptor of a block's subfolder, refused (OSError) if it is a link."""
+    return os.open(path, _DIR_FLAGS)
+
+
+def read_block_file(path: Path, size: int) -> bytes:
+    """The `size` bytes of the block file at `path`, read without following a link and only
+    from a regular file of exactly that size; else `BlockFileError` saying why (OSError if
+    it cannot be opened, e.g. it is missing)."""
+    folder = _open_folder(path.parent)
+    try:
+        kind = os.stat(path.name, dir_fd=folder, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(kind):
+            raise BlockFileError(f"not a regular file ({_kind(kind)})")
+        try:
+            fd = os.open(path.name, _READ_FLAGS, dir_fd=folder)
+        except OSError as error:
+            if error.errno == errno.ELOOP:  # replaced by a link since the check above
+                raise BlockFileError("not a regular file (symbolic link)") from None
+            raise
+    finally:
+        os.close(folder)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise BlockFileError(f"not a regular file ({_kind(found.st_mode)})")
+        if found.st_size != size:
+            raise BlockFileError(f"wrong file size ({found.st_size} bytes, not {size})")
+        data = bytearray(size)
+        view = memoryview(data)
+        done = 0
+        while done < size:
+            count = os.readv(fd, [view[done:]])
+            if count == 0:
+                raise BlockFileError("the file shrank while read")
+            done += count
+        if os.read(fd, 1):
+            raise BlockFileError("the file grew while read")
+    finally:
+        os.close(fd)
+    return bytes(data)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "unknown kind"
+
+
 def write_block_file(path: Path, data: bytes) -> None:
-    """Write atomically: a temporary file in the same folder, then a rename."""
+    """Write atomically, following no link: a new temporary file in the same folder (a name
+    nobody can guess, created with O_EXCL), then a rename over whatever `path` is."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as file:
-        file.write(data)
-    os.replace(temporary, path)
+    folder = _open_folder(path.parent)
+    try:
+        temporary = f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(temporary, _WRITE_FLAGS, 0o666, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
+
+
+def remove_block_file(path: Path) -> None:
+    """Delete a block file that failed its checks (a link itself, never its target; a
+    folder in its place stays: the rename of a rewrite fails on it, a miss again)."""
+    try:
+        folder = _open_folder(path.parent)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.unlink(path.name, dir_fd=folder)
+    finally:
+        os.close(folder)

@@ -171,18 +171,22 @@ class KVTierWorker:
             logger.warning("KV disk tier: could not write block %s: %s", key, error)
 
     def _fetch(self, key: str, slot: int, token_ids: tuple[int, ...]) -> None:
+        """Read one block file into a host slot; anything wrong with it (a link, not a
+        regular file, the wrong size, a failed check) is a miss: the block is recomputed."""
         assert self._namespace is not None
         path = disk_layout.block_path(self._namespace, key)
+        identity, nbytes = self.config.identity, self.nbytes_per_block
         ok = False
         try:
-            data = disk_layout.decode_block_file(
-                path.read_bytes(), self.config.identity, key, token_ids, self.nbytes_per_block
+            size = disk_layout.block_file_size(identity, key, token_ids, nbytes)
+            data = disk_layout.read_block_file(path, size)
+            self._write_host(
+                slot, disk_layout.decode_block_file(data, identity, key, token_ids, nbytes)
             )
-            self._write_host(slot, data)
             ok = True
-        except (OSError, disk_layout.BlockFileError) as error:
+        except Exception as error:  # whatever the folder holds, a miss, never a crash
             logger.warning("KV disk tier: block %s not loaded (%s); it is recomputed", key, error)
-            path.unlink(missing_ok=True)  # a bad file is rewritten when recomputed
+            disk_layout.remove_block_file(path)  # a bad file is rewritten when recomputed
         with self._lock:
             self._fetched.append((key, slot, ok))
             self._fetch_ended.set()

@@ -160,6 +160,45 @@ def test_corrupted_disk_block_is_detected_and_recomputed(reference, tmp_path):
     assert len(payload) == block_bytes
 
 
+@pytest.mark.parametrize("target", ["a genuine copy", "/dev/zero"])
+def test_linked_disk_block_is_refused_and_recomputed(reference, tmp_path, target):
+    """A block file replaced by a link between two engines sharing the folder (to /dev/zero:
+    read whole, it would exhaust memory) is refused unread and recomputed: same output."""
+    model, system, _, want = reference
+    first, again = [*system, 7, 8, 9], [*system, 11, 12]
+    tier = tmp_path / "tier"
+    llm = tiny_engine(model, kv_offload_dir=str(tier))
+    assert generate(llm, [first]) == [want[tuple(first)]]
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    identity_dir = next(tier.iterdir())
+    hashes: list[int] = []
+    hashing.extend_block_hashes(hashes, first, BLOCK, None, stable=True)
+    fourth = disk_layout.block_path(identity_dir, f"{hashes[3]:032x}.0")
+    copy = tmp_path / "copy.kvb"
+    copy.write_bytes(fourth.read_bytes())
+    fourth.unlink()
+    fourth.symlink_to(copy if target == "a genuine copy" else target)
+
+    restarted = tiny_engine(model, kv_offload_dir=str(tier))
+    before = computed_prompt_tokens(restarted)
+    assert generate(restarted, [again]) == [want[tuple(again)]]
+    # The first three blocks loaded; from the linked fourth on, recomputed.
+    assert computed_prompt_tokens(restarted) - before == len(again) - 3 * BLOCK
+    assert tier_stats(restarted)["failed_fetches"] >= 1
+    block_bytes = model_runner(restarted).kv_tiers.nbytes_per_block
+    restarted.llm_engine.engine_core.shutdown()
+    # The link was deleted (not its target) and the recomputed block written in its place.
+    assert not fourth.is_symlink()
+    key, tokens = f"{hashes[3]:032x}.0", tuple(first[3 * BLOCK : 4 * BLOCK])
+    size = disk_layout.block_file_size(identity_dir.name, key, tokens, block_bytes)
+    assert fourth.stat().st_size == copy.stat().st_size == size
+    payload = disk_layout.decode_block_file(
+        fourth.read_bytes(), identity_dir.name, key, tokens, block_bytes
+    )
+    assert len(payload) == block_bytes
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_swap_preemption_equals_recompute_and_no_preemption(tiny_model_factory, mode):
     model = tiny_model_factory("LlamaForCausalLM")
