@@ -8,6 +8,7 @@ import pytest
 import torch
 from model_utils import model_runner, small_engine
 
+from pagedllm import SamplingParams
 from pagedllm.model.layers import onednn
 from pagedllm.model.layers.linear import Linear
 from pagedllm.ops import fused
@@ -87,11 +88,14 @@ def test_bf16_packed_linear_rounds_fp32_sums(rows, monkeypatch):
     monkeypatch.setattr(
         fused, "onednn_linear", lambda a, p, b=None: seen.append(p.dtype) or onednn_linear(a, p, b)
     )
-    out = fused.linear(
-        x, weight, bias, BF16_KERNELS, onednn.pack(weight), onednn.pack(weight.float())
-    )
-    wide = rows >= fused.BF16_IN_FP32_MIN_ROWS
-    assert seen == [torch.float32 if wide else torch.bfloat16]
+    # AVX2 alone: oneDNN packs no bf16, and few rows take torch's bf16 linear.
+    packs_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed = onednn.pack(weight) if packs_bf16 else None
+    out = fused.linear(x, weight, bias, BF16_KERNELS, packed, onednn.pack(weight.float()))
+    if rows >= fused.BF16_IN_FP32_MIN_ROWS:
+        assert seen == [torch.float32]
+    else:
+        assert seen == ([torch.bfloat16] if packs_bf16 else [])
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, bf16_reference(x, weight, bias), rtol=8e-3, atol=1e-2)
 
@@ -105,23 +109,44 @@ def test_every_bf16_linear_is_packed_with_an_fp32_copy_where_asked(tiny_model_fa
     directory = tiny_model_factory("LlamaForCausalLM:tied-bias")
     monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: False)
     linears = _bf16_linears(directory)
-    assert linears and all(m.packed_weight.dtype == torch.bfloat16 for m in linears)
-    assert all(m.packed_fp32_weight.dtype == torch.float32 for m in linears)
+    assert linears and all(m.packed_fp32_weight.dtype == torch.float32 for m in linears)
+    assert all(_has_bf16_copy(m) for m in linears)
     monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: True)
     linears = _bf16_linears(directory)
-    assert all(m.packed_weight is not None and m.packed_fp32_weight is None for m in linears)
+    assert all(_has_bf16_copy(m) and m.packed_fp32_weight is None for m in linears)
+
+
+def _has_bf16_copy(linear: Linear) -> bool:
+    """A bf16 packed copy exactly where oneDNN packs bf16 (AVX-512 BW/VL/DQ or AVX-NE-
+    CONVERT: not on AVX2 alone, where packing bf16 raises)."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return linear.packed_weight is None
+    return linear.packed_weight is not None and linear.packed_weight.dtype == torch.bfloat16
+
+
+def test_a_cpu_that_cannot_pack_bf16_keeps_the_fp32_copies(tiny_model_factory, monkeypatch):
+    """On AVX2 alone oneDNN refuses bf16 packing: bf16 layers keep their fp32 copies (and
+    multiply few rows with torch's bf16 linear) instead of failing to load."""
+    directory = tiny_model_factory("LlamaForCausalLM")
+    monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: False)
+    monkeypatch.setattr(onednn, "_packs_in_own_dtype", lambda dtype: dtype == torch.float32)
+    llm = small_engine(directory, dtype="bfloat16")
+    linears = [m for m in model_runner(llm).model.modules() if isinstance(m, Linear)]
+    assert all(m.packed_weight is None and m.packed_fp32_weight is not None for m in linears)
+    prompt = {"prompt_token_ids": list(range(1, 20))}  # 19 rows: the fp32 copy, then one
+    assert len(llm.generate([prompt], SamplingParams(max_tokens=4))[0].outputs[0].token_ids) == 4
 
 
 def test_the_fp32_copies_go_first_when_memory_is_short(tiny_model_factory, monkeypatch):
     directory = tiny_model_factory("LlamaForCausalLM")
     monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_matmul_native", lambda: False)
-    # Room for the bf16 packed weights (as many bytes as the plain ones) but not for a
-    # further fp32 copy (twice that).
+    # Room for 1.5 times the plain weights' bytes: the bf16 packed copies (as many bytes as
+    # the plain weights) but not a further fp32 copy (twice that).
     plain = sum(m.weight.nbytes for m in _bf16_linears(directory))
     share = onednn.MAX_SHARE_OF_AVAILABLE_MEMORY
-    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: 2 * plain / share)
+    monkeypatch.setattr(onednn, "available_memory_bytes", lambda: 1.5 * plain / share)
     linears = _bf16_linears(directory)
-    assert all(m.packed_weight is not None and m.packed_fp32_weight is None for m in linears)
-    # An operator who gives the packed copies a larger share gets them.
-    monkeypatch.setenv("PAGEDLLM_PACKED_WEIGHTS_SHARE", str(min(1.0, 1.5 * share)))
+    assert all(_has_bf16_copy(m) and m.packed_fp32_weight is None for m in linears)
+    # An operator who gives the packed copies twice the share (room for 3x) gets them.
+    monkeypatch.setenv("PAGEDLLM_PACKED_WEIGHTS_SHARE", str(2 * share))
     assert all(m.packed_fp32_weight is not None for m in _bf16_linears(directory))

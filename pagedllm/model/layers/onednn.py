@@ -65,17 +65,18 @@ def packing_budget_bytes() -> float:
 
 def pack_linear_weights(model: torch.nn.Module) -> int:
     """Give every fp32 or bf16 CPU `Linear` of the model (a tied head included) a packed
-    weight, and bf16 ones an fp32 packed copy where the kernels ask for it; returns how many
-    weights were packed (0 where oneDNN is unavailable or the copies would not fit in
-    `packing_budget_bytes`)."""
+    weight (bf16 ones where oneDNN packs bf16 on this CPU), and bf16 ones an fp32 packed copy
+    where the kernels ask for it; returns how many layers got a packed copy (0 where oneDNN is
+    unavailable or the copies would not fit in `packing_budget_bytes`)."""
     if not available():
         return 0
-    linears = [
+    candidates = [
         module
         for module in model.modules()
         if isinstance(module, Linear) and _packable(module.weight)
     ]
-    in_fp32 = [linear for linear in linears if _wants_fp32_copy(linear)]
+    linears = [linear for linear in candidates if _packs_in_own_dtype(linear.weight.dtype)]
+    in_fp32 = [linear for linear in candidates if _wants_fp32_copy(linear)]
     packed_bytes = sum(linear.weight.nbytes for linear in linears)
     fp32_bytes = sum(linear.weight.numel() * 4 for linear in in_fp32)
     budget = packing_budget_bytes()
@@ -100,13 +101,14 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
         linear.packed_weight = pack(linear.weight)
     for linear in in_fp32:
         linear.packed_fp32_weight = pack(linear.weight.float())
+    num_packed = len({id(linear) for linear in linears + in_fp32})
     logger.info(
         "Packed %d linear weights for oneDNN (%.0f MB%s)",
-        len(linears),
+        num_packed,
         (packed_bytes + fp32_bytes) / 1e6,
         f", {len(in_fp32)} with fp32 copies for bf16 batches" if in_fp32 else "",
     )
-    return len(linears)
+    return num_packed
 
 
 def available_memory_bytes() -> int:
@@ -127,6 +129,12 @@ def _packable(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dim() == 2
     )
+
+
+def _packs_in_own_dtype(dtype: torch.dtype) -> bool:
+    """oneDNN packs fp32 everywhere, bf16 only with AVX512-BF16 / AVX-512 BW+VL+DQ or
+    AVX-NE-CONVERT (elsewhere a bf16 layer has only its fp32 copy, if any)."""
+    return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _wants_fp32_copy(linear: Linear) -> bool:
