@@ -83,10 +83,10 @@ PACKED_MIN_ROWS = _packed_min_rows()
 
 
 # From this many rows a bf16 layer with an fp32 packed copy multiplies on it: where bf16
-# dot products issue at half the FMA rate (Intel without AMX) fp32 wins from 16 rows (the
-# default model's and Llama-3.2-1B's projections: 166-200 against 139-165 GFLOP/s), while
-# up to 8 rows the bf16 copy's half-size reads win (47-49 against 23-24 GFLOP/s at one row):
-# docs/performance.md, "bf16".
+# dot products issue at half the FMA rate (Intel without AMX) the fp32 copy wins from 16
+# rows (the default model's and Llama-3.2-1B's projections: 158-223 against 136-174
+# GFLOP/s), while up to 8 rows the bf16 copy's half-size reads win (45-58 against 21-26
+# GFLOP/s at one row): benchmarks/results/bf16.md.
 BF16_IN_FP32_MIN_ROWS = 16
 
 
