@@ -6,6 +6,7 @@
 #   w1lite  W1-lite (32 random prompts x 256 tokens, 64 out, EOS ignored) on the default
 #           model's fp32 weights at --dtype bfloat16 and float32, each engine in its own
 #           process, ROUNDS rounds alternating
+#   w1      W1 (64 x 256, 128 out) the same way, one round
 #   1b      Llama-3.2-1B's shape with random weights (load_format=dummy, a directory with
 #           only config.json): one stream (a 1-token prompt, 64 out) and 32 sequences x
 #           (128 in, 64 out), both engines, both dtypes
@@ -15,7 +16,7 @@
 # log, with the CPU's flags (cpu_flags.txt). From anywhere:
 #
 #     benchmarks/bf16_sitting.sh OUT_DIR [ROUNDS]            # ~30 minutes at 2 rounds
-#     SECTIONS="w1lite" benchmarks/bf16_sitting.sh OUT_DIR   # sections: rates w1lite 1b
+#     SECTIONS="w1lite" benchmarks/bf16_sitting.sh OUT_DIR   # sections: rates w1lite w1 1b
 #     ENGINES=pagedllm benchmarks/bf16_sitting.sh OUT_DIR    # without vLLM
 set -uo pipefail
 
@@ -67,6 +68,16 @@ if want w1lite; then
       for engine in $engines; do
         run "$engine" "w1lite_${engine}_${dtype}_$round" w1lite 32 "$model" "$dtype"
       done
+    done
+  done
+fi
+
+if want w1; then
+  workload w1 64 256 128
+  model=$peers/models/SmolLM2-135M-Instruct-fp32-hf
+  for dtype in bfloat16 float32; do
+    for engine in $engines; do
+      run "$engine" "w1_${engine}_${dtype}" w1 64 "$model" "$dtype"
     done
   done
 fi
