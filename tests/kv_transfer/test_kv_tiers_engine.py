@@ -123,6 +123,28 @@ def test_disk_tier_survives_a_restart(reference, tmp_path):
     restarted.llm_engine.engine_core.shutdown()
 
 
+def _block_file(identity_dir, tokens: list[int], index: int):
+    """(path, key, token ids) of the disk-tier file of block `index` of `tokens`."""
+    hashes: list[int] = []
+    hashing.extend_block_hashes(hashes, tokens, BLOCK, None, stable=True)
+    key = f"{hashes[index]:032x}.0"
+    block_tokens = tuple(tokens[index * BLOCK : (index + 1) * BLOCK])
+    return disk_layout.block_path(identity_dir, key), key, block_tokens
+
+
+def _recomputes_from_fourth_block(model, tier, prompt: list[int], want) -> int:
+    """A new engine on `tier` answers `prompt` as the reference does, loading its first three
+    blocks and recomputing from the fourth on (a failed fetch); returns a block's bytes."""
+    restarted = tiny_engine(model, kv_offload_dir=str(tier))
+    before = computed_prompt_tokens(restarted)
+    assert generate(restarted, [prompt]) == [want[tuple(prompt)]]
+    assert computed_prompt_tokens(restarted) - before == len(prompt) - 3 * BLOCK
+    assert tier_stats(restarted)["failed_fetches"] >= 1
+    block_bytes = model_runner(restarted).kv_tiers.nbytes_per_block
+    restarted.llm_engine.engine_core.shutdown()
+    return block_bytes
+
+
 def test_corrupted_disk_block_is_detected_and_recomputed(reference, tmp_path):
     model, system, _, want = reference
     first, again = [*system, 7, 8, 9], [*system, 11, 12]
@@ -132,30 +154,17 @@ def test_corrupted_disk_block_is_detected_and_recomputed(reference, tmp_path):
     del llm
     # Flip one payload byte of the fourth block's file, truncate the sixth's.
     identity_dir = next(tmp_path.iterdir())
-    hashes: list[int] = []
-    hashing.extend_block_hashes(hashes, first, BLOCK, None, stable=True)
-    fourth = disk_layout.block_path(identity_dir, f"{hashes[3]:032x}.0")
+    fourth, key, tokens = _block_file(identity_dir, first, 3)
     data = bytearray(fourth.read_bytes())
     data[-1] ^= 0xFF
     fourth.write_bytes(bytes(data))
-    sixth = disk_layout.block_path(identity_dir, f"{hashes[5]:032x}.0")
+    sixth, _, _ = _block_file(identity_dir, first, 5)
     sixth.write_bytes(sixth.read_bytes()[:100])
 
-    restarted = tiny_engine(model, kv_offload_dir=str(tmp_path))
-    before = computed_prompt_tokens(restarted)
-    assert generate(restarted, [again]) == [want[tuple(again)]]
-    # The first three blocks loaded; from the corrupted fourth on, recomputed.
-    assert computed_prompt_tokens(restarted) - before == len(again) - 3 * BLOCK
-    assert tier_stats(restarted)["failed_fetches"] >= 1
-    block_bytes = model_runner(restarted).kv_tiers.nbytes_per_block
-    restarted.llm_engine.engine_core.shutdown()
+    block_bytes = _recomputes_from_fourth_block(model, tmp_path, again, want)
     # The corrupted block was written again, whole, when recomputed.
     payload = disk_layout.decode_block_file(
-        fourth.read_bytes(),
-        identity_dir.name,
-        f"{hashes[3]:032x}.0",
-        tuple(first[3 * BLOCK : 4 * BLOCK]),
-        block_bytes,
+        fourth.read_bytes(), identity_dir.name, key, tokens, block_bytes
     )
     assert len(payload) == block_bytes
 
@@ -172,25 +181,15 @@ def test_linked_disk_block_is_refused_and_recomputed(reference, tmp_path, target
     llm.llm_engine.engine_core.shutdown()
     del llm
     identity_dir = next(tier.iterdir())
-    hashes: list[int] = []
-    hashing.extend_block_hashes(hashes, first, BLOCK, None, stable=True)
-    fourth = disk_layout.block_path(identity_dir, f"{hashes[3]:032x}.0")
+    fourth, key, tokens = _block_file(identity_dir, first, 3)
     copy = tmp_path / "copy.kvb"
     copy.write_bytes(fourth.read_bytes())
     fourth.unlink()
     fourth.symlink_to(copy if target == "a genuine copy" else target)
 
-    restarted = tiny_engine(model, kv_offload_dir=str(tier))
-    before = computed_prompt_tokens(restarted)
-    assert generate(restarted, [again]) == [want[tuple(again)]]
-    # The first three blocks loaded; from the linked fourth on, recomputed.
-    assert computed_prompt_tokens(restarted) - before == len(again) - 3 * BLOCK
-    assert tier_stats(restarted)["failed_fetches"] >= 1
-    block_bytes = model_runner(restarted).kv_tiers.nbytes_per_block
-    restarted.llm_engine.engine_core.shutdown()
+    block_bytes = _recomputes_from_fourth_block(model, tier, again, want)
     # The link was deleted (not its target) and the recomputed block written in its place.
     assert not fourth.is_symlink()
-    key, tokens = f"{hashes[3]:032x}.0", tuple(first[3 * BLOCK : 4 * BLOCK])
     size = disk_layout.block_file_size(identity_dir.name, key, tokens, block_bytes)
     assert fourth.stat().st_size == copy.stat().st_size == size
     payload = disk_layout.decode_block_file(
