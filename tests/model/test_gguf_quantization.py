@@ -111,12 +111,14 @@ def test_one_pass_packing_equals_the_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
-@pytest.mark.parametrize("rows", [1, 4, 5, 9])
-def test_kernel_matches_the_float_reference(qtype, rows):
-    # 20 output columns: the last tile of 8 is part padding, which must never be written out.
+@pytest.mark.parametrize(("rows", "out_features"), [(1, 20), (4, 20), (5, 20), (9, 20), (15, 14), (23, 52)])
+def test_kernel_matches_the_float_reference(qtype, rows, out_features):
+    # Output columns in tiles of 8, paired on the VNNI path: 20 is a pair and an odd tile, 14 a
+    # pair whose second tile is part padding (never written out), 52 an item of two pairs and
+    # one of a pair and an odd partial tile. Rows: passes of 8 and what is left (4, 2, 1).
     cols = 512 if qtype in K_TYPES else 96
-    raw, weight = _any_raw(20, cols, qtype)
-    bias = torch.randn(20)
+    raw, weight = _any_raw(out_features, cols, qtype)
+    bias = torch.randn(out_features)
     layer = GGUFLinear(raw, qtype, bias)
     x = _activations(rows, cols)
     exact = x.double() @ weight.double().T + bias.double()

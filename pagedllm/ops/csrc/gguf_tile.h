@@ -8,8 +8,10 @@
 // integers on both paths, and everything after them is the same code, so the two paths
 // and the portable one give the same bits.
 //
-// Expects from the includer: gguf_layout.h's names, Activations, Weights, Output, and
-// block_dots as above.
+// Expects from the includer: gguf_layout.h's names, Activations, Weights, Output, block_dots
+// as above, kRowsPerPass (rows a pass keeps in registers: 4 or 8) and
+// wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out), which
+// runs the tiles it can in wider registers and returns the first one it left.
 
 // The tile-block's weights as 8 groups of 4 consecutive k for its 8 columns, one byte a
 // weight (values below 2^BITS). Layout (gguf_linear.py packs it): 4-, 5- and 6-bit weights
@@ -94,16 +96,18 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
     unpack_tile_block<BITS>(tile_base + b * bytes, wv);
     __m256 d[HALVES], m[HALVES];
     block_scales<KQUANT, HALVES>(w, tile, b, d, m);
+    // Unrolled, so the rows' accumulators stay in registers (GCC kept them on the stack
+    // and ran the rows as a loop).
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int64_t offset = (row + r) * a.k + b * kBlock;
       __m256i dots[HALVES];
-      block_dots<BITS, HALVES>(wv, a.hi + offset, dots);
+      block_dots<BITS, HALVES>(wv, a.hi(row + r, b), dots);
       if constexpr (DIGITS == 2) {
         __m256i low[HALVES];
-        block_dots<BITS, HALVES>(wv, a.lo + offset, low);
+        block_dots<BITS, HALVES>(wv, a.lo(row + r, b), low);
         for (int h = 0; h < HALVES; ++h) dots[h] = _mm256_add_epi32(_mm256_slli_epi32(dots[h], 8), low[h]);
       }
-      const int64_t at = (row + r) * a.blocks + b;
+      const int64_t at = a.at(row + r, b);
       const __m256 step = _mm256_set1_ps(a.step[at]);
       for (int h = 0; h < HALVES; ++h) {
         const float sum = HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h];
@@ -126,18 +130,35 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
   }
 }
 
+// One pass of R rows over the item's tiles: wide_tiles takes what it can (pairs of tiles on
+// the VNNI path, nothing on AVX2) and vector_tile the rest.
+template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
+void rows_pass(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
+               int64_t tile_end, const Output& out) {
+  int64_t t = wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
+  for (; t < tile_end; ++t) vector_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+}
+
 template <int BITS, int DIGITS, bool KQUANT, int HALVES>
 void vector_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile_begin,
                  int64_t tile_end, const Output& out) {
   // Rows outer: a pass's few activation rows stay in L1 while the item's tiles (32 columns
   // of weights: 72-458 KB at the default model's to an 8B model's shapes) come from L2.
+  // The rows left after the full passes go in passes of 4, 2 and 1.
   int64_t row = 0;
   for (; row + kRowsPerPass <= rows; row += kRowsPerPass)
-    for (int64_t t = tile_begin; t < tile_end; ++t)
-      vector_tile<kRowsPerPass, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
-  for (; row < rows; ++row)
-    for (int64_t t = tile_begin; t < tile_end; ++t)
-      vector_tile<1, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+    rows_pass<kRowsPerPass, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
+  if constexpr (kRowsPerPass > 4) {
+    if (rows - row >= 4) {
+      rows_pass<4, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
+      row += 4;
+    }
+  }
+  if (rows - row >= 2) {
+    rows_pass<2, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
+    row += 2;
+  }
+  if (rows - row >= 1) rows_pass<1, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
 }
 
 template <int BITS, bool KQUANT, int HALVES>

@@ -1,0 +1,173 @@
+// Two neighbouring tiles (16 columns) in 512-bit registers: the VNNI path's main loop.
+//
+// gguf_linear.cpp includes this file in `vnni_path` only, after block_dots and before
+// gguf_tile.h. It defines `wide_tiles`, which gguf_tile.h's row passes call first: it runs
+// the pairs of tiles of [tile_begin, tile_end) and returns the first tile it left (the odd
+// one), which the 256-bit vector_tile then runs. Each vpdpbusd here serves 16 columns
+// instead of 8, and the weights are unpacked once per block for all of a pass's rows.
+//
+// The packed layout is the 8-column one: a pair's block is the two tiles' blocks side by
+// side in one register (the first tile in the low half). Every lane does the same integer
+// dot and the same float epilogue, in the same order, as gguf_tile.h's vector_tile does for
+// its column, so both give the same bits.
+
+// The 32-byte runs at `first` and `second` as the low and high halves of one register.
+inline __m512i join_bytes(const uint8_t* first, const uint8_t* second) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)), 1);
+}
+
+inline __m512 join_floats(const float* first, const float* second) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(
+      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(first))),
+      _mm256_castps_pd(_mm256_loadu_ps(second)), 1));
+}
+
+// 8 int8 values at `first` and 8 at `second` as 16 floats.
+inline __m512 join_int8_as_floats(const int8_t* first, const int8_t* second) {
+  const __m128i bytes =
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(first)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+// acc |= (v & mask): one vpternlogd (0xF8 is A | (B & C)).
+inline __m512i or_masked(__m512i acc, __m512i v, __m512i mask) {
+  return _mm512_ternarylogic_epi32(acc, v, mask, 0xF8);
+}
+
+// unpack_tile_block (gguf_tile.h) for the pair: the same bit moves on both halves.
+template <int BITS>
+inline void unpack_pair_block(const uint8_t* first, const uint8_t* second, __m512i (&wv)[8]) {
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < 8; ++g) wv[g] = join_bytes(first + 32 * g, second + 32 * g);
+    return;
+  } else {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = join_bytes(first + 32 * g, second + 32 * g);
+      wv[g] = _mm512_and_si512(v, low_nibbles);
+      wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+    }
+    if constexpr (BITS == 5) {
+      const __m512i plane = join_bytes(first + 128, second + 128);
+      const __m512i bit4 = _mm512_set1_epi8(0x10);
+      wv[0] = or_masked(wv[0], _mm512_slli_epi16(plane, 4), bit4);
+      wv[1] = or_masked(wv[1], _mm512_slli_epi16(plane, 3), bit4);
+      wv[2] = or_masked(wv[2], _mm512_slli_epi16(plane, 2), bit4);
+      wv[3] = or_masked(wv[3], _mm512_slli_epi16(plane, 1), bit4);
+      wv[4] = or_masked(wv[4], plane, bit4);
+      wv[5] = or_masked(wv[5], _mm512_srli_epi16(plane, 1), bit4);
+      wv[6] = or_masked(wv[6], _mm512_srli_epi16(plane, 2), bit4);
+      wv[7] = or_masked(wv[7], _mm512_srli_epi16(plane, 3), bit4);
+    }
+    if constexpr (BITS == 6) {
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      for (int v = 0; v < 2; ++v) {
+        const __m512i plane = join_bytes(first + 128 + 32 * v, second + 128 + 32 * v);
+        __m512i* w = wv + 4 * v;
+        w[0] = or_masked(w[0], _mm512_slli_epi16(plane, 4), bits45);
+        w[1] = or_masked(w[1], _mm512_slli_epi16(plane, 2), bits45);
+        w[2] = or_masked(w[2], plane, bits45);
+        w[3] = or_masked(w[3], _mm512_srli_epi16(plane, 2), bits45);
+      }
+    }
+  }
+}
+
+// block_scales (gguf_tile.h) for the pair: the products are the same per lane.
+template <bool KQUANT, int HALVES>
+inline void pair_block_scales(const Weights& w, int64_t tile, int64_t b, __m512 (&d)[HALVES],
+                              __m512 (&m)[HALVES]) {
+  if constexpr (!KQUANT) {
+    const int64_t at = (tile * w.blocks + b) * kTileCols, next = w.blocks * kTileCols;
+    d[0] = join_floats(w.scales + at, w.scales + at + next);
+    m[0] = join_floats(w.mins + at, w.mins + at + next);
+  } else {
+    const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
+    const int64_t super_next = w.super_blocks * kTileCols;
+    const __m512 super_d = join_floats(w.super_d + super_at, w.super_d + super_at + super_next);
+    const __m512 super_m = join_floats(w.super_m + super_at, w.super_m + super_at + super_next);
+    const int64_t sub_next = w.blocks * HALVES * kTileCols;
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t sub_at = (tile * w.blocks * HALVES + b * HALVES + h) * kTileCols;
+      d[h] = _mm512_mul_ps(super_d, join_int8_as_floats(w.sub_sc + sub_at, w.sub_sc + sub_at + sub_next));
+      m[h] = _mm512_mul_ps(super_m, join_int8_as_floats(w.sub_mn + sub_at, w.sub_mn + sub_at + sub_next));
+    }
+  }
+}
+
+// acc += w (u8) . the 4 signed bytes at p, broadcast to all 16 lanes by the memory operand.
+inline __m512i dot4_wide(__m512i acc, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// One half's dots in one chain, or in two (even and odd groups) when the pass has too few
+// rows to keep the vpdpbusd pipes busy otherwise: from 4 rows the rows' chains overlap, and
+// the add that joins two chains is one of the ~24 vector ops a row and block take.
+template <int R, int HALVES>
+inline void pair_block_dots(const __m512i (&wv)[8], const int8_t* digits, __m512i (&dots)[HALVES]) {
+  constexpr int kGroups = 8 / HALVES;
+  for (int h = 0; h < HALVES; ++h) {
+    if constexpr (R >= 4) {
+      __m512i chain = _mm512_setzero_si512();
+      for (int g = kGroups * h; g < kGroups * (h + 1); ++g) chain = dot4_wide(chain, wv[g], digits + 4 * g);
+      dots[h] = chain;
+    } else {
+      __m512i even = _mm512_setzero_si512(), odd = even;
+      for (int g = kGroups * h; g < kGroups * (h + 1); g += 2) {
+        even = dot4_wide(even, wv[g], digits + 4 * g);
+        odd = dot4_wide(odd, wv[g + 1], digits + 4 * g + 4);
+      }
+      dots[h] = _mm512_add_epi32(even, odd);
+    }
+  }
+}
+
+template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
+void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* first = w.packed + tile * w.tile_bytes;
+  const uint8_t* second = first + w.tile_bytes;
+  const int64_t bytes = block_bytes(BITS);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    __m512i wv[8];
+    unpack_pair_block<BITS>(first + b * bytes, second + b * bytes, wv);
+    __m512 d[HALVES], m[HALVES];
+    pair_block_scales<KQUANT, HALVES>(w, tile, b, d, m);
+    // Unrolled, so the rows' accumulators stay in registers (GCC kept them on the stack
+    // and ran the rows as a loop).
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512i dots[HALVES];
+      pair_block_dots<R, HALVES>(wv, a.hi(row + r, b), dots);
+      if constexpr (DIGITS == 2) {
+        __m512i low[HALVES];
+        pair_block_dots<R, HALVES>(wv, a.lo(row + r, b), low);
+        for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_add_epi32(_mm512_slli_epi32(dots[h], 8), low[h]);
+      }
+      const int64_t at = a.at(row + r, b);
+      const __m512 step = _mm512_set1_ps(a.step[at]);
+      for (int h = 0; h < HALVES; ++h) {
+        const float sum = HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[h]), _mm512_mul_ps(d[h], step), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m[h], _mm512_set1_ps(sum), acc[r]);
+      }
+    }
+  }
+  const int64_t n0 = tile * kTileCols;
+  const int64_t valid = std::min<int64_t>(2 * kTileCols, out.cols - n0);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
+}
+
+template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
+int64_t wide_tiles(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
+                   int64_t tile_end, const Output& out) {
+  int64_t t = tile_begin;
+  for (; t + 1 < tile_end; t += 2) pair_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+  return t;
+}
