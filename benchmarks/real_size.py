@@ -204,21 +204,23 @@ def llama_batched_bench(binary: Path, path: Path, batched: dict) -> dict:
 def concurrent_output_rate(
     base_url: str, prompt: str, output_tokens: int, concurrency: int
 ) -> dict:
-    """`concurrency` completions at once; output tokens/s over the batch's wall time."""
-    body = json.dumps(
-        {"model": "model", "prompt": prompt, "max_tokens": output_tokens, "temperature": 0,
-         "ignore_eos": True}
-    ).encode()  # fmt: skip
+    """`concurrency` completions at once; output tokens/s over the batch's wall time. Each
+    prompt starts with its own number, so no engine serves one from another's cached
+    prefix."""
     counts: list[int] = []
 
-    def one() -> None:
+    def one(number: int) -> None:
+        body = json.dumps(
+            {"model": "model", "prompt": f"{number}. {prompt}", "max_tokens": output_tokens,
+             "temperature": 0, "ignore_eos": True}
+        ).encode()  # fmt: skip
         request = urllib.request.Request(
             base_url + "/v1/completions", body, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=3600) as reply:
             counts.append(json.load(reply)["usage"]["completion_tokens"])
 
-    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(concurrency)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -234,7 +236,7 @@ def serve_and_measure(
     server = start_server(name, command, port, log)
     prompt = SENTENCE * args.prompt_sentences
     try:
-        concurrent_output_rate(server.base_url, prompt, 2, concurrency=1)  # warm-up
+        concurrent_output_rate(server.base_url, "Warm up. " + prompt, 2, concurrency=1)
         return concurrent_output_rate(
             server.base_url, prompt, args.concurrent_output, args.concurrency
         )
