@@ -7,6 +7,7 @@ import json
 import stat
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -37,9 +38,9 @@ def test_batched_bench_report_becomes_whole_time_and_output_rate(tmp_path):
 
 
 class _Completions(BaseHTTPRequestHandler):
-    prompts: list[str] = []
+    prompts: ClassVar[list[str]] = []
 
-    def do_POST(self):  # noqa: N802 (the http.server name)
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.prompts.append(body["prompt"])
         reply = json.dumps({"usage": {"completion_tokens": body["max_tokens"]}}).encode()
