@@ -33,6 +33,10 @@
 #include <cstdint>
 #include <cstring>
 
+// The tile bodies' helpers pass register arrays by reference: called rather than inlined
+// (GCC's choice for Q6_K's unpacking), those arrays go through the stack on every block.
+#define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 using gguf_layout::block_bytes;
@@ -233,7 +237,7 @@ namespace avx2_path {
 // (16,002) over 2. The int16 sums are widened (vpmaddwd by ones) after that many groups.
 // 8-bit weights (a pair reaches 64,770) are split into two nibbles, each a 4-bit dot.
 template <int BITS>
-inline __m256i groups_dot(const __m256i* wv, const int8_t* digits, int count) {
+PAGEDLLM_ALWAYS_INLINE __m256i groups_dot(const __m256i* wv, const int8_t* digits, int count) {
   constexpr int kSpan = BITS <= 4 ? 8 : BITS == 5 ? 4 : 2;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i total = _mm256_setzero_si256();
@@ -250,7 +254,7 @@ inline __m256i groups_dot(const __m256i* wv, const int8_t* digits, int count) {
 }
 
 template <int BITS, int HALVES>
-inline void block_dots(const __m256i (&wv)[8], const int8_t* digits, __m256i (&dots)[HALVES]) {
+PAGEDLLM_ALWAYS_INLINE void block_dots(const __m256i (&wv)[8], const int8_t* digits, __m256i (&dots)[HALVES]) {
   constexpr int kGroups = 8 / HALVES;
   if constexpr (BITS == 8) {
     __m256i low[8], high[8];
@@ -294,7 +298,7 @@ namespace vnni_path {
 // the instruction's memory operand ({1to8}): with it as a separate vpbroadcastd (which is
 // what the compiler emits for _mm256_set1_epi32), broadcasts were 16 of ~40 vector ops a
 // row, tile and block.
-inline __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
+PAGEDLLM_ALWAYS_INLINE __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
   asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 }
@@ -303,7 +307,7 @@ inline __m256i dot4(__m256i acc, __m256i w, const int8_t* p) {
 // layer's four matmuls ran 0-5% faster than with one chain of eight
 // (benchmarks/gguf_matmul.py, RESULTS.md "sixth run"), never slower.
 template <int BITS, int HALVES>
-inline void block_dots(const __m256i (&wv)[8], const int8_t* digits, __m256i (&dots)[HALVES]) {
+PAGEDLLM_ALWAYS_INLINE void block_dots(const __m256i (&wv)[8], const int8_t* digits, __m256i (&dots)[HALVES]) {
   constexpr int kGroups = 8 / HALVES;
   for (int h = 0; h < HALVES; ++h) {
     __m256i even = _mm256_setzero_si256(), odd = even;

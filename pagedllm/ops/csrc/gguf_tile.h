@@ -19,7 +19,7 @@
 // of 32 bytes whose bit g is group g's high bit; 6-bit add two planes of 32 bytes whose
 // bits 2s..2s+1 of plane v are group 4v+s's high bits. 8-bit weights are 256 plain bytes.
 template <int BITS>
-inline void unpack_tile_block(const uint8_t* p, __m256i (&wv)[8]) {
+PAGEDLLM_ALWAYS_INLINE void unpack_tile_block(const uint8_t* p, __m256i (&wv)[8]) {
   if constexpr (BITS == 8) {
     for (int g = 0; g < 8; ++g) wv[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * g));
     return;
@@ -62,7 +62,7 @@ inline void unpack_tile_block(const uint8_t* p, __m256i (&wv)[8]) {
 // (Q4_0, Q4_1, Q8_0), or, for K-quants, a float per super-block of 256 times an int8 per
 // sub-block (the products are exact in fp32: an fp16 times a 6- or 8-bit integer).
 template <bool KQUANT, int HALVES>
-inline void block_scales(const Weights& w, int64_t tile, int64_t b, __m256 (&d)[HALVES],
+PAGEDLLM_ALWAYS_INLINE void block_scales(const Weights& w, int64_t tile, int64_t b, __m256 (&d)[HALVES],
                          __m256 (&m)[HALVES]) {
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.blocks + b) * kTileCols;
