@@ -111,7 +111,9 @@ def test_one_pass_packing_equals_the_reference(qtype):
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
-@pytest.mark.parametrize(("rows", "out_features"), [(1, 20), (4, 20), (5, 20), (9, 20), (15, 14), (23, 52)])
+@pytest.mark.parametrize(
+    ("rows", "out_features"), [(1, 20), (4, 20), (5, 20), (9, 20), (15, 14), (23, 52)]
+)
 def test_kernel_matches_the_float_reference(qtype, rows, out_features):
     # Output columns in tiles of 8, paired on the VNNI path: 20 is a pair and an odd tile, 14 a
     # pair whose second tile is part padding (never written out), 52 an item of two pairs and
@@ -143,6 +145,16 @@ def test_one_digit_paths_agree(qtype):
         layer.isa = path
         outputs.append(layer(x))
     assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
+@pytest.mark.parametrize(("qtype", "bits_a_weight"), [(Q.Q4_0, 5), (Q.Q8_0, 9)])
+def test_symmetric_types_keep_no_min_table(qtype, bits_a_weight):
+    # m is -8 d (Q4_0) or -128 d (Q8_0): the kernel derives it, so only q and an fp32 d per
+    # 32 weights are held (the file: an fp16 d, 4.5 and 8.5 bits a weight).
+    raw, _ = _raw(16, 256, qtype)
+    layer = GGUFLinear(raw, qtype)
+    assert layer.mins.numel() == 0
+    assert layer.weight_bytes() * 8 == bits_a_weight * 16 * 256
 
 
 @pytest.mark.parametrize("qtype", K_TYPES)

@@ -17,7 +17,8 @@
 //
 // Packed layout (pagedllm/model/layers/gguf_linear.py builds it): columns in tiles of 8; per
 // tile and block, 8 groups of 4 consecutive k for the 8 columns, 32 bytes a group, stored
-// as gguf_tile.h's unpack_tile_block reads them. Float scales: d and m float [tiles][blocks][8].
+// as gguf_tile.h's unpack_tile_block reads them. Float scales: d and m float [tiles][blocks][8]
+// (Q4_0 and Q8_0: d alone, m = d * gguf_layout::symmetric_min_factor).
 // K-quants: D and M float [tiles][super-blocks][8], sc and mn int8 [tiles][sub-blocks][8].
 
 #include <ATen/Parallel.h>
@@ -74,9 +75,10 @@ struct Weights {
   int64_t super_blocks;
   int bits;
   int64_t tile_bytes;
-  // Float scales (Q4_0, Q4_1, Q8_0), or null.
+  // Float scales (Q4_0, Q4_1, Q8_0), or null. Q4_0 and Q8_0 keep no mins: m = d * min_factor.
   const float* scales;
   const float* mins;
+  float min_factor;
   // K-quant scales, or null.
   const float* super_d;
   const float* super_m;
@@ -187,7 +189,7 @@ inline void scalar_scales(const Weights& w, int64_t tile, int64_t b, int h, int 
   if (w.super_d == nullptr) {
     const int64_t at = (tile * w.blocks + b) * kTileCols + col;
     d = w.scales[at];
-    m = w.mins[at];
+    m = w.mins != nullptr ? w.mins[at] : d * w.min_factor;
     return;
   }
   const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols + col;
@@ -283,6 +285,7 @@ int64_t wide_tiles(const Activations&, const Weights&, int64_t, int64_t tile_beg
   return tile_begin;
 }
 
+#include "gguf_epilogue.h"
 #include "gguf_tile.h"
 
 }  // namespace avx2_path
@@ -322,6 +325,7 @@ PAGEDLLM_ALWAYS_INLINE void block_dots(const __m256i (&wv)[8], const int8_t* dig
 // 32 vector registers: 8 rows' accumulators, 8 weight groups, scales and the dots.
 constexpr int kRowsPerPass = 8;
 
+#include "gguf_epilogue.h"
 #include "gguf_tile512.h"
 #include "gguf_tile.h"
 
@@ -389,7 +393,8 @@ void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits,
   });
 }
 
-// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above.
+// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above;
+// `mins` empty for Q4_0 and Q8_0 (their m is a power of two times d).
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t digits,
                  int64_t isa) {
@@ -398,9 +403,12 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t blocks = x.size(1) / kBlock;
   const int64_t tiles = (out.size(1) + kTileCols - 1) / kTileCols;
   check_table("gguf_linear", scales, at::kFloat, tiles * blocks * kTileCols, "scales");
-  check_table("gguf_linear", mins, at::kFloat, tiles * blocks * kTileCols, "mins");
+  const bool own_mins = mins.numel() != 0;  // empty: Q4_0 / Q8_0, m derived from d
+  if (own_mins) check_table("gguf_linear", mins, at::kFloat, tiles * blocks * kTileCols, "mins");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, 0, static_cast<int>(bits),
-                  blocks * block_bytes(bits), scales.data_ptr<float>(), mins.data_ptr<float>(),
+                  blocks * block_bytes(bits), scales.data_ptr<float>(),
+                  own_mins ? mins.data_ptr<float>() : nullptr,
+                  gguf_layout::symmetric_min_factor(static_cast<int>(bits)),
                   nullptr, nullptr, nullptr, nullptr, 1};
   run(out, x, w, digits, isa);
 }
@@ -420,7 +428,7 @@ void gguf_linear_k(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   check_table("gguf_linear", sub_sc, at::kChar, tiles * blocks * halves * kTileCols, "sub_sc");
   check_table("gguf_linear", sub_mn, at::kChar, tiles * blocks * halves * kTileCols, "sub_mn");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, super_blocks, static_cast<int>(bits),
-                  blocks * block_bytes(bits), nullptr, nullptr, super_d.data_ptr<float>(),
+                  blocks * block_bytes(bits), nullptr, nullptr, 0.f, super_d.data_ptr<float>(),
                   super_m.data_ptr<float>(), sub_sc.data_ptr<int8_t>(), sub_mn.data_ptr<int8_t>(),
                   halves};
   run(out, x, w, digits, isa);

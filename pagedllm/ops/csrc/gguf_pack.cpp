@@ -176,7 +176,7 @@ void build_tile_block(const uint8_t* const (&q)[kTileCols], uint8_t* out) {
 struct Tables {
   uint8_t* packed;
   float* d;    // float kinds: d; K: super D
-  float* m;    // float kinds: m; K: super M
+  float* m;    // float kinds: m (null: Q4_0 / Q8_0 without a min table); K: super M
   int8_t* sc;  // K only
   int8_t* mn;  // K only
 };
@@ -208,7 +208,7 @@ void pack_tile(const uint8_t* raw, int64_t row_bytes, int64_t rows, const Layout
       for (int col = 0; col < kTileCols; ++col) {
         if (!kquant) {
           t.d[(tile * blocks + b) * kTileCols + col] = dec[col].d[0];
-          t.m[(tile * blocks + b) * kTileCols + col] = dec[col].m[0];
+          if (t.m != nullptr) t.m[(tile * blocks + b) * kTileCols + col] = dec[col].m[0];
           continue;
         }
         for (int h = 0; h < l.halves; ++h) {
@@ -227,7 +227,8 @@ void pack_tile(const uint8_t* raw, int64_t row_bytes, int64_t rows, const Layout
 }
 
 // raw [N, row bytes] -> the kernel's tables, which the caller allocates (uninitialized):
-// packed [tiles * blocks * tile-block bytes]; d, m float; sc, mn int8 (K-quants; else empty).
+// packed [tiles * blocks * tile-block bytes]; d, m float (m may be empty for Q4_0 and Q8_0);
+// sc, mn int8 (K-quants; else empty).
 void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tensor d, at::Tensor m,
                at::Tensor sc, at::Tensor mn) {
   const Layout l = layout_of(type);
@@ -242,11 +243,15 @@ void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tenso
   const int64_t sub_count = kquant ? tiles * blocks * l.halves * kTileCols : 0;
   check_table("gguf_pack", packed, at::kByte, tiles * blocks * gguf_layout::block_bytes(l.bits), "packed");
   check_table("gguf_pack", d, at::kFloat, scale_count, "d");
-  check_table("gguf_pack", m, at::kFloat, scale_count, "m");
+  // Q4_0's and Q8_0's min is a power of two times d (gguf_layout::symmetric_min_factor):
+  // the caller may pass no m, and the kernel derives it.
+  const bool symmetric = l.type == kQ4_0 || l.type == kQ8_0;
+  if (m.numel() != 0 || !symmetric) check_table("gguf_pack", m, at::kFloat, scale_count, "m");
   check_table("gguf_pack", sc, at::kChar, sub_count, "sc");
   // Q6_K's min is its scale: the caller may pass no mn and read sc for both.
   if (mn.numel() != 0 || l.type != kQ6_K) check_table("gguf_pack", mn, at::kChar, sub_count, "mn");
-  const Tables t{packed.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(),
+  const Tables t{packed.data_ptr<uint8_t>(), d.data_ptr<float>(),
+                 m.numel() != 0 ? m.data_ptr<float>() : nullptr,
                  kquant ? sc.data_ptr<int8_t>() : nullptr,
                  kquant && mn.numel() != 0 ? mn.data_ptr<int8_t>() : nullptr};
   const uint8_t* data = raw.data_ptr<uint8_t>();
@@ -268,7 +273,7 @@ void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tenso
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_pack(Tensor raw, int type, Tensor(a!) packed, Tensor(b!) d, Tensor(c!) m, "
-      "Tensor(d!) sc, Tensor(e!) mn) -> ()");  // Q6_K: mn may be empty (it equals sc)
+      "Tensor(d!) sc, Tensor(e!) mn) -> ()");  // Q6_K: mn may be empty (it equals sc); Q4_0, Q8_0: m
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("gguf_pack", &gguf_pack); }

@@ -8,7 +8,8 @@
 // integers on both paths, and everything after them is the same code, so the two paths
 // and the portable one give the same bits.
 //
-// Expects from the includer: gguf_layout.h's names, Activations, Weights, Output, block_dots
+// Expects from the includer: gguf_layout.h's names, Activations, Weights, Output,
+// gguf_epilogue.h, block_dots
 // as above, kRowsPerPass (rows a pass keeps in registers: 4 or 8) and
 // wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out), which
 // runs the tiles it can in wider registers and returns the first one it left.
@@ -67,7 +68,7 @@ PAGEDLLM_ALWAYS_INLINE void block_scales(const Weights& w, int64_t tile, int64_t
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.blocks + b) * kTileCols;
     d[0] = _mm256_loadu_ps(w.scales + at);
-    m[0] = _mm256_loadu_ps(w.mins + at);
+    m[0] = w.mins != nullptr ? _mm256_loadu_ps(w.mins + at) : _mm256_mul_ps(d[0], _mm256_set1_ps(w.min_factor));
   } else {
     const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
     const __m256 super_d = _mm256_loadu_ps(w.super_d + super_at);
@@ -108,13 +109,7 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
         block_dots<BITS, HALVES>(wv, a.lo(row + r, b), low);
         for (int h = 0; h < HALVES; ++h) dots[h] = _mm256_add_epi32(_mm256_slli_epi32(dots[h], 8), low[h]);
       }
-      const int64_t at = a.at(row + r, b);
-      const __m256 step = _mm256_set1_ps(a.step[at]);
-      for (int h = 0; h < HALVES; ++h) {
-        const float sum = HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h];
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[h]), _mm256_mul_ps(d[h], step), acc[r]);
-        acc[r] = _mm256_fmadd_ps(m[h], _mm256_set1_ps(sum), acc[r]);
-      }
+      acc[r] = block_epilogue<Lanes8, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
   const int64_t n0 = tile * kTileCols;

@@ -1,15 +1,24 @@
 // Two neighbouring tiles (16 columns) in 512-bit registers: the VNNI path's main loop.
 //
-// gguf_linear.cpp includes this file in `vnni_path` only, after block_dots and before
-// gguf_tile.h. It defines `wide_tiles`, which gguf_tile.h's row passes call first: it runs
+// gguf_linear.cpp includes this file in `vnni_path` only, after block_dots and
+// gguf_epilogue.h and before gguf_tile.h. It defines `wide_tiles`, which gguf_tile.h's row passes call first: it runs
 // the pairs of tiles of [tile_begin, tile_end) and returns the first tile it left (the odd
 // one), which the 256-bit vector_tile then runs. Each vpdpbusd here serves 16 columns
 // instead of 8, and the weights are unpacked once per block for all of a pass's rows.
 //
 // The packed layout is the 8-column one: a pair's block is the two tiles' blocks side by
 // side in one register (the first tile in the low half). Every lane does the same integer
-// dot and the same float epilogue, in the same order, as gguf_tile.h's vector_tile does for
+// dot, and block_epilogue the same float operations, as gguf_tile.h's vector_tile does for
 // its column, so both give the same bits.
+
+struct Lanes16 {
+  using F = __m512;
+  using I = __m512i;
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F mul(F x, F y) { return _mm512_mul_ps(x, y); }
+  static F fmadd(F x, F y, F z) { return _mm512_fmadd_ps(x, y, z); }
+  static F to_float(I x) { return _mm512_cvtepi32_ps(x); }
+};
 
 // The 32-byte runs at `first` and `second` as the low and high halves of one register.
 inline __m512i join_bytes(const uint8_t* first, const uint8_t* second) {
@@ -83,7 +92,8 @@ PAGEDLLM_ALWAYS_INLINE void pair_block_scales(const Weights& w, int64_t tile, in
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.blocks + b) * kTileCols, next = w.blocks * kTileCols;
     d[0] = join_floats(w.scales + at, w.scales + at + next);
-    m[0] = join_floats(w.mins + at, w.mins + at + next);
+    m[0] = w.mins != nullptr ? join_floats(w.mins + at, w.mins + at + next)
+                             : _mm512_mul_ps(d[0], _mm512_set1_ps(w.min_factor));
   } else {
     const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
     const int64_t super_next = w.super_blocks * kTileCols;
@@ -161,13 +171,7 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
         pair_block_dots<R, HALVES>(wv, a.lo(row + r, b), low);
         for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_add_epi32(_mm512_slli_epi32(dots[h], 8), low[h]);
       }
-      const int64_t at = a.at(row + r, b);
-      const __m512 step = _mm512_set1_ps(a.step[at]);
-      for (int h = 0; h < HALVES; ++h) {
-        const float sum = HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[h]), _mm512_mul_ps(d[h], step), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m[h], _mm512_set1_ps(sum), acc[r]);
-      }
+      acc[r] = block_epilogue<Lanes16, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
   const int64_t n0 = tile * kTileCols;
