@@ -27,6 +27,11 @@ from pagedllm.lora.request import LoRARequest
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MAX_CONFIG_BYTES = 1 << 20
+# Largest |value| of an adapter's A or scaled B that is served. Trained adapters hold values
+# around 1e-2 to 1 (B after an alpha/r of up to ~100); at 1e4 a hidden state of 1e3 over a
+# 16k-wide projection still gives x·A·B far inside fp32, so no adapter within it can turn a
+# request's logits into inf or NaN.
+MAX_SERVED_MAGNITUDE = 1e4
 _TENSOR_NAME = re.compile(
     r"base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(\.default)?\.weight"
 )
@@ -231,8 +236,22 @@ def _modules(
                 )
             if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
                 raise _fail(request, f"{module}.lora_{kind} must hold finite floats")
-        modules[module] = LoRAModuleWeights(
-            lora_a.to(torch.float32).contiguous(),
-            (lora_b.to(torch.float32) * scaling).contiguous(),
-        )
+        served_a = lora_a.to(torch.float32).contiguous()
+        served_b = (lora_b.to(torch.float32) * scaling).contiguous()
+        _check_magnitude(request, f"{module}.lora_A", served_a, "")
+        _check_magnitude(request, f"{module}.lora_B", served_b, f" times lora_alpha/r={scaling:g}")
+        modules[module] = LoRAModuleWeights(served_a, served_b)
     return modules
+
+
+def _check_magnitude(request: LoRARequest, name: str, served: torch.Tensor, scaled: str) -> None:
+    """The weights as served (fp32, B scaled) within ±MAX_SERVED_MAGNITUDE: finite in the file
+    is not enough, since a lora_alpha of 1e300 or weights of 1e30 overflow fp32 in the
+    scaling or in x·A·B and turn every token's logits into NaN."""
+    largest = served.abs().max().item() if served.numel() else 0.0
+    if not largest <= MAX_SERVED_MAGNITUDE:  # also catches inf and NaN from the scaling
+        raise _fail(
+            request,
+            f"{name}{scaled} reaches {largest:g}; served adapter weights must stay within "
+            f"±{MAX_SERVED_MAGNITUDE:g}",
+        )

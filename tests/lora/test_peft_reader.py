@@ -91,6 +91,17 @@ def non_finite(tensors):
     return tensors | {name: torch.full((4, 64), float("nan"))}
 
 
+def huge_finite(tensors):
+    name = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    return tensors | {name: torch.full((4, 64), 1e30)}
+
+
+def float64_past_fp32(tensors):
+    # Finite as stored (float64), inf once served in fp32.
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    return tensors | {name: torch.full((64, 4), 1e300, dtype=torch.float64)}
+
+
 @pytest.mark.parametrize(
     ("edit_config", "edit_tensors", "problem"),
     [
@@ -106,6 +117,9 @@ def non_finite(tensors):
         (None, lm_head_tensor, "module 'lm_head' cannot carry a LoRA adapter"),
         (None, wrong_shape, "has shape (4, 65), expected (4, 64)"),
         (None, non_finite, "must hold finite floats"),
+        ({"lora_alpha": 1e300}, None, "times lora_alpha/r=2.5e+299 reaches"),
+        (None, huge_finite, "up_proj.lora_A reaches 1e+30; served adapter weights must stay"),
+        (None, float64_past_fp32, "q_proj.lora_B times lora_alpha/r=4 reaches inf"),
     ],
 )
 def test_refused_with_the_problem_named(
