@@ -34,7 +34,9 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams, Structur
 
 logger = logging.getLogger("pagedllm")
 
-# JSON has no -inf; clients get a very unlikely logprob instead (as vLLM does).
+# JSON has no -inf or NaN; clients get a very unlikely logprob instead (as vLLM does for
+# -inf). NaN (logits a broken model or adapter made NaN) would otherwise fail the whole
+# reply with "Out of range float values are not JSON compliant".
 MIN_LOGPROB = -9999.0
 
 
@@ -45,7 +47,7 @@ class Prompt:
 
 
 def clamp_logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares false
 
 
 def sse(payload: dict) -> str:
