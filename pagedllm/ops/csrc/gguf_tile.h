@@ -9,10 +9,9 @@
 // and the portable one give the same bits.
 //
 // Expects from the includer: gguf_layout.h's names, Activations, Weights, Output,
-// gguf_epilogue.h, block_dots
-// as above, kRowsPerPass (rows a pass keeps in registers: 4 or 8) and
-// wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out), which
-// runs the tiles it can in wider registers and returns the first one it left.
+// gguf_epilogue.h, block_dots as above, kRowsPerPass (rows a pass keeps in registers: 4 or
+// 8) and wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out),
+// which runs the tiles it can in wider registers and returns the first one it left.
 
 // The tile-block's weights as 8 groups of 4 consecutive k for its 8 columns, one byte a
 // weight (values below 2^BITS). Layout (gguf_linear.py packs it): 4-, 5- and 6-bit weights
