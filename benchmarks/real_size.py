@@ -23,7 +23,7 @@ random shapes.
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
         [--gguf FILE,...] [--decode-tokens 64] [--batched 32,128,64] [--prefill-tokens 512]
-        [--concurrent-output 64] [--concurrency 32]
+        [--concurrent-output 64] [--concurrency 32] [--gguf-activation-bits 16|8]
         [--llama-cpp DIR] [--output-json F]
 
 Prints one JSON object per shape; record the CPU's flags beside it (`lscpu`).
@@ -85,14 +85,22 @@ def _rss_bytes() -> int:
 
 
 def pagedllm_child(
-    path: str, decode_tokens: int, kv_gib: float, batched: dict | None, prefill_tokens: int
+    path: str,
+    decode_tokens: int,
+    kv_gib: float,
+    batched: dict | None,
+    prefill_tokens: int,
+    activation_bits: int = 16,
 ) -> dict:
     """Runs in its own process: load, resident memory, single-stream decode, and where asked
     the batched run and the prefill rate."""
     from pagedllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=path, quantization="gguf", max_model_len=1024, kv_cache_memory=f"{kv_gib}GiB")
+    llm = LLM(
+        model=path, quantization="gguf", gguf_activation_bits=activation_bits,
+        max_model_len=1024, kv_cache_memory=f"{kv_gib}GiB",
+    )  # fmt: skip
     load_s = time.perf_counter() - started
     rss = _rss_bytes()
     model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
@@ -165,6 +173,7 @@ def run_pagedllm(path: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "benchmarks.real_size", "--child", str(path)]
     command += ["--decode-tokens", str(args.decode_tokens), "--kv-gib", str(args.kv_gib)]
     command += ["--batched", args.batched, "--prefill-tokens", str(args.prefill_tokens)]
+    command += ["--gguf-activation-bits", str(args.gguf_activation_bits)]
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -273,7 +282,8 @@ def measure_file(shape: str, path: Path, args: argparse.Namespace, bandwidth: fl
         ours = [sys.executable, "-m", "pagedllm", "serve", "--model", str(path), "--host",
                 "127.0.0.1", "--port", str(port), "--quantization", "gguf",
                 "--served-model-name", "model", "--max-model-len", "1024",
-                "--kv-cache-memory", f"{args.kv_gib}GiB"]  # fmt: skip
+                "--kv-cache-memory", f"{args.kv_gib}GiB",
+                "--gguf-activation-bits", str(args.gguf_activation_bits)]  # fmt: skip
         result["pagedllm_concurrent"] = serve_and_measure(
             "pagedllm", ours, port, args, log_dir / f"pagedllm-{shape}.log"
         )
@@ -309,6 +319,10 @@ def main() -> None:
     parser.add_argument(
         "--prefill-tokens", type=int, default=512, help="one prompt's length for ppN (0: skip)"
     )
+    parser.add_argument(
+        "--gguf-activation-bits", type=int, default=16, choices=[16, 8],
+        help="pagedllm's activation precision (8: one int8 digit, llama.cpp's)",
+    )  # fmt: skip
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
     parser.add_argument("--log-dir", default="benchmarks/out/real_size")
     parser.add_argument("--output-json")
@@ -317,7 +331,7 @@ def main() -> None:
     if args.child:
         child = pagedllm_child(
             args.child, args.decode_tokens, args.kv_gib, parse_batched(args.batched),
-            args.prefill_tokens,
+            args.prefill_tokens, args.gguf_activation_bits,
         )  # fmt: skip
         print(json.dumps(child))
         return

@@ -86,6 +86,8 @@ class ModelConfig:
     quantization: str | None = None
     # "auto": the checkpoint's weights; "dummy": seeded random ones of the config's shapes.
     load_format: str = "auto"
+    # quantization="gguf": bits an activation is quantized to (16: two int8 digits; 8: one).
+    gguf_activation_bits: int = 16
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -336,6 +338,10 @@ LOAD_FORMATS = ("auto", "dummy")
 INT8_ENGINE = "fbgemm"
 
 
+# quantization="gguf": activation bits per value, as two int8 digits (16) or one (8).
+GGUF_ACTIVATION_BITS = (16, 8)
+
+
 def verify_quantization(method: str | None) -> None:
     """Raise a ValueError naming the choices unless `method` is None or a known method."""
     if method is None:
@@ -398,6 +404,10 @@ class EngineArgs:
     attention_backend: str = "cpu"
     device: str = "cpu"
     quantization: str | None = None
+    # quantization="gguf": each 32-wide block of an activation row as two int8 digits (16:
+    # ~15 bits, greedy output on the dequantized model's tokens) or one (8: llama.cpp's own
+    # activation precision; the batched kernel does half the integer work).
+    gguf_activation_bits: int = 16
     kv_cache_dtype: str = "auto"
     # Decode-only steps of up to 96 requests through one torch.compile graph, compiled at
     # start-up (Inductor's output cached on disk): ~1 ms less Python per step, ~26 s more
@@ -476,6 +486,16 @@ class EngineArgs:
 
     def _check_quantization(self) -> None:
         verify_quantization(self.quantization)
+        if self.gguf_activation_bits not in GGUF_ACTIVATION_BITS:
+            raise ValueError(
+                f"gguf_activation_bits must be one of {list(GGUF_ACTIVATION_BITS)}, "
+                f"got {self.gguf_activation_bits!r}"
+            )
+        if self.gguf_activation_bits != 16 and self.quantization != "gguf":
+            raise ValueError(
+                "gguf_activation_bits applies to quantization='gguf' only, "
+                f"got quantization={self.quantization!r}"
+            )
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}"

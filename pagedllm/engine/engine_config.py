@@ -174,6 +174,7 @@ def build_engine_config(
         max_logprobs=args.max_logprobs,
         quantization=args.quantization,
         load_format=args.load_format,
+        gguf_activation_bits=args.gguf_activation_bits,
     )
     lora_config = args.lora_config()
     verify_lora_config(args, parallel_config, model_config)

@@ -39,6 +39,9 @@ ENGINE_ARG_HELP = {
     "attention_backend": "cpu (the C++ paged-attention kernel) or torch (the reference)",
     "device": "torch device the model runs on",
     "quantization": f"weight quantization: {', '.join(QUANTIZATION_METHODS)} (default: none)",
+    "gguf_activation_bits": "--quantization gguf: activations quantized to 16 bits (two int8 "
+    "digits per value: greedy output on the dequantized model's tokens) or 8 (one digit, "
+    "llama.cpp's precision: batched steps up to ~1.8x faster, tokens may differ)",
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
     "compile": "run decode steps through one torch.compile graph, compiled at start-up",
     "enforce_eager": "keep every step eager and refuse --compile (without --compile steps run "
@@ -103,7 +106,8 @@ _SHORT_FLAGS = {
 # Each field's help section (vLLM's config groups); a field not listed goes to "engine".
 _SECTIONS = {
     "model": ("model", "tokenizer", "skip_tokenizer_init", "dtype", "max_model_len",
-              "quantization", "load_format", "seed", "max_logprobs", "runner", "pooler_config"),
+              "quantization", "gguf_activation_bits", "load_format", "seed", "max_logprobs",
+              "runner", "pooler_config"),
     "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching"),
     "scheduler": ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
                   "tenant_weights", "preemption_mode"),

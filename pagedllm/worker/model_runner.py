@@ -248,7 +248,11 @@ class ModelRunner:
             )
         quantization = model_config.quantization
         # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
-        on_blocks = keep_gguf_blocks(model, source.path) if quantization == "gguf" else set()
+        on_blocks = (
+            keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
+            if quantization == "gguf"
+            else set()
+        )
         load_weights(
             model,
             source,

@@ -49,6 +49,7 @@ def tool_with(parameters: dict) -> str:
 
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+EMBEDDINGS, RESPONSES = "/v1/embeddings", "/v1/responses"
 
 # (path, raw JSON body, the field the error must name: `param` starts with it)
 CASES = {
@@ -176,6 +177,24 @@ CASES = {
     "request_id with a space": (CHAT, chat('"request_id": "a b"'), "request_id"),
     # "#" is how the engine names forked samples: "x#1" would collide with x's second.
     "request_id with #": (CHAT, chat('"request_id": "x#1"'), "request_id"),
+    # Booleans and strings are not read as numbers or booleans.
+    "stop_token_ids as booleans": (CHAT, chat('"stop_token_ids": [true]'), "stop_token_ids"),
+    "embedding token ids as booleans": (EMBEDDINGS, '{"input": [true, false]}', "input"),
+    "embedding normalize as a string": (
+        EMBEDDINGS,
+        '{"input": "hi", "normalize": "no"}',
+        "normalize",
+    ),
+    "responses store as a string": (
+        RESPONSES,
+        '{"input": "hi", "max_output_tokens": 2, "store": "yes"}',
+        "store",
+    ),
+    "previous_response_id of 100 KB": (
+        RESPONSES,
+        f'{{"input": "hi", "max_output_tokens": 2, "previous_response_id": "{"r" * 100_000}"}}',
+        "previous_response_id",
+    ),
 }
 
 

@@ -290,6 +290,40 @@ def test_greedy_output_is_fp32s_up_to_ties(engines):
     assert largest_logprob_error < 1e-4
 
 
+def test_eight_bit_activations_run_one_digit_near_the_fp32_logprobs(tiny_gguf, engines):
+    # gguf_activation_bits=8: one int8 digit per activation (llama.cpp's precision), in every
+    # kernel layer. The first token's logprob stays near fp32's, further than two digits'.
+    one_digit = LLM(
+        str(tiny_gguf),
+        quantization="gguf",
+        gguf_activation_bits=8,
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+    )
+    layers = [m for m in model_runner(one_digit).model.modules() if isinstance(m, GGUFLinear)]
+    assert layers and all(layer.digits == 1 for layer in layers)
+    two_digit_layers = model_runner(engines[1]).model.modules()
+    assert all(m.digits == 2 for m in two_digit_layers if isinstance(m, GGUFLinear))
+    prompts = [[5, 17, 99, 200, 31], [7, 8, 9]]
+    fp32, two, one = (greedy_with_logprobs(llm, prompts, 4) for llm in (*engines, one_digit))
+    two_errors, one_errors = [], []
+    for want, got_two, got_one in zip(fp32, two, one, strict=True):
+        token = want.token_ids[0]
+        reference = want.logprobs[0][token].logprob
+        two_errors.append(abs(got_two.logprobs[0][token].logprob - reference))
+        one_errors.append(abs(got_one.logprobs[0][token].logprob - reference))
+        assert len(got_one.token_ids) == 4
+    assert max(two_errors) < max(one_errors) < 0.1
+
+
+def test_gguf_activation_bits_are_checked():
+    with pytest.raises(ValueError, match=r"gguf_activation_bits must be one of \[16, 8\]"):
+        EngineArgs(quantization="gguf", gguf_activation_bits=4)
+    with pytest.raises(ValueError, match="applies to quantization='gguf' only"):
+        EngineArgs(gguf_activation_bits=8)
+
+
 def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
     directory = tiny_model_factory("LlamaForCausalLM")
     with pytest.raises(ValueError, match=r"not a \.gguf file"):

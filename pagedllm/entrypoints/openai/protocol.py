@@ -15,7 +15,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from pagedllm.entrypoints.openai.lora_registry import check_lora_name, check_lora_path
 from pagedllm.entrypoints.openai.request_ids import check_request_id
@@ -35,7 +44,8 @@ MAX_REQUEST_DEPTH = 96
 # Integers as the engine holds them (int64); seeds as torch takes them (any 64-bit value).
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]  # the vocabulary is checked later
+# The vocabulary is checked later. Strict: JSON's true and false are not token ids 1 and 0.
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 RequestId = Annotated[str, AfterValidator(lambda value: check_request_id(value, "request_id"))]
 
 
@@ -297,7 +307,7 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Int64 | None = None
     user: str | None = None
-    normalize: bool | None = None
+    normalize: StrictBool | None = None  # "no" is not false
     add_special_tokens: bool = True
     priority: Int64 = 0
     cache_salt: str | None = None

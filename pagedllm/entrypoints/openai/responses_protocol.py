@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from pagedllm.entrypoints.openai.protocol import Int64, OpenAIModel, RequestBody
 from pagedllm.errors import InvalidRequestError
@@ -168,8 +176,10 @@ class ResponsesRequest(RequestBody):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    previous_response_id: str | None = Field(default=None, min_length=1)
-    store: bool | None = None
+    # This server's ids are 37 characters; a longer one cannot be stored, and the 404 that
+    # names an unknown id echoes it.
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    store: StrictBool | None = None  # "yes" is not true
     metadata: dict[str, str] | None = None
     user: str | None = None
     service_tier: Literal["auto", "default"] | None = None

@@ -39,9 +39,10 @@ EMBEDDING = "model.embed_tokens"
 Shard = tuple[str, Any, np.ndarray]
 
 
-def keep_gguf_blocks(model: nn.Module, path: str) -> set[str]:
-    """Swap in the GGUF layers (see the module docstring); returns the HF names of the
-    checkpoint tensors they hold, which the loader must not read again."""
+def keep_gguf_blocks(model: nn.Module, path: str, activation_bits: int = 16) -> set[str]:
+    """Swap in the GGUF layers (see the module docstring), their activations quantized to
+    `activation_bits` (16: two int8 digits, 8: one); returns the HF names of the checkpoint
+    tensors they hold, which the loader must not read again."""
     from pagedllm.ops.extension import load
 
     try:
@@ -61,6 +62,9 @@ def keep_gguf_blocks(model: nn.Module, path: str) -> set[str]:
         # Done with its blocks (un-permuted q/k rows are copies): only the embedding's stay.
         consumed |= {hf_name for hf_name, _, _ in shards.pop(name).values()}
         replaced.append(name)
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.digits = activation_bits // 8
     embedding = _gguf_embedding(model, shards)
     if embedding is not None:
         _replace(model, EMBEDDING, embedding)
