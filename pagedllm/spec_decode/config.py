@@ -18,6 +18,10 @@ METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
 SELF_QUANTIZATIONS = ("gguf", "int8")
 # vLLM's defaults for prompt lookup when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# Most draft tokens a step may propose: every step reserves KV slots and sampler rows for
+# them, so 1,000,000 (once accepted) sized a step no request could run. Drafts past a few
+# dozen tokens are almost never all accepted.
+MAX_SPECULATIVE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {list(METHODS)}, got {self.method!r}"
             )
         _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
         if self.disable_by_batch_size is not None:
             _check_positive("disable_by_batch_size", self.disable_by_batch_size)
         self._check_ngram()

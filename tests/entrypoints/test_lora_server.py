@@ -232,6 +232,8 @@ def test_unload_leaves_running_requests_alone(lora_server, adapters):
         ({"lora_name": 5, "lora_path": "/tmp"}, "lora_name", "valid string"),
         ({"lora_name": "x", "lora_path": ["/tmp"]}, "lora_path", "valid string"),
         ({"lora_name": "", "lora_path": "/tmp"}, "lora_name", "non-empty"),
+        # lora_requests_info lists running adapters joined by commas.
+        ({"lora_name": "a,b", "lora_path": "/tmp"}, "lora_name", "may not contain ','"),
         ({"lora_name": BASE, "lora_path": "/tmp"}, "lora_name", "base model"),
         ({"lora_name": "x", "lora_path": "/tmp", "extra": 1}, "extra", "unknown field"),
     ],
@@ -304,6 +306,7 @@ def test_parse_lora_module_forms():
         ('{"name": "sql"}', "path missing"),
         ('{"name": "sql", "path": "/a", "rank": 8}', "unknown key(s) rank"),
         ('{"name": 3, "path": "/a"}', "non-empty string"),
+        ("a,b=/a", "may not contain ','"),
         ('{"name": "sql", "path": "/a", "base_model_name": ""}', "base_model_name"),
     ],
 )

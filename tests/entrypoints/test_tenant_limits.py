@@ -126,7 +126,7 @@ def test_update_keeps_unchanged_buckets_and_requests_in_flight():
     assert limiter.admit().limit == "max_requests_per_minute"  # still spent this minute
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, "3"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "3", True, 2**63, 2**70])
 def test_limits_must_be_positive_integers(value):
     with pytest.raises(ValueError, match="max_tokens_per_minute must be an integer >= 1"):
         TenantLimits(max_tokens_per_minute=value)
@@ -165,6 +165,8 @@ def test_keys_file_lines_comments_and_overrides():
         ("alice sk-secret sk-secret-too", "line 2, column 3: expected LIMIT=N"),
         ("alice sk-secret max_tokens_per_minute=0", "max_tokens_per_minute must be an integer"),
         ("alice sk-secret max_tokens_per_minute=x", "max_tokens_per_minute must be an integer"),
+        (f"alice sk-secret max_tokens_per_minute={2**64}", "<= 9223372036854775807"),
+        ("alice sk-secret max_tokens_per_minute=²", "max_tokens_per_minute must be an integer"),
         (
             "alice sk-secret max_tokens_per_minute=1 max_tokens_per_minute=2",
             "max_tokens_per_minute given twice",

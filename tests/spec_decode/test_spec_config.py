@@ -44,6 +44,7 @@ def test_parse_from_dict_and_json():
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 1_000_000}, "must be at most 128"),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown"),
         (
             {

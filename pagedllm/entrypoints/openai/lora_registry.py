@@ -62,6 +62,8 @@ def check_lora_name(name: object, param: str) -> str:
         raise InvalidRequestError(
             f"{param}: an adapter name is at most {MAX_LORA_NAME_CHARS} characters", param
         )
+    if "," in name:  # lora_requests_info lists the running adapters' names joined by commas
+        raise InvalidRequestError(f"{param}: an adapter name may not contain ','", param)
     return name
 
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
+from pagedllm.value_checks import INT64_MAX
+
 Clock = Callable[[], float]
 SECONDS_PER_MINUTE = 60.0
 # No limit frees a slot at a known time: a refused concurrent request retries after this.
@@ -37,8 +39,14 @@ class TenantLimits:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{field.name} must be an integer >= 1 (or none), got {value!r}")
+            # Within 64 bits, as every integer the server takes (a wider one was accepted).
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT64_MAX
+            ):
+                raise ValueError(
+                    f"{field.name} must be an integer >= 1 and <= {INT64_MAX} (or none), "
+                    f"got {value!r}"
+                )
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

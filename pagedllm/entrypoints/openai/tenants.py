@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedllm.entrypoints.openai.tenant_limits import Clock, TenantLimiter, TenantLimits
+from pagedllm.value_checks import INT64_MAX
 
 logger = logging.getLogger("pagedllm")
 
@@ -99,10 +100,12 @@ def _parse_limits(options: list[str], where: str) -> dict[str, int | None]:
             raise ValueError(f"{where}: {name} given twice")
         if value.lower() == "none":
             overrides[name] = None
-        elif value.isdigit() and int(value) >= 1:
+        elif value.isascii() and value.isdigit() and 1 <= int(value) <= INT64_MAX:
             overrides[name] = int(value)
         else:
-            raise ValueError(f"{where}: {name} must be an integer >= 1 or 'none'")
+            raise ValueError(
+                f"{where}: {name} must be an integer >= 1 and <= {INT64_MAX} or 'none'"
+            )
     return overrides
 
 
