@@ -11,11 +11,14 @@ so that a first start does not wait for the compiler.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,18 +125,38 @@ def _compile_and_import() -> Any:
     directory = cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     source_dir = _copy_sources(directory)
-    # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
-    load_extension(
-        name=_EXTENSION_NAME,
-        sources=[str(source_dir / source.name) for source in _SOURCES],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(source_dir)],
-        build_directory=str(directory),
-        is_python_module=False,
-    )
+    with _build_lock(directory):
+        # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
+        load_extension(
+            name=_EXTENSION_NAME,
+            sources=[str(source_dir / source.name) for source in _SOURCES],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(source_dir)],
+            build_directory=str(directory),
+            is_python_module=False,
+        )
     _register_fake_kernels()
     return torch.ops.pagedllm
+
+
+# torch's own build lock: a file that exists while a process builds in the directory.
+_TORCH_BATON = "lock"
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads in `directory`, under an flock the OS releases
+    when its holder dies. torch's lock is a file that a killed build leaves behind, and then
+    every later start waits for it to go, forever (seen after a `make test` was killed during
+    the build); under this flock no other build can be running, so such a file is stale."""
+    with open(directory.parent / f"{directory.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (directory / _TORCH_BATON).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # The kernels that take tensors. Each writes into tensors it is given and returns nothing,
