@@ -135,6 +135,27 @@ PAGEDLLM_ALWAYS_INLINE void pair_block_dots(const __m512i (&wv)[8], const int8_t
   }
 }
 
+// One row's integer dots for one block: hi (and, with two digits, hi * 256 + lo).
+template <int R, int DIGITS, int HALVES>
+PAGEDLLM_ALWAYS_INLINE void pair_row_dots(const __m512i (&wv)[8], const Activations& a, int64_t row,
+                                          int64_t b, __m512i (&dots)[HALVES]) {
+  for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_setzero_si512();
+  pair_block_dots<R, HALVES>(wv, a.hi(row, b), dots);
+  if constexpr (DIGITS == 2 && HALVES == 2) {
+    // Q6_K's halves give a pass 32 chains: the low digit's dots continue the shifted high
+    // ones' (integer sums, so the order does not change the bits), saving a zeroed chain and
+    // an add (+5%). With one half, the 8 rows' 8 chains, twice as long, left the pipes idle
+    // (-10%): there the low digit keeps a chain of its own.
+    for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_slli_epi32(dots[h], 8);
+    pair_block_dots<R, HALVES>(wv, a.lo(row, b), dots);
+  } else if constexpr (DIGITS == 2) {
+    __m512i low[HALVES];
+    for (int h = 0; h < HALVES; ++h) low[h] = _mm512_setzero_si512();
+    pair_block_dots<R, HALVES>(wv, a.lo(row, b), low);
+    for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_add_epi32(_mm512_slli_epi32(dots[h], 8), low[h]);
+  }
+}
+
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
   __m512 acc[R];
@@ -156,21 +177,7 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512i dots[HALVES];
-      for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_setzero_si512();
-      pair_block_dots<R, HALVES>(wv, a.hi(row + r, b), dots);
-      if constexpr (DIGITS == 2 && HALVES == 2) {
-        // hi * 256 + lo. Q6_K's halves give a pass 32 chains: the low digit's dots continue
-        // the shifted high ones' (integer sums, so the order does not change the bits),
-        // saving a zeroed chain and an add (+5%). With one half, the 8 rows' 8 chains, twice
-        // as long, left the pipes idle (-10%): there the low digit keeps a chain of its own.
-        for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_slli_epi32(dots[h], 8);
-        pair_block_dots<R, HALVES>(wv, a.lo(row + r, b), dots);
-      } else if constexpr (DIGITS == 2) {
-        __m512i low[HALVES];
-        for (int h = 0; h < HALVES; ++h) low[h] = _mm512_setzero_si512();
-        pair_block_dots<R, HALVES>(wv, a.lo(row + r, b), low);
-        for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_add_epi32(_mm512_slli_epi32(dots[h], 8), low[h]);
-      }
+      pair_row_dots<R, DIGITS, HALVES>(wv, a, row + r, b, dots);
       acc[r] = block_epilogue<Lanes16, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
