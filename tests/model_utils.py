@@ -200,3 +200,27 @@ def small_engine(directory, **engine_args):
 def model_runner(llm):
     """The engine's `ModelRunner` (the offline `LLM` runs the core in its own process)."""
     return llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+
+
+def run_tenants(llm, requests: list[tuple], samples: bool = False, max_steps: int = 5000) -> list:
+    """Run `(request id, tenant, prompt token ids, SamplingParams, LoRARequest | None)`
+    requests on `llm`'s engine to the end (several tenants share it, as the server's do);
+    each request's completion (`samples`: the list of its n samples), in the order given."""
+    import dataclasses
+
+    from pagedllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    for request_id, tenant, prompt, params, lora in requests:
+        final = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(
+            request_id, {"prompt_token_ids": prompt}, final, tenant=tenant, lora_request=lora
+        )
+    finished = {}
+    for _ in range(max_steps):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs if samples else output.outputs[0]
+        if not engine.has_unfinished_requests():
+            return [finished[request[0]] for request in requests]
+    raise AssertionError(f"not finished in {max_steps} steps")

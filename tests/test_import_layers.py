@@ -53,6 +53,10 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.kv_tier_setup",
             # The KV tiers' scheduler side (what each tier holds, each step's moves).
             "pagedllm.kv_transfer.tier_manager",
+            # Features' scheduler sides: participants of the scheduling loop.
+            "pagedllm.kv_transfer.scheduling",
+            "pagedllm.spec_decode.scheduling",
+            "pagedllm.lora.scheduling",
             "pagedllm.metrics.logger",
             "pagedllm.core.*",
             "pagedllm.structured_output.*",

@@ -6,7 +6,7 @@ and the default tenant None, weigh 1):
 - the *dominant share* of what a tenant holds: the larger of its fraction of the seats
   (`max_num_seqs`) and its fraction of the KV blocks (dominant resource fairness). Seats and
   blocks go to the waiting tenant whose share is lowest, taken by preemption from the tenant
-  whose share is highest (`core/fair_scheduler.py`);
+  whose share is highest (`core/fair_policy.py`);
 - the token budget, shared by weighted deficit round-robin: tenants take turns in a ring;
   a turn credits the tenant `quantum × weight` tokens (its deficit), and its requests run
   while the deficit covers their tokens this step. The ring, whose turn it is and every

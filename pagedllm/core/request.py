@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -90,6 +91,35 @@ class Request:
     # An embedding request (runner="pooling"): it ends with its prefill, sampling nothing.
     pooling_params: PoolingParams | None = None
 
+    def fork(self, index: int) -> Request:
+        """Parallel sample `index` (n > 1) as a request of its own, forked in the step that
+        computes this request's last prompt token: running, with its parent's progress (the
+        KV manager shares the blocks), its own seed, and no prompt logprobs (reported once,
+        with the parent)."""
+        params = self.sampling_params
+        return Request(
+            child_request_id(self.request_id, index),
+            self.prompt_token_ids,
+            dataclasses.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                prompt_logprobs=None,
+            ),
+            self.eos_token_ids,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            bad_words_token_ids=self.bad_words_token_ids,
+            tenant=self.tenant,
+            lora_request=self.lora_request,
+            status=RequestStatus.RUNNING,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            first_scheduled_time=self.first_scheduled_time,
+            block_hashes=list(self.block_hashes),
+        )
+
     @property
     def num_unforked_samples(self) -> int:
         """Parallel samples (n > 1) still to be forked: they run once the first token is due."""
@@ -119,6 +149,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end) of prompt + output, without copying both."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        num_prompt = len(prompt)
+        if end <= num_prompt:
+            return prompt[start:end]
+        if start >= num_prompt:
+            return output[start - num_prompt : end - num_prompt]
+        return prompt[start:] + output[: end - num_prompt]
 
     @property
     def all_token_ids(self) -> list[int]:

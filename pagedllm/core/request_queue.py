@@ -1,9 +1,9 @@
-"""Waiting queues, one per scheduling policy, chosen by name.
+"""Waiting queues, one per scheduling policy (`core/policy.py` picks its own).
 
 `fcfs`: arrival order; a preempted request goes back to the head.
 `priority`: lowest `priority` value first, ties by arrival time (vLLM's convention).
 `fair`: one arrival-order queue per tenant (a preempted request back at its tenant's head);
-the scheduler's fair step (`core/fair_scheduler.py`) chooses between tenants. Taken through
+the fair policy (`core/fair_policy.py`) chooses between tenants. Taken through
 `peek`/`pop` alone, tenants take turns.
 """
 
@@ -32,6 +32,11 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def remove(self, request: Request) -> None: ...
+
+    def take(self, request: Request) -> Request:
+        """Take `request`, a head of the queue (the one `peek` gives)."""
+        assert self.peek() is request
+        return self.pop()
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -134,6 +139,11 @@ class FairQueue(RequestQueue):
         self._len -= 1
         return request
 
+    def take(self, request: Request) -> Request:
+        """Take `request`, the head of its tenant's queue."""
+        assert self._queues[request.tenant][0] is request
+        return self.pop_tenant(request.tenant)
+
     def pop_tenant(self, tenant: str | None) -> Request:
         """A tenant's oldest request."""
         queue = self._queues[tenant]
@@ -160,14 +170,3 @@ class FairQueue(RequestQueue):
             for queue in queues:
                 if index < len(queue):
                     yield queue[index]
-
-
-SCHEDULING_POLICIES = {"fcfs": FCFSQueue, "priority": PriorityQueue, "fair": FairQueue}
-
-
-def create_request_queue(policy: str) -> RequestQueue:
-    if policy not in SCHEDULING_POLICIES:
-        raise ValueError(
-            f"scheduling_policy {policy!r} is unknown; choose one of {sorted(SCHEDULING_POLICIES)}"
-        )
-    return SCHEDULING_POLICIES[policy]()

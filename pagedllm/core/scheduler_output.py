@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.request import Request
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
@@ -24,6 +25,20 @@ class NewRequestData:
     bad_words_token_ids: list[list[int]] | None = None
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+
+    @classmethod
+    def of(cls, request: Request, block_ids: list[int]) -> NewRequestData:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_ids=request.eos_token_ids,
+            bad_words_token_ids=request.bad_words_token_ids,
+            lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
+        )
 
 
 @dataclass

@@ -92,16 +92,8 @@ class EngineCore:
 
     def _batch_queue_size(self) -> int:
         """vLLM V1's batch queue: with pp stages, pp batches in flight so the stages overlap
-        (the executor must answer `execute_model(..., non_block=True)`). The fair policy's
-        step does not skip requests in flight: it runs one batch at a time."""
-        size = self.model_executor.max_concurrent_batches
-        if size > 1 and self.config.scheduler_config.policy == "fair":
-            logger.warning(
-                "scheduling_policy='fair' with pipeline_parallel_size > 1: one "
-                "batch in flight at a time (stages do not overlap)"
-            )
-            return 1
-        return size
+        (the executor must answer `execute_model(..., non_block=True)`)."""
+        return self.model_executor.max_concurrent_batches
 
     def _kv_tier_manager(self) -> KVTierManager:
         """The scheduler's side of the KV tiers; the disk tier's index is its folder's."""
@@ -260,9 +252,9 @@ class EngineCore:
             num_cached_blocks=pool.num_cached_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
-            spec_decode=scheduler.spec_decoding_stats.snapshot(),
-            running_lora_adapters=scheduler.lora_counts(scheduler.running),
-            waiting_lora_adapters=scheduler.lora_counts(scheduler.waiting),
+            spec_decode=scheduler.drafts.stats.snapshot(),
+            running_lora_adapters=scheduler.lora.counts(scheduler.running),
+            waiting_lora_adapters=scheduler.lora.counts(scheduler.waiting),
             max_loras=scheduler.config.max_loras,
             kv_tiers=self.kv_tiers.stats.snapshot() if self.kv_tiers is not None else None,
         )

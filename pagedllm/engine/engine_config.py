@@ -229,7 +229,6 @@ def verify_lora_config(
     refused = [
         (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
         (args.quantization is not None, f"quantization={args.quantization!r}"),
-        (args.scheduling_policy == "fair", "scheduling_policy='fair'"),
         (
             args.speculative_config is not None and args.speculative_config.uses_draft_model,
             "a speculative draft model (method 'ngram' and 'suffix' work with LoRA)",
@@ -315,11 +314,6 @@ def verify_speculative_config(args: EngineArgs, parallel_config: ParallelConfig)
         raise ValueError(
             "speculative_config is not supported with tensor_parallel_size or "
             "pipeline_parallel_size > 1 (yet): run speculation on one rank"
-        )
-    if args.scheduling_policy == "fair":
-        raise ValueError(
-            "speculative_config is not supported with scheduling_policy='fair' (yet); "
-            "use fcfs or priority"
         )
 
 

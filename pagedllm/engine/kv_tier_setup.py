@@ -39,7 +39,6 @@ def build_kv_tier_config(
         return None
     refused = [
         (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
-        (args.scheduling_policy == "fair", "scheduling_policy='fair'"),
         (
             args.speculative_config is not None and args.speculative_config.uses_draft_model,
             "a speculative draft model (its own KV is not moved; 'ngram' and 'suffix' work)",

@@ -104,10 +104,13 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue one request (raises ValueError on bad input)."""
         self.add_processed_request(
-            *self.process_inputs(request_id, prompt, params, priority, tenant=tenant)
+            *self.process_inputs(
+                request_id, prompt, params, priority, tenant=tenant, lora_request=lora_request
+            )
         )
 
     def add_processed_request(self, prompt_text: str | None, request: EngineCoreRequest) -> None:

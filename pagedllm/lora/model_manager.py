@@ -82,11 +82,13 @@ class LoRAModelManager:
                 )
         self._drop_slot(lora_id)  # the id's weights changed: its slot is stale
         self.adapters[lora_id] = adapter
-        self._evict_unused()
+        self._evict_unused(lora_id)
         return adapter
 
-    def _evict_unused(self) -> None:
-        in_use = set(self.request_loras.values())
+    def _evict_unused(self, added: int) -> None:
+        """Drop the least recently used adapters past `max_cpu_loras` that no request runs;
+        `added`, just read for a request not yet recorded, is kept."""
+        in_use = {*self.request_loras.values(), added}
         for lora_id in list(self.adapters):
             if len(self.adapters) <= self.config.max_cpu_loras:
                 return

@@ -10,7 +10,7 @@ from test_scheduler import EOS, assert_all_blocks_free, step
 from pagedllm.config import EngineArgs, SchedulerConfig, parse_tenant_weights
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.request_queue import FairQueue, create_request_queue
+from pagedllm.core.request_queue import FairQueue
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput
 from pagedllm.sampling_params import SamplingParams
@@ -54,13 +54,13 @@ def run_to_completion(scheduler, max_steps=2000):
         assert steps < max_steps
     assert_all_blocks_free(scheduler)
     scheduler.schedule()  # an idle step: tenants without requests leave the ring
-    assert scheduler.fair_share.ring == []
+    assert scheduler.policy.fair_share.ring == []
     return steps
 
 
 # ---- the waiting queue ---------------------------------------------------------------------
 def test_fair_queue_keeps_each_tenant_in_arrival_order():
-    queue = create_request_queue("fair")
+    queue = FairQueue()
     assert isinstance(queue, FairQueue)
     params = SamplingParams(max_tokens=1)
     a1, a2, b1, c1 = (
@@ -196,7 +196,7 @@ def test_weights_split_the_budget():
 
 def test_deficit_is_kept_for_an_unaffordable_request_and_forfeited_when_idle():
     scheduler = make_scheduler(budget=6, max_num_seqs=8, quantum=4)
-    fair = scheduler.fair_share
+    fair = scheduler.policy.fair_share
     add(scheduler, "a0", "A", 10, max_tokens=1)
     b0 = add(scheduler, "b0", "B", 3, max_tokens=1)
     add(scheduler, "b1", "B", 3, max_tokens=1)
@@ -376,7 +376,7 @@ def test_abort_under_fair_frees_blocks_from_any_state():
         scheduler.kv_cache_manager.check_integrity()
     assert not scheduler.has_unfinished_requests()
     step(scheduler)  # the ring forgets both tenants
-    assert scheduler.fair_share.ring == []
+    assert scheduler.policy.fair_share.ring == []
     assert_all_blocks_free(scheduler)
 
 

@@ -19,11 +19,20 @@ TP2, PP2 = {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}
         ("LlamaForCausalLM", TP2),
         ("LlamaForCausalLM", PP2),
         ("LlamaForCausalLM", {**TP2, **PP2}),  # 4 ranks share 2 cores
+        # Two batches in flight under the fair policy's order.
+        ("LlamaForCausalLM", {**PP2, "scheduling_policy": "fair"}),
         # One KV head replicated over both ranks, and a vocabulary padded to divide.
         ("Qwen2ForCausalLM:kv1-vocab509", TP2),
         ("LlamaForCausalLM:kv4-vocab509", TP2),
     ],
-    ids=["llama-tp2", "llama-pp2", "llama-tp2xpp2", "qwen2-kv1-tp2", "llama-kv4-tp2"],
+    ids=[
+        "llama-tp2",
+        "llama-pp2",
+        "llama-tp2xpp2",
+        "llama-pp2-fair",
+        "qwen2-kv1-tp2",
+        "llama-kv4-tp2",
+    ],
 )
 def test_greedy_tokens_equal_one_rank(tiny_model_factory, model, layout, report_ties):
     directory = tiny_model_factory(model)

@@ -1,15 +1,15 @@
 """Multi-LoRA end to end on tiny random Llama and Qwen2 models: greedy tokens equal
 Transformers + PEFT on the merged model for every adapter, in one mixed batch of four
-adapters and the base model, under chunked prefill and preemption, and equal each request
-run alone; the prefix cache never shares KV between adapters; `max_loras` bounds the
-adapters of every step; every block returns to the pool (PAGEDLLM_DEBUG checks every step,
-tests/conftest.py)."""
+adapters and the base model, under chunked prefill and preemption, with tenants under the
+fair policy, and equal each request run alone; the prefix cache never shares KV between
+adapters; `max_loras` bounds the adapters of every step; every block returns to the pool
+(PAGEDLLM_DEBUG checks every step, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 from lora_utils import make_peft_adapter, merged_model
-from model_utils import compare_greedy, compare_to_reference_engine, hf_greedy
+from model_utils import compare_greedy, compare_to_reference_engine, hf_greedy, run_tenants
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 
@@ -109,6 +109,32 @@ def test_mixed_batch_equals_peft(setup, report_ties, layout):
     # The adapters change the output: the comparison is not the base model's five times.
     base_tokens = [setup.references[0][p].token_ids for p in range(len(PROMPTS))]
     assert sum(r.token_ids not in base_tokens for r in references) >= len(ADAPTERS)
+    assert_pool_whole(llm)
+
+
+def test_tenants_under_the_fair_policy_equal_peft(setup, report_ties):
+    """Three tenants share two adapter slots and a pool that preempts, under "fair"."""
+    llm = engine(
+        setup,
+        scheduling_policy="fair",
+        max_loras=2,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+        kv_cache_memory=21 * 4096,
+    )
+    prompts, loras, references = mixed_batch(setup)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [
+        (f"r{i}", f"tenant{i % 3}", prompt, params, lora)
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True))
+    ]
+    outputs = run_tenants(llm, requests)
+    ties = sum(
+        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
+        for output, reference in zip(outputs, references, strict=True)
+    )
+    report_ties(ties, len(outputs))
+    assert llm.get_stats().num_preemptions > 0
     assert_pool_whole(llm)
 
 

@@ -118,11 +118,6 @@ def test_settings_that_need_the_models(tiny_llama, tiny_model_factory, tmp_path)
             "num_speculative_tokens": 2,
         },
     )
-    refused(
-        "scheduling_policy='fair'",
-        scheduling_policy="fair",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-    )
     windowed = tiny_model_factory("MistralForCausalLM:window24")
     with pytest.raises(ValueError, match="sliding-window"):
         LLM(

@@ -121,7 +121,7 @@ def run_until_done(scheduler: Scheduler) -> dict[str, object]:
 
 def past_the_limit(scheduler: Scheduler, clock: FakeClock) -> None:
     """Once the slow compile is running, move the clock past its time limit."""
-    assert scheduler.structured_output._backend.started.wait(HANG_GUARD_S)
+    assert scheduler.grammar.manager._backend.started.wait(HANG_GUARD_S)
     clock.advance(2 * COMPILE_TIMEOUT_S)
 
 
@@ -144,7 +144,7 @@ def test_the_same_slow_spec_again_fails_without_a_second_stuck_thread(scheduler,
     add(scheduler, "slow-1", "slow")
     past_the_limit(scheduler, clock)
     assert run_until_done(scheduler)["slow-1"].finish_reason == "error"
-    manager = scheduler.structured_output
+    manager = scheduler.grammar.manager
     add(scheduler, "slow-2", "slow")  # shares the still-running compile
     add(scheduler, "quick", "quick")
     finished = run_until_done(scheduler)
