@@ -27,15 +27,10 @@ from pagedllm.worker.model_runner import ForwardStep
 
 def capture_decode(llm: LLM, batch: int) -> tuple:
     """(input_ids, positions, metadata) of a decode step of `batch` requests."""
-    runner = llm.model_runner
     steps: list[ForwardStep] = []
-    record = steps.append
-    runner.add_forward_observer(record)
-    try:
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with llm.model_runner.forward_observer(steps.append):
         llm.generate(["Tell me about the sea, please."] * batch, params, use_tqdm=False)
-    finally:
-        runner.remove_forward_observer(record)
     return steps[-1].model_inputs
 
 

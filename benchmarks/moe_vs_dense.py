@@ -92,16 +92,11 @@ def params_per_token(config: dict[str, Any]) -> tuple[int, int]:
 
 def capture_steps(llm: LLM, prompt_len: int) -> tuple[tuple, tuple]:
     """(prefill step, decode step) inputs (input_ids, positions, metadata) of one request."""
-    runner = llm.model_runner
     steps: list[ForwardStep] = []
-    record = steps.append
-    runner.add_forward_observer(record)
-    try:
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
+    with llm.model_runner.forward_observer(steps.append):
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    finally:
-        runner.remove_forward_observer(record)
     return steps[0].model_inputs, steps[-1].model_inputs
 
 

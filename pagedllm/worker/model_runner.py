@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,6 +194,15 @@ class ModelRunner:
 
     def remove_forward_observer(self, observer: ForwardObserver) -> None:
         self._forward_observers.remove(observer)
+
+    @contextmanager
+    def forward_observer(self, observer: ForwardObserver) -> Iterator[None]:
+        """`observer` sees the forwards run inside the `with` block."""
+        self.add_forward_observer(observer)
+        try:
+            yield
+        finally:
+            self.remove_forward_observer(observer)
 
     def check_kv_integrity(self, expected: KVTableCheck) -> None:
         """Raise `KVIntegrityError` naming this rank unless its KV tensors and block tables
