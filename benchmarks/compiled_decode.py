@@ -22,23 +22,16 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
+from pagedllm.worker.model_runner import ForwardStep
 
 
 def capture_decode(llm: LLM, batch: int) -> tuple:
     """(input_ids, positions, metadata) of a decode step of `batch` requests."""
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-    steps = []
-    inner = runner._run_model
-
-    def record(input_ids, positions, metadata, num_scheduled):
-        steps.append((input_ids, positions, metadata))
-        return inner(input_ids, positions, metadata, num_scheduled)
-
-    runner._run_model = record
+    steps: list[ForwardStep] = []
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm.generate(["Tell me about the sea, please."] * batch, params, use_tqdm=False)
-    runner._run_model = inner
-    return steps[-1]
+    with llm.model_runner.forward_observer(steps.append):
+        llm.generate(["Tell me about the sea, please."] * batch, params, use_tqdm=False)
+    return steps[-1].model_inputs
 
 
 def median_ms(fn, calls: int) -> float:
@@ -58,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     llm = LLM(dtype="float32", max_num_seqs=max(batches), disable_log_stats=True)
-    model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
+    model = llm.model_runner.model
     limit = compiled_batch_limit(model)
     compiled = CompiledDecode(model, limit)
     with torch.inference_mode():

@@ -111,7 +111,7 @@ def teacher_forced(llm: LLM, token_prompts, sequences) -> list[list[tuple[float,
 
 
 def _model(llm: LLM):
-    return llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
+    return llm.model_runner.model
 
 
 def fp32_head(llm: LLM) -> None:

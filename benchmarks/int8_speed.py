@@ -226,7 +226,7 @@ def fp32_head_child(argv: list[str]) -> int:
     def build_int8_fp32_head(namespace, model=None):
         llm = build(namespace, model)
         quantize_model(
-            llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model,
+            llm.model_runner.model,
             "int8",
             quantize_head=False,
         )

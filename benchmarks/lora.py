@@ -110,7 +110,7 @@ def run_once(llm: LLM, prompts, loras, params) -> float:
 
 def adapter_costs(llm: LLM, lora: LoRARequest) -> dict:
     """Reading the adapter from disk, writing it into a slot, and its sizes."""
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    runner = llm.model_runner
     manager = runner.lora_manager
     config = llm.llm_engine.config
     started = time.perf_counter()

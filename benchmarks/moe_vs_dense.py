@@ -29,6 +29,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import write_config_dir
+from pagedllm.worker.model_runner import ForwardStep
 
 VOCAB = 8192
 HEAD_DIM = 64
@@ -91,20 +92,12 @@ def params_per_token(config: dict[str, Any]) -> tuple[int, int]:
 
 def capture_steps(llm: LLM, prompt_len: int) -> tuple[tuple, tuple]:
     """(prefill step, decode step) inputs (input_ids, positions, metadata) of one request."""
-    runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-    steps: list[tuple] = []
-    inner = runner._run_model
-
-    def record(input_ids, positions, metadata, num_scheduled):
-        steps.append((input_ids, positions, metadata))
-        return inner(input_ids, positions, metadata, num_scheduled)
-
-    runner._run_model = record
+    steps: list[ForwardStep] = []
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    runner._run_model = inner
-    return steps[0], steps[-1]
+    with llm.model_runner.forward_observer(steps.append):
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return steps[0].model_inputs, steps[-1].model_inputs
 
 
 def median_ms(model: torch.nn.Module, step: tuple, calls: int) -> float:
@@ -144,8 +137,7 @@ def main() -> None:
                 kv_cache_memory="64MiB",
                 disable_log_stats=True,
             )
-            runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
-            models[name] = (llm, runner.model)  # the LLM keeps the KV cache alive
+            models[name] = (llm, llm.model_runner.model)  # the LLM keeps the KV cache alive
             steps[name] = capture_steps(llm, args.prompt_len)
     rounds: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in models}
     with torch.inference_mode():

@@ -103,7 +103,7 @@ def pagedllm_child(
     )  # fmt: skip
     load_s = time.perf_counter() - started
     rss = _rss_bytes()
-    model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
+    model = llm.model_runner.model
     weights = sum(t.nbytes for t in {t.data_ptr(): t for t in model.buffers()}.values())
     prompt = [{"prompt_token_ids": [1000]}]
 

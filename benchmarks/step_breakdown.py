@@ -43,6 +43,7 @@ from pagedllm.bench.datasets import DatasetConfig, random_dataset
 from pagedllm.utils import round_up
 from pagedllm.worker.huge_pages import madvise
 from pagedllm.worker.kv_prefault import MADV_POPULATE_WRITE
+from pagedllm.worker.model_runner import ForwardStep
 
 PHASES = ("schedule", "forward", "logits", "sample", "update")
 
@@ -52,13 +53,16 @@ class StepTimer:
 
     def __init__(self, llm: LLM) -> None:
         core = llm.llm_engine.engine_core
-        runner = core.model_executor.driver_worker.model_runner
+        runner = llm.model_runner
         self.current: dict[str, float] = defaultdict(float)
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(core.scheduler, "update_from_output", "update")
-        self._wrap(runner, "_run_model", "forward")
+        runner.add_forward_observer(self._count_forward)
         self._wrap(runner.model, "compute_logits", "logits")
         self._wrap(runner, "sampler", "sample")
+
+    def _count_forward(self, step: ForwardStep) -> None:
+        self.current["forward"] += step.seconds
 
     def _wrap(self, owner, attribute: str, phase: str) -> None:
         inner = getattr(owner, attribute)
@@ -157,7 +161,7 @@ def populate_kv_cache(llm: LLM) -> None:
     page = os.sysconf("SC_PAGE_SIZE")
     started = time.perf_counter()
     total = 0
-    for cache in llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.kv_caches:
+    for cache in llm.model_runner.kv_caches:
         for tensor in cache:
             begin = round_up(tensor.data_ptr(), page)
             end = (tensor.data_ptr() + tensor.nbytes) // page * page

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -19,6 +19,9 @@ from pagedllm.metrics.stats import EngineStats
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import POOLING_SAMPLING_PARAMS, PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
 
 Conversation = list[dict[str, Any]]
 
@@ -39,6 +42,13 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    @property
+    def model_runner(self) -> ModelRunner | None:
+        """The sampling rank's `ModelRunner` when it runs in this process (one rank), for
+        inspection and benchmarks: its model, KV cache, `add_forward_observer`. None when
+        the workers run in processes of their own; with data parallelism, the first core's."""
+        return self.llm_engine.engine_core.model_executor.in_process_runner
 
     def generate(
         self,

@@ -199,7 +199,7 @@ def small_engine(directory, **engine_args):
 
 def model_runner(llm):
     """The engine's `ModelRunner` (the offline `LLM` runs the core in its own process)."""
-    return llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+    return llm.model_runner
 
 
 def run_tenants(llm, requests: list[tuple], samples: bool = False, max_steps: int = 5000) -> list:

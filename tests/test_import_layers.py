@@ -68,6 +68,10 @@ LAYERS: list[tuple[str, list[str]]] = [
         "model runner",
         [
             "pagedllm.worker.model_runner",
+            # The runner's parts: its build, its sampling, its debug-mode KV check.
+            "pagedllm.worker.model_building",
+            "pagedllm.worker.sampling_stage",
+            "pagedllm.worker.kv_integrity",
             "pagedllm.worker.input_batch",
             "pagedllm.worker.compiled_forward",
             "pagedllm.worker.huge_pages",
@@ -102,6 +106,7 @@ SHARED: list[str] = [
     "pagedllm.pooling_params",
     "pagedllm.outputs",
     "pagedllm.errors",
+    "pagedllm.fault_isolation",  # a batch retried row by row (scheduler and runner)
     "pagedllm.value_checks",  # checks of user values (ints, floats, text, JSON documents)
     "pagedllm.logger",
     "pagedllm.utils",

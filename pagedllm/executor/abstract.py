@@ -9,10 +9,13 @@ the one that samples, so `execute_model` returns its output.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
 
 
 class Executor(ABC):
@@ -42,6 +45,11 @@ class Executor(ABC):
 
     def load_model(self) -> None:
         self.collective_rpc("load_model")
+
+    @property
+    def in_process_runner(self) -> ModelRunner | None:
+        """The output rank's model runner when it runs in this process, else None."""
+        return None
 
     @property
     def max_concurrent_batches(self) -> int:

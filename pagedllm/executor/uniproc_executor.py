@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.executor.abstract import Executor
+from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.worker import Worker
 
 
@@ -12,6 +13,10 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         self.driver_worker = Worker(self.config, rank=0)
         self.driver_worker.init_device()
+
+    @property
+    def in_process_runner(self) -> ModelRunner | None:
+        return self.driver_worker.model_runner
 
     def collective_rpc(
         self,

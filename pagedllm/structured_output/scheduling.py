@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.errors import describe_error
+from pagedllm.fault_isolation import isolate_row_faults
 
 if TYPE_CHECKING:
     from pagedllm.structured_output.manager import StructuredOutputManager
@@ -87,25 +88,14 @@ class GrammarScheduling:
             if (request := requests[request_id]).num_computed_tokens >= request.num_tokens
         ]
         manager, drafts = self.manager, output.scheduled_spec_decode_tokens
-        try:
-            result = manager.bitmask(sampling, drafts)
-        except Exception:
-            healthy = []
-            for request in sampling:
-                try:
-                    manager.bitmask([request], drafts)
-                    healthy.append(request)
-                except Exception as error:
-                    logger.exception("Request %s: its grammar bitmask failed", request.request_id)
-                    message = failure_message(describe_error(error))
-                    for request_id in (
-                        request.request_id,
-                        *output.forked_samples.get(request.request_id, ()),
-                    ):
-                        failed[request_id] = message
-            if len(healthy) == len(sampling):
-                raise
-            result = manager.bitmask(healthy, drafts)
+
+        def fail(request: Request, error: Exception) -> None:
+            logger.exception("Request %s: its grammar bitmask failed", request.request_id)
+            forked = output.forked_samples.get(request.request_id, ())
+            for request_id in (request.request_id, *forked):
+                failed[request_id] = failure_message(describe_error(error))
+
+        result, _ = isolate_row_faults(lambda rows: manager.bitmask(rows, drafts), sampling, fail)
         if result is not None:
             output.grammar_bitmask, output.grammar_rows = result
 

@@ -131,3 +131,8 @@ class InputBatch:
                 grown[:old] = array
                 setattr(self, name, grown)
         self._free_rows = list(range(2 * old - 1, old - 1, -1))
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A numpy array of the batch (or one laid out from it) as a tensor on `device`."""
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)

@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sampling_stage import SamplingStage
 
 # Lengths 5..21 over 8-token blocks: full and partial blocks, prompts of different lengths.
 PROMPTS = [
@@ -107,7 +107,7 @@ def test_logits_processor_fault_mid_generation_with_seeded_neighbours(llm, monke
     ]
     alone = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, seeded, use_tqdm=False)]
     engine = llm.llm_engine
-    original = ModelRunner._apply_logits_processors
+    original = SamplingStage._apply_logits_processors
     bad_id = f"fi-seeded-{FAULTY}"
     # The fault hits once the request has 4 output tokens.
     fault_at = 4 + len(PROMPTS[FAULTY]["prompt_token_ids"])
@@ -118,7 +118,7 @@ def test_logits_processor_fault_mid_generation_with_seeded_neighbours(llm, monke
             raise RuntimeError("boom in a logits processor")
         return original(self, logits, rows)
 
-    monkeypatch.setattr(ModelRunner, "_apply_logits_processors", faulty)
+    monkeypatch.setattr(SamplingStage, "_apply_logits_processors", faulty)
     request_ids = []
     for index, (prompt, params) in enumerate(zip(PROMPTS, seeded, strict=True)):
         request_ids.append(f"fi-seeded-{index}")
@@ -257,13 +257,13 @@ def test_a_fault_in_every_row_fails_each_request_not_the_engine(llm, baseline):
 
 def test_an_error_no_request_reproduces_still_ends_the_step(tiny_llama, monkeypatch):
     llm = LLM(str(tiny_llama), max_model_len=128, block_size=8)
-    original = ModelRunner._per_request_stages
+    original = SamplingStage._per_request_stages
 
-    def only_batched(self, scheduler_output, logits, rows, req_ids):
+    def only_batched(self, logits, rows, req_ids):
         if len(req_ids) > 1:
             raise RuntimeError("engine bug, not any request's")
-        return original(self, scheduler_output, logits, rows, req_ids)
+        return original(self, logits, rows, req_ids)
 
-    monkeypatch.setattr(ModelRunner, "_per_request_stages", only_batched)
+    monkeypatch.setattr(SamplingStage, "_per_request_stages", only_batched)
     with pytest.raises(RuntimeError, match="engine bug"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
