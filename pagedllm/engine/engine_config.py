@@ -308,12 +308,14 @@ def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str)
 
 def verify_speculative_config(args: EngineArgs, parallel_config: ParallelConfig) -> None:
     """What speculative decoding cannot be combined with yet is refused here, by name."""
-    if args.speculative_config is None:
+    spec = args.speculative_config
+    if spec is None:
         return
-    if parallel_config.world_size > 1:
+    if parallel_config.world_size > 1 and spec.uses_draft_model:
         raise ValueError(
-            "speculative_config is not supported with tensor_parallel_size or "
-            "pipeline_parallel_size > 1 (yet): run speculation on one rank"
+            f"speculative_config method {spec.method!r} is not supported with "
+            "tensor_parallel_size or pipeline_parallel_size > 1 (yet): a draft model runs "
+            "on one rank; methods 'ngram' and 'suffix' work on several"
         )
 
 

@@ -132,13 +132,17 @@ def test_settings_that_need_the_models(tiny_llama, tiny_model_factory, tmp_path)
         )
 
 
-def test_tensor_parallel_is_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size or pipeline_parallel_size"):
-        from pagedllm.engine.engine_config import verify_speculative_config
+def test_a_draft_model_on_several_ranks_is_refused_and_model_free_methods_are_not():
+    from pagedllm.engine.engine_config import verify_speculative_config
 
+    draft = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2}
+    args = EngineArgs(tensor_parallel_size=2, speculative_config=draft)
+    with pytest.raises(ValueError, match="tensor_parallel_size or pipeline_parallel_size"):
+        verify_speculative_config(args, args.parallel_config())
+    for method in ("ngram", "suffix"):
         args = EngineArgs(
-            tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            pipeline_parallel_size=2,
+            speculative_config={"method": method, "num_speculative_tokens": 2},
         )
         verify_speculative_config(args, args.parallel_config())
 

@@ -1,0 +1,74 @@
+"""Tensor and pipeline parallelism with the features the scheduler and the sampling rank
+own, through the `mp` executor on a tiny Llama: three tenants under the fair policy, n > 1
+and structured output together, in a pool that preempts. Every sample's greedy tokens equal
+one rank's with the same requests (ties counted, as everywhere)."""
+
+from __future__ import annotations
+
+import pytest
+from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
+from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+
+from pagedllm import SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
+
+LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+GRAMMAR = StructuredOutputsParams(regex=r"[a-z ]{4,200}")
+# Repeated patterns (the proposers find them) beside the shared prompts.
+SPEC_PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, *prompts()]
+
+
+def requests() -> list[tuple]:
+    """Tenants a, b, c in turn; even requests sample twice, odd ones follow the grammar."""
+    tenants = ["a", "b", "c"]
+    requests = []
+    for i, prompt in enumerate(prompts()):
+        extra = {"n": 2} if i % 2 == 0 else {"structured_outputs": GRAMMAR}
+        params = SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, **extra
+        )
+        requests.append((f"r{i}", tenants[i % 3], prompt, params, None))
+    return requests
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_llama) -> list:
+    return run_tenants(budget_llm(tiny_llama, scheduling_policy="fair"), requests(), samples=True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fair_samples_and_grammar_equal_one_rank(tiny_llama, one_rank, report_ties, layout):
+    llm = budget_llm(tiny_llama, scheduling_policy="fair", **LAYOUTS[layout])
+    try:
+        actual = run_tenants(llm, requests(), samples=True)
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0
+        core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties = 0
+    for samples, want in zip(actual, one_rank, strict=True):
+        assert len(samples) == len(want)
+        ties += compare_to_reference_engine(want, samples, TIE_TOLERANCE)[0]
+    report_ties(ties, len(actual))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_speculation_across_ranks_equals_one_rank(tiny_llama, report_ties, layout, method):
+    """Drafts are proposed and verified on the sampling rank; the other ranks run the
+    verification step's rows from the scheduler's token ids and drafts."""
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    if method == "suffix":
+        del spec["prompt_lookup_min"]
+    expected = greedy_with_logprobs(budget_llm(tiny_llama), SPEC_PROMPTS, MAX_TOKENS)
+    llm = budget_llm(tiny_llama, speculative_config=spec, **LAYOUTS[layout])
+    try:
+        actual = greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS)
+        stats = llm.get_stats()
+        assert stats.spec_decode.num_drafts > 0 and stats.num_preemptions > 0
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
