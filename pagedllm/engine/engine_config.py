@@ -228,7 +228,7 @@ def verify_lora_config(
         return
     refused = [
         (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
-        (args.quantization is not None, f"quantization={args.quantization!r}"),
+        (args.quantization == "gguf", "quantization='gguf'"),
         (
             args.speculative_config is not None and args.speculative_config.uses_draft_model,
             "a speculative draft model (method 'ngram' and 'suffix' work with LoRA)",

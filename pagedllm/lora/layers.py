@@ -263,10 +263,10 @@ def wrap_lora_modules(
     ]
     wrapped = {}
     for name, module in targets:
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        shape = _projection_shape(module)
+        if shape is None:
             continue  # not a dense projection (an MoE's experts, say)
-        out_features, in_features = weight.shape
+        out_features, in_features = shape
         shard_slices = getattr(module, "shard_slices", None) or {None: slice(0, out_features)}
         parent_name, _, child = name.rpartition(".")
         layer = LoRALinear(
@@ -275,6 +275,18 @@ def wrap_lora_modules(
         setattr(model.get_submodule(parent_name), child, layer)
         wrapped[name] = layer
     return wrapped
+
+
+def _projection_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(out, in) of a dense projection: a float weight's shape, or a quantized layer's."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return weight.shape[0], weight.shape[1]
+    out_features = getattr(module, "out_features", None)
+    in_features = getattr(module, "in_features", None)
+    if isinstance(out_features, int) and isinstance(in_features, int):
+        return out_features, in_features
+    return None
 
 
 def lora_target(checkpoint_module: str) -> tuple[str, str | None]:

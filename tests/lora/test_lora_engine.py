@@ -138,6 +138,39 @@ def test_tenants_under_the_fair_policy_equal_peft(setup, report_ties):
     assert_pool_whole(llm)
 
 
+def test_an_int8_base_takes_adapters(setup):
+    """LoRA on an int8 base: the deltas run in fp32 beside the int8 projections. Fed PEFT's
+    fp32 answers (teacher forcing), int8 + adapter ranks PEFT's token first at >= 95% of
+    positions, as int8 does for the base model (tests/model/test_int8.py); without its
+    adapter int8 agrees far less, so the adapters are applied."""
+    llm = engine(setup, quantization="int8")
+    prompts, loras, references = mixed_batch(setup)
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def agreement(adapters) -> float:
+        forced = [
+            {"prompt_token_ids": prompt + reference.token_ids}
+            for prompt, reference in zip(prompts, references, strict=True)
+        ]
+        outputs = llm.generate(forced, score, use_tqdm=False, lora_request=adapters)
+        firsts = [
+            position[token].rank == 1
+            for output, prompt in zip(outputs, prompts, strict=True)
+            for position, token in zip(
+                output.prompt_logprobs[len(prompt) :],
+                output.prompt_token_ids[len(prompt) :],
+                strict=True,
+            )
+        ]
+        return sum(firsts) / len(firsts)
+
+    adapted = [lora is not None for lora in loras]
+    with_adapters = agreement(loras)
+    assert with_adapters >= 0.95
+    assert agreement([None] * len(loras)) < with_adapters - 0.2 * sum(adapted) / len(adapted)
+    assert_pool_whole(llm)
+
+
 def test_batched_equals_alone(setup, report_ties):
     llm = engine(setup)
     prompts, loras, _ = mixed_batch(setup)
@@ -277,3 +310,13 @@ def test_compiled_decode_runs_steps_without_adapters(tiny_llama, tmp_path, repor
         for output, reference in zip([*base, *with_adapter], references, strict=True)
     )
     report_ties(ties, len(references))
+
+
+def test_combinations_not_built_yet_are_refused_by_name(setup):
+    draft = {"method": "draft_model", "model": str(setup.base), "num_speculative_tokens": 2}
+    for settings, named in (
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"speculative_config": draft}, "speculative draft model"),
+    ):
+        with pytest.raises(ValueError, match=f"enable_lora is not supported with .*{named}"):
+            engine(setup, **settings)

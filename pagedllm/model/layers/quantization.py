@@ -127,7 +127,9 @@ class Int8MergedLinear(SplitOutputs, Int8Linear):
     @classmethod
     def from_float(cls, linear: Linear) -> Int8MergedLinear:
         assert isinstance(linear, MergedLinear)
-        return cls(linear.weight, linear.bias, linear.output_sizes)
+        layer = cls(linear.weight, linear.bias, linear.output_sizes)
+        layer.shard_slices = dict(linear.shard_slices)  # LoRA adapters address its shards
+        return layer
 
 
 def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) -> list[str]:
