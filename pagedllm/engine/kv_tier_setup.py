@@ -38,7 +38,13 @@ def build_kv_tier_config(
     if not args.uses_kv_tiers:
         return None
     refused = [
-        (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
+        (
+            parallel_config.world_size > 1
+            and (args.kv_offload_dir is not None or args.kv_transfer_config is not None),
+            "kv_offload_dir or kv_transfer_config with tensor_parallel_size or "
+            "pipeline_parallel_size > 1 (each rank's blocks would need files and links of "
+            "their own; host memory and swap work)",
+        ),
         (
             args.speculative_config is not None and args.speculative_config.uses_draft_model,
             "a speculative draft model (its own KV is not moved; 'ngram' and 'suffix' work)",

@@ -72,3 +72,36 @@ def test_speculation_across_ranks_equals_one_rank(tiny_llama, report_ties, layou
         llm.llm_engine.engine_core.shutdown()
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "tiers",
+    [{"kv_offload_memory": "1MiB"}, {"preemption_mode": "swap"}],
+    ids=["offload", "swap"],
+)
+def test_host_memory_tiers_across_ranks_equal_one_rank(tiny_llama, report_ties, layout, tiers):
+    """Each rank keeps its own heads' (or layers') blocks in its own host slots, moved by
+    the same ops; evicted prefixes come back and swapped requests resume."""
+    expected = greedy_with_logprobs(budget_llm(tiny_llama), SPEC_PROMPTS, MAX_TOKENS)
+    llm = budget_llm(tiny_llama, **tiers, **LAYOUTS[layout])
+    try:
+        actual = greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS)
+        again = greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS)  # prefixes from the tier
+        core = llm.llm_engine.engine_core
+        stats = core.get_stats()
+        assert stats.num_preemptions > 0
+        moved = stats.kv_tiers["swapped_in_requests"] + stats.kv_tiers["loaded_blocks"]
+        assert moved > 0
+        core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties = 0
+    for outputs in (actual, again):
+        ties += compare_to_reference_engine(expected, outputs, TIE_TOLERANCE)[0]
+    report_ties(ties, 2 * len(expected))
+
+
+def test_disk_tier_on_several_ranks_is_refused_by_name(tiny_llama, tmp_path):
+    with pytest.raises(ValueError, match="kv_offload_dir or kv_transfer_config with tensor_"):
+        budget_llm(tiny_llama, kv_offload_dir=str(tmp_path), tensor_parallel_size=2)
