@@ -502,12 +502,13 @@ class EngineArgs:
             )
         if self.quantization is None:
             return
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+        several_ranks = self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1
+        if self.quantization == "gguf" and several_ranks:
             raise ValueError(
-                f"quantization={self.quantization!r} is not supported with "
-                f"tensor_parallel_size={self.tensor_parallel_size} or pipeline_parallel_size="
-                f"{self.pipeline_parallel_size} (yet): run it on one rank, or without "
-                "quantization"
+                f"quantization='gguf' is not supported with tensor_parallel_size="
+                f"{self.tensor_parallel_size} or pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} (yet): run it on one rank, or use "
+                "quantization='int8'"
             )
         # The int8 kernels are fbgemm's CPU kernels, fed fp32 activations.
         if torch.device(self.device).type != "cpu":

@@ -28,6 +28,8 @@ from torch import nn
 
 from pagedllm.config import INT8_ENGINE, verify_quantization
 from pagedllm.model.layers.linear import Linear, MergedLinear, SplitOutputs
+from pagedllm.model.layers.parallel_linear import RowParallelLinear
+from pagedllm.model.layers.vocab_parallel import ParallelLMHead
 
 logger = logging.getLogger("pagedllm")
 
@@ -86,6 +88,11 @@ class Int8Linear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias."""
         # fbgemm quantizes its whole input with one min/max. One token with large
         # activations (the first token's are often 10-100x the others') would coarsen every
         # other token's step, and a request's numbers would depend on its batch. Scaling
@@ -100,7 +107,7 @@ class Int8Linear(nn.Module):
             scales = x.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)
             out = torch.ops.quantized.linear_dynamic(x / scales, self._packed, self.reduce_range)
             out.mul_(scales)
-        return out if self.bias is None else out.add_(self.bias)
+        return out
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-channel qint8 weight, fp32 bias or None)."""
@@ -132,6 +139,50 @@ class Int8MergedLinear(SplitOutputs, Int8Linear):
         return layer
 
 
+class Int8RowParallelLinear(Int8Linear):
+    """A row-parallel shard (`RowParallelLinear`): the partial products are summed over the
+    tensor-parallel ranks, then the bias, whole on every rank, is added once."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp_group) -> None:
+        super().__init__(weight, bias)
+        self.tp_group = tp_group
+
+    @classmethod
+    def from_float(cls, linear: Linear) -> Int8RowParallelLinear:
+        assert isinstance(linear, RowParallelLinear)
+        return cls(linear.weight, linear.bias, linear.tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp_group.all_reduce(self._matmul(x))
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class Int8ParallelLMHead(Int8Linear):
+    """A vocabulary shard of the head (`ParallelLMHead`): the full logits on the group's rank
+    0, None on the others."""
+
+    def __init__(self, weight: torch.Tensor, shard) -> None:
+        super().__init__(weight, None)
+        self.shard = shard
+
+    @classmethod
+    def from_float(cls, linear: Linear) -> Int8ParallelLMHead:
+        assert isinstance(linear, ParallelLMHead)
+        return cls(linear.weight, linear.shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.shard.gather_logits(self._matmul(x))
+
+
+def _int8_class(module: Linear) -> type[Int8Linear]:
+    """The int8 layer taking `module`'s place (a tensor-parallel shard keeps its collective)."""
+    if isinstance(module, ParallelLMHead) and module.tp_size > 1:
+        return Int8ParallelLMHead
+    if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+        return Int8RowParallelLinear
+    return Int8MergedLinear if isinstance(module, MergedLinear) else Int8Linear
+
+
 def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) -> list[str]:
     """Replace every `Linear` of a loaded model with its int8 layer, in place.
 
@@ -155,8 +206,7 @@ def quantize_model(model: nn.Module, method: str, quantize_head: bool = True) ->
     float_bytes = int8_bytes = 0
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        layer_class = Int8MergedLinear if isinstance(module, MergedLinear) else Int8Linear
-        setattr(model.get_submodule(parent_name), child, layer_class.from_float(module))
+        setattr(model.get_submodule(parent_name), child, _int8_class(module).from_float(module))
         float_bytes += module.weight.numel() * module.weight.element_size()
         int8_bytes += module.weight.numel()
     names = [name for name, _ in targets]

@@ -48,6 +48,14 @@ class VocabShard:
             param.data[:real].copy_(loaded_weight.narrow(0, self.start, real))
         param.data[real:].zero_()
 
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's logits of its rows, joined on the group's rank 0 and cut to the real
+        vocabulary (None on the other ranks; a collective)."""
+        full = self.tp_group.gather(logits, dst=0, dim=-1)
+        if full is None:
+            return None
+        return full[..., : self.vocab_size].contiguous()
+
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding with this rank's rows of the (padded) vocabulary."""
@@ -102,10 +110,7 @@ class ParallelLMHead(Linear):
         logits = super().forward(hidden_states)
         if self.tp_size == 1:
             return logits
-        full = self.shard.tp_group.gather(logits, dst=0, dim=-1)
-        if full is None:
-            return None
-        return full[..., : self.shard.vocab_size].contiguous()
+        return self.shard.gather_logits(logits)
 
 
 def lm_head(
