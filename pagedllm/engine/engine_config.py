@@ -230,10 +230,6 @@ def verify_lora_config(
         (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
         (args.quantization == "gguf", "quantization='gguf'"),
         (
-            args.speculative_config is not None and args.speculative_config.uses_draft_model,
-            "a speculative draft model (method 'ngram' and 'suffix' work with LoRA)",
-        ),
-        (
             not hasattr(model_config.hf_config, "intermediate_size")
             or model_config.architecture not in LORA_ARCHITECTURES,
             f"architecture {model_config.architecture} (LoRA serves "
