@@ -227,7 +227,10 @@ def verify_lora_config(
     if not args.enable_lora:
         return
     refused = [
-        (parallel_config.world_size > 1, "tensor_parallel_size or pipeline_parallel_size > 1"),
+        (
+            parallel_config.tensor_parallel_size > 1,
+            "tensor_parallel_size > 1 (adapter weights are not sharded over ranks)",
+        ),
         (args.quantization == "gguf", "quantization='gguf'"),
         (
             not hasattr(model_config.hf_config, "intermediate_size")

@@ -19,9 +19,10 @@ from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.lora.config import LoRAConfig
-from pagedllm.lora.layers import LoRALinear, LoRAState, LoRAStep, lora_target, wrap_lora_modules
+from pagedllm.lora.layers import LoRAState, LoRAStep, lora_target, wrap_lora_modules
 from pagedllm.lora.peft import LoRAAdapter, LoRAAdapterError, projection_shapes, read_adapter
 from pagedllm.lora.request import LoRARequest
+from pagedllm.model.pipeline import PPMissingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ class LoRAModelManager:
         self.layers = wrap_lora_modules(
             model, config.max_loras, config.max_lora_rank, self.state, model_config.dtype, device
         )
+        # Pipeline parallel: decoder layers another stage runs (it applies their deltas).
+        self._other_stages = {
+            f"{name}."
+            for name, module in model.named_modules()
+            if isinstance(module, PPMissingLayer)
+        }
         self.shapes = projection_shapes(model_config)
         self.device = device
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recent first
@@ -75,7 +82,8 @@ class LoRAModelManager:
             return adapter
         adapter = read_adapter(lora_request, self.shapes, self.config.max_lora_rank)
         for module in adapter.modules:
-            if lora_target(module)[0] not in self.layers:
+            target = lora_target(module)[0]
+            if target not in self.layers and not self._on_other_stage(target):
                 raise LoRAAdapterError(
                     f"LoRA adapter {lora_request.lora_name!r}: module {module!r} has no LoRA "
                     "layer in this model"
@@ -139,8 +147,11 @@ class LoRAModelManager:
             layer.clear_slot(slot)
         for module, weights in adapter.modules.items():
             name, shard = lora_target(module)
-            layer: LoRALinear = self.layers[name]
-            layer.set_slice(slot, shard, weights.lora_a, weights.lora_b)
+            if name in self.layers:  # else a layer of another pipeline stage
+                self.layers[name].set_slice(slot, shard, weights.lora_a, weights.lora_b)
+
+    def _on_other_stage(self, target: str) -> bool:
+        return any(target.startswith(prefix) for prefix in self._other_stages)
 
     @property
     def slot_bytes(self) -> int:

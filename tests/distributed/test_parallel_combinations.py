@@ -6,10 +6,11 @@ one rank's with the same requests (ties counted, as everywhere)."""
 from __future__ import annotations
 
 import pytest
+from lora_utils import make_peft_adapter
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
 from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 
-from pagedllm import SamplingParams
+from pagedllm import LoRARequest, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
@@ -146,3 +147,30 @@ def test_int8_across_ranks_agrees_with_one_rank(tiny_llama, layout):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert agreement >= MIN_INT8_TEACHER_FORCED
+
+
+def test_lora_across_pipeline_stages_equals_one_rank(tiny_llama, tmp_path, report_ties):
+    """Each stage applies the adapters' deltas of its own layers; an adapter's modules on
+    the other stage are that stage's to load."""
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, tmp_path / f"a{i}", i + 1)))
+        for i in range(2)
+    ]
+    loras = [adapters[i % 3] if i % 3 < 2 else None for i in range(len(SPEC_PROMPTS))]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    batch = [{"prompt_token_ids": prompt} for prompt in SPEC_PROMPTS]
+
+    def generate(llm) -> list:
+        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+        return [output.outputs[0] for output in outputs]
+
+    expected = generate(budget_llm(tiny_llama, enable_lora=True, max_loras=2))
+    llm = budget_llm(tiny_llama, enable_lora=True, max_loras=2, pipeline_parallel_size=2)
+    try:
+        actual = generate(llm)
+        assert llm.get_stats().num_preemptions > 0
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
