@@ -14,8 +14,9 @@ from gguf import GGMLQuantizationType as Q
 
 from benchmarks import random_gguf
 from benchmarks.random_gguf import FILE_TYPES, TINY
-from pagedllm.model.gguf_loader import _open_gguf, load_gguf_config, load_gguf_tokenizer
-from pagedllm.model.gguf_tensors import read_gguf_tensors
+from pagedllm.model.gguf.reader import open_gguf
+from pagedllm.model.gguf.tensor_table import read_gguf_tensors
+from pagedllm.model.gguf_loader import load_gguf_config, load_gguf_tokenizer
 
 SMOLLM2_VOCAB = 49152
 
@@ -108,7 +109,7 @@ def test_config_and_tokenizer_load_in_pagedllm(tiny_files):
     assert not config.tie_word_embeddings
     assert config.rope_parameters["rope_type"] == "llama3"
 
-    reader = _open_gguf(path)  # the loader's own parse, shared with the tokenizer below
+    reader = open_gguf(path)  # the loader's own parse, shared with the tokenizer below
     tokens = reader.get_field("tokenizer.ggml.tokens").contents()
     token_types = reader.get_field("tokenizer.ggml.token_type").contents()
     assert len(tokens) == len(token_types) == TINY.vocab_size

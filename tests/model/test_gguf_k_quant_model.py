@@ -10,7 +10,7 @@ from model_utils import compare_to_reference_engine, greedy_with_logprobs, model
 from benchmarks import random_gguf
 from benchmarks.parallel_memory import LlamaShape
 from pagedllm import LLM
-from pagedllm.model.gguf_tensors import read_gguf_tensors
+from pagedllm.model.gguf.tensor_table import read_gguf_tensors
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, distinct_bytes
 
 # Rows of whole 256-weight super-blocks; 4 layers so that Q4_K_M gives some layers Q6_K for

@@ -25,8 +25,13 @@ from gguf_writer import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
-from pagedllm.model.gguf_tensors import read_gguf_tensors
+from pagedllm.model.gguf.tensor_table import read_gguf_tensors
+from pagedllm.model.gguf_loader import (
+    iter_gguf_weights,
+    load_gguf_config,
+    load_gguf_tokenizer,
+    release_gguf_readers,
+)
 from pagedllm.model.loader import default_model_path
 
 # --------------------------------------------------------------------------- writing GGUF
@@ -110,19 +115,19 @@ def test_llama_weights_match_hf_state_dict(tiny_llama) -> None:
 
 def test_config_and_weights_come_back_from_the_cache(tiny_llama, tmp_path, monkeypatch) -> None:
     """A second load reads the cached config and weights, equal to the first, without the file."""
-    from pagedllm.model import gguf_loader
+    from pagedllm.model.gguf import reader, weights
 
     path, _, _ = tiny_llama
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(gguf_loader, "_MIN_WEIGHTS_CACHE_BYTES", 0)
+    monkeypatch.setattr(weights, "_MIN_WEIGHTS_CACHE_BYTES", 0)
     config = load_gguf_config(str(path))
     first = dict(iter_gguf_weights(str(path), config))
-    gguf_loader._open_gguf_cached.cache_clear()
+    release_gguf_readers()
 
     def no_reader(*args, **kwargs):
         raise AssertionError("the GGUF file was parsed again")
 
-    monkeypatch.setattr(gguf_loader, "GGUFReader", no_reader)
+    monkeypatch.setattr(reader, "GGUFReader", no_reader)
     cached_config = load_gguf_config(str(path))
     assert cached_config.to_dict() == config.to_dict()
     second = dict(iter_gguf_weights(str(path), cached_config))
