@@ -231,7 +231,6 @@ def verify_lora_config(
             parallel_config.tensor_parallel_size > 1,
             "tensor_parallel_size > 1 (adapter weights are not sharded over ranks)",
         ),
-        (args.quantization == "gguf", "quantization='gguf'"),
         (
             not hasattr(model_config.hf_config, "intermediate_size")
             or model_config.architecture not in LORA_ARCHITECTURES,

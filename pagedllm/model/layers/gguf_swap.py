@@ -119,11 +119,13 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
             runs.append((ggml_type, [raw]))
     if len(runs) > 1:
         layers = [GGUFLinear(raws, ggml_type) for ggml_type, raws in runs]
-        return GGUFConcatLinear(layers, module.output_sizes, module.bias)
-    ggml_type, raws = runs[0]
-    if isinstance(module, MergedLinear):
-        return GGUFMergedLinear(raws, ggml_type, module.output_sizes, module.bias)
-    return GGUFLinear(raws[0], ggml_type, module.bias)
+        merged: nn.Module = GGUFConcatLinear(layers, module.output_sizes, module.bias)
+    elif isinstance(module, MergedLinear):
+        merged = GGUFMergedLinear(runs[0][1], runs[0][0], module.output_sizes, module.bias)
+    else:
+        return GGUFLinear(runs[0][1][0], runs[0][0], module.bias)
+    merged.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
+    return merged
 
 
 def _gguf_embedding(
