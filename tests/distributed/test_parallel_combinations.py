@@ -6,11 +6,13 @@ one rank's with the same requests (ties counted, as everywhere)."""
 from __future__ import annotations
 
 import pytest
+from gguf import GGMLQuantizationType as GGML
+from gguf_writer import tiny_model, write_model_gguf
 from lora_utils import make_peft_adapter
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
 from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 
-from pagedllm import LoRARequest, SamplingParams
+from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
@@ -170,6 +172,31 @@ def test_lora_across_pipeline_stages_equals_one_rank(tiny_llama, tmp_path, repor
         actual = generate(llm)
         assert llm.get_stats().num_preemptions > 0
         llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+
+
+def test_gguf_blocks_across_pipeline_stages_equal_one_rank(tmp_path, report_ties):
+    """Each stage keeps its own layers in their GGUF blocks (the first the embedding's, the
+    last the tied head's)."""
+    model = tiny_model(
+        "llama",
+        vocab_size=320,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    path = tmp_path / "tiny.gguf"
+    write_model_gguf(
+        path, model, "llama", lambda name: GGML.Q8_0 if "attn_k" in name else GGML.Q4_0
+    )
+    common = dict(max_model_len=256, skip_tokenizer_init=True, quantization="gguf")
+    prompts = [[token % 320 for token in prompt] for prompt in SPEC_PROMPTS]
+    expected = greedy_with_logprobs(LLM(str(path), **common), prompts, MAX_TOKENS)
+    llm = LLM(str(path), pipeline_parallel_size=2, **common)
+    try:
+        actual = greedy_with_logprobs(llm, prompts, MAX_TOKENS)
     finally:
         llm.llm_engine.engine_core.shutdown()
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
