@@ -6,11 +6,14 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.messages import EngineCoreRequest
 
 
 def child_request_id(parent_id: str, index: int) -> str:
@@ -90,6 +93,24 @@ class Request:
     lora_request: LoRARequest | None = None
     # An embedding request (runner="pooling"): it ends with its prefill, sampling nothing.
     pooling_params: PoolingParams | None = None
+
+    @classmethod
+    def from_core_request(cls, request: EngineCoreRequest) -> Request:
+        """The scheduler's request for one that entered the engine core (waiting, nothing
+        computed yet)."""
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            frozenset(request.eos_token_ids),
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            bad_words_token_ids=request.bad_words_token_ids,
+            tenant=request.tenant,
+            lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
+        )
 
     def fork(self, index: int) -> Request:
         """Parallel sample `index` (n > 1) as a request of its own, forked in the step that
