@@ -16,9 +16,24 @@ if TYPE_CHECKING:
     from pagedllm.engine.messages import EngineCoreRequest
 
 
+# A request with n > 1 runs as n engine requests: itself (sample 0) and `<id>#<i>` for the
+# samples the scheduler forks. Client ids may not hold the separator (`check_request_id`).
+CHILD_SEPARATOR = "#"
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the index-th parallel sample of a request with n > 1 (index 0 is the parent)."""
-    return parent_id if index == 0 else f"{parent_id}#{index}"
+    return parent_id if index == 0 else f"{parent_id}{CHILD_SEPARATOR}{index}"
+
+
+def is_child_request(request_id: str) -> bool:
+    """Whether the id names a forked parallel sample (index > 0) rather than a request."""
+    return CHILD_SEPARATOR in request_id
+
+
+def family_id(request_id: str) -> str:
+    """The id of the request a parallel sample belongs to (a request's own id: itself)."""
+    return request_id.partition(CHILD_SEPARATOR)[0]
 
 
 class RequestStatus(enum.Enum):

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.request import family_id
 from pagedllm.engine.admission import AdmissionQueue, Cost, QueueLimits, Reservation
 from pagedllm.engine.client import MPClient
 from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
@@ -422,7 +423,7 @@ class AsyncLLM:
         if self.router is None:
             lost = list(self._queues)
         else:  # a request's samples all run on its core: their parent ids
-            lost = sorted({rid.partition("#")[0] for rid in self.router.forget_engine(core.index)})
+            lost = sorted({family_id(rid) for rid in self.router.forget_engine(core.index)})
         for request_id in lost:
             queue = self._queues.get(request_id)
             if queue is not None:

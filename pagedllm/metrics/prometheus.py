@@ -33,6 +33,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from pagedllm.core.request import family_id, is_child_request
 from pagedllm.core.scheduler import EngineCoreOutput
 from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.metrics.stats import EngineStats
@@ -300,8 +301,8 @@ class PrometheusMetrics:
     # ---- internals --------------------------------------------------------------------------
     def _sequence(self, request_id: str) -> SequenceTimes | None:
         sequence = self._sequences.get(request_id)
-        if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
-            parent = self._sequences.get(request_id.rsplit("#", 1)[0])
+        if sequence is None and is_child_request(request_id):  # timed as its parent
+            parent = self._sequences.get(family_id(request_id))
             if parent is not None:
                 sequence = SequenceTimes(
                     parent.arrival_time, parent.num_prompt_tokens, parent.tenant

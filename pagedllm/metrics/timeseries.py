@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
+from pagedllm.core.request import family_id, is_child_request
 from pagedllm.engine.messages import EngineCoreOutput
 from pagedllm.metrics.prometheus import SequenceTimes
 from pagedllm.metrics.stats import EngineStats
@@ -187,9 +188,9 @@ class TimeSeries:
                 self._finish(second, request_id, "abort", now)
                 continue
             # A parallel request ended before its samples started: the parent ends instead.
-            parent_id = request_id.rsplit("#", 1)[0]
+            parent_id = family_id(request_id)
             parent = self._sequences.get(parent_id)
-            if "#" in request_id and parent is not None and parent.open_samples == 0:
+            if is_child_request(request_id) and parent is not None and parent.open_samples == 0:
                 self._finish(second, parent_id, "abort", now)
 
     # ---- the server's middleware ----------------------------------------------------------
@@ -318,8 +319,8 @@ class TimeSeries:
 
     def _sequence(self, request_id: str) -> _Sequence | None:
         sequence = self._sequences.get(request_id)
-        if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
-            parent_id = request_id.rsplit("#", 1)[0]
+        if sequence is None and is_child_request(request_id):  # timed as its parent
+            parent_id = family_id(request_id)
             parent = self._sequences.get(parent_id)
             if parent is not None:
                 sequence = _Sequence(parent.arrival_time, parent.num_prompt_tokens, parent.tenant)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import (
+    CHILD_SEPARATOR,
+    Request,
+    RequestStatus,
+    child_request_id,
+    family_id,
+    is_child_request,
+)
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
@@ -33,3 +40,10 @@ def test_from_core_request_carries_every_field():
         value = getattr(request, name)
         expected = getattr(message, name)
         assert (frozenset(expected) if name == "eos_token_ids" else expected) == value, name
+
+
+def test_parallel_sample_ids_and_their_family():
+    ids = [child_request_id("p", index) for index in range(3)]
+    assert ids == ["p", f"p{CHILD_SEPARATOR}1", f"p{CHILD_SEPARATOR}2"]
+    assert [is_child_request(i) for i in ids] == [False, True, True]
+    assert {family_id(i) for i in ids} == {"p"}
