@@ -38,6 +38,7 @@ from pagedllm.engine.client import MPClient
 from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
+    DEFAULT_TENANT,
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -61,7 +62,9 @@ WATCHDOG_INTERVAL_S = 0.5
 class StepObserver(Protocol):
     """Sees every request and step (the Prometheus metrics implement it)."""
 
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None: ...
+    def on_request_added(
+        self, request_id: str, arrival_time: float, num_prompt: int, tenant: str
+    ) -> None: ...
 
     def on_step(
         self,
@@ -233,13 +236,15 @@ class AsyncLLM:
         if request_id in self._queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
         core = self.cores[0] if self.router is None else self._route(request)
+        # Who it runs for, as the serving layer named it (None: the default tenant).
+        tenant = DEFAULT_TENANT if request.tenant is None else request.tenant
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request, prompt_text)
         self.admission.add(request_id, _cost(request))
         for observer in self.observers:
             observer.on_request_added(
-                request_id, request.arrival_time, len(request.prompt_token_ids)
+                request_id, request.arrival_time, len(request.prompt_token_ids), tenant
             )
         finished = core_lost = False
         try:

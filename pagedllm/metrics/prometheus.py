@@ -35,7 +35,6 @@ from prometheus_client import (
 
 from pagedllm.core.request import family_id, is_child_request
 from pagedllm.core.scheduler import EngineCoreOutput
-from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.metrics.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -246,11 +245,12 @@ class PrometheusMetrics:
         self._followers.append(observer)
 
     # ---- StepObserver -----------------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
-        # Called while the request's HTTP handler runs, so its tenant is the current one.
-        self._sequences[request_id] = SequenceTimes(arrival_time, num_prompt, current_tenant_name())
+    def on_request_added(
+        self, request_id: str, arrival_time: float, num_prompt: int, tenant: str
+    ) -> None:
+        self._sequences[request_id] = SequenceTimes(arrival_time, num_prompt, tenant)
         for follower in self._followers:
-            follower.on_request_added(request_id, arrival_time, num_prompt)
+            follower.on_request_added(request_id, arrival_time, num_prompt, tenant)
 
     def on_step(
         self,

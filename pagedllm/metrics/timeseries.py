@@ -134,16 +134,13 @@ class TimeSeries:
         self,
         window_s: int = DEFAULT_WINDOW_S,
         latency_window_s: float = DEFAULT_LATENCY_WINDOW_S,
-        tenant_of: Callable[[], str] = lambda: "default",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """`window_s`: samples kept (one a second); `tenant_of`: the current request's tenant
-        (called in `on_request_added`, which runs in the request's handler); `clock`: the
-        engine's clock (the `now` of the observer calls); `wall_clock`: the samples' times."""
+        """`window_s`: samples kept (one a second); `clock`: the engine's clock (the `now` of
+        the observer calls); `wall_clock`: the samples' times."""
         self.window_s = window_s
         self.latency_window_s = latency_window_s
-        self._tenant_of = tenant_of
         self._clock = clock
         self._wall_offset = wall_clock() - clock()
         self.samples: deque[dict] = deque(maxlen=window_s)
@@ -157,8 +154,9 @@ class TimeSeries:
         self._second = _Second(math.floor(clock()), _Gauges())
 
     # ---- StepObserver ---------------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
-        tenant = self._tenant_of()
+    def on_request_added(
+        self, request_id: str, arrival_time: float, num_prompt: int, tenant: str
+    ) -> None:
         self._tenants.add(tenant)
         self._sequences[request_id] = _Sequence(arrival_time, num_prompt, tenant)
 
