@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.thread_deadline",
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
+            "pagedllm.metrics.timeline",  # one per sequence, for both metrics sinks
             "pagedllm.metrics.prometheus",
             "pagedllm.metrics.timeseries",  # the dashboard's live samples
         ],

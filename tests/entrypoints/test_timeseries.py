@@ -186,7 +186,7 @@ def test_parallel_samples_are_timed_as_their_parent():
     assert sample["ttft"] == {"p50": 0.25, "p90": 0.25, "p99": 0.25}
     assert sample["finished"] == 2 and sample["prompt_tokens_per_s"] == 10
     assert sample["tpot"] == {"p50": 0.5, "p90": 0.5, "p99": 0.5}  # p#0: 2 tokens, 0.5 s apart
-    assert not series._sequences  # the parent is forgotten with its last sample
+    assert not series.timelines.open  # the parent is forgotten with its last sample
 
 
 def test_a_parallel_request_aborted_before_its_samples_start():
@@ -196,4 +196,4 @@ def test_a_parallel_request_aborted_before_its_samples_start():
     series.on_request_aborted(["p#0", "p#1"], 10.5)
     clock.now = 11.0
     (sample,) = series.snapshot()["samples"]
-    assert sample["aborted"] == 1 and not series._sequences
+    assert sample["aborted"] == 1 and not series.timelines.open
