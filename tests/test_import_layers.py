@@ -24,9 +24,6 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm",  # the package's __init__: the public API
             "pagedllm.__main__",
             "pagedllm.entrypoints.*",
-            # API keys, tenants and their limits; metrics.prometheus reads the tenant too.
-            "pagedllm.entrypoints.openai.tenants",
-            "pagedllm.entrypoints.openai.tenant_limits",
             "pagedllm.bench.*",
             "pagedllm.llm",
             "pagedllm.beam_search",
@@ -39,6 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "pagedllm.engine.thread_deadline",
             "pagedllm.engine.output_processor",
             "pagedllm.engine.detokenizer",
+            "pagedllm.metrics.timeline",  # one per sequence, for both metrics sinks
             "pagedllm.metrics.prometheus",
             "pagedllm.metrics.timeseries",  # the dashboard's live samples
         ],

@@ -6,16 +6,34 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.engine.messages import EngineCoreRequest
+
+
+# A request with n > 1 runs as n engine requests: itself (sample 0) and `<id>#<i>` for the
+# samples the scheduler forks. Client ids may not hold the separator (`check_request_id`).
+CHILD_SEPARATOR = "#"
+
 
 def child_request_id(parent_id: str, index: int) -> str:
     """Id of the index-th parallel sample of a request with n > 1 (index 0 is the parent)."""
-    return parent_id if index == 0 else f"{parent_id}#{index}"
+    return parent_id if index == 0 else f"{parent_id}{CHILD_SEPARATOR}{index}"
+
+
+def is_child_request(request_id: str) -> bool:
+    """Whether the id names a forked parallel sample (index > 0) rather than a request."""
+    return CHILD_SEPARATOR in request_id
+
+
+def family_id(request_id: str) -> str:
+    """The id of the request a parallel sample belongs to (a request's own id: itself)."""
+    return request_id.partition(CHILD_SEPARATOR)[0]
 
 
 class RequestStatus(enum.Enum):
@@ -90,6 +108,24 @@ class Request:
     lora_request: LoRARequest | None = None
     # An embedding request (runner="pooling"): it ends with its prefill, sampling nothing.
     pooling_params: PoolingParams | None = None
+
+    @classmethod
+    def from_core_request(cls, request: EngineCoreRequest) -> Request:
+        """The scheduler's request for one that entered the engine core (waiting, nothing
+        computed yet)."""
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            frozenset(request.eos_token_ids),
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            bad_words_token_ids=request.bad_words_token_ids,
+            tenant=request.tenant,
+            lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
+        )
 
     def fork(self, index: int) -> Request:
         """Parallel sample `index` (n > 1) as a request of its own, forked in the step that

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.request import Request
+from pagedllm.engine.messages import TokenLogprob
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
@@ -105,10 +106,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-
-# (logprob, rank, top-k token ids, top-k logprobs) of one chosen token.
-TokenLogprob = tuple[float, int, list[int], list[float]]
 
 
 @dataclass

@@ -32,11 +32,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.config import EngineArgs
+from pagedllm.core.request import family_id
 from pagedllm.engine.admission import AdmissionQueue, Cost, QueueLimits, Reservation
 from pagedllm.engine.client import MPClient
-from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
+from pagedllm.engine.dp_router import DPRouter, routing_policy_from_env
 from pagedllm.engine.engine_config import load_engine_config
 from pagedllm.engine.messages import (
+    DEFAULT_TENANT,
     AbortRequests,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -60,7 +62,9 @@ WATCHDOG_INTERVAL_S = 0.5
 class StepObserver(Protocol):
     """Sees every request and step (the Prometheus metrics implement it)."""
 
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None: ...
+    def on_request_added(
+        self, request_id: str, arrival_time: float, num_prompt: int, tenant: str
+    ) -> None: ...
 
     def on_step(
         self,
@@ -232,13 +236,15 @@ class AsyncLLM:
         if request_id in self._queues:
             raise InvalidRequestError(f"request_id {request_id!r} is already running", "request_id")
         core = self.cores[0] if self.router is None else self._route(request)
+        # Who it runs for, as the serving layer named it (None: the default tenant).
+        tenant = DEFAULT_TENANT if request.tenant is None else request.tenant
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(request, prompt_text)
         self.admission.add(request_id, _cost(request))
         for observer in self.observers:
             observer.on_request_added(
-                request_id, request.arrival_time, len(request.prompt_token_ids)
+                request_id, request.arrival_time, len(request.prompt_token_ids), tenant
             )
         finished = core_lost = False
         try:
@@ -274,12 +280,8 @@ class AsyncLLM:
         """Data parallel: the core for this request, among those not restarting."""
         assert self.router is not None
         block_size = self.config.cache_config.block_size
-        block_hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt)
         restarting = [core.index for core in self.cores if core.restart_task is not None]
-        index = self.router.route(
-            request.request_id, request.sampling_params.n, block_hashes, restarting
-        )
-        return self.cores[index]
+        return self.cores[self.router.route_request(request, block_size, restarting)]
 
     def abort(self, request_id: str, tell_core: bool = True) -> None:
         """Forget the request here and tell the core to drop it (and its n > 1 samples)."""
@@ -292,11 +294,7 @@ class AsyncLLM:
             if tell_core and self.dead_error is None:
                 self._send_in_background(self.cores[0], AbortRequests(family))
             return
-        by_core: dict[int, list[str]] = {}
-        for member_id in family:
-            index = self.router.finish(member_id)
-            if index is not None:  # None: its core finished it already
-                by_core.setdefault(index, []).append(member_id)
+        by_core = self.router.finish_all(family)  # those its cores have not finished yet
         if tell_core and self.dead_error is None:
             for index, member_ids in by_core.items():
                 self._send_in_background(self.cores[index], AbortRequests(member_ids))
@@ -352,11 +350,8 @@ class AsyncLLM:
             elif core_output.finished:  # finished without a token (an error, say)
                 self.admission.release(core_output.request_id)
         if self.router is not None:
-            for core_output in event.outputs:
-                if core_output.finished:
-                    self.router.finish(core_output.request_id)
-            for request_id in stopped:
-                self.router.finish(request_id)
+            self.router.finish_outputs(event.outputs)
+            self.router.finish_all(stopped)
         if stopped:  # finished by a stop string: the core must let go of them now
             self._send_in_background(core, AbortRequests(stopped))
         for observer in self.observers:
@@ -422,7 +417,7 @@ class AsyncLLM:
         if self.router is None:
             lost = list(self._queues)
         else:  # a request's samples all run on its core: their parent ids
-            lost = sorted({rid.partition("#")[0] for rid in self.router.forget_engine(core.index)})
+            lost = sorted({family_id(rid) for rid in self.router.forget_engine(core.index)})
         for request_id in lost:
             queue = self._queues.get(request_id)
             if queue is not None:

@@ -32,7 +32,7 @@ from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.request import child_request_id
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.core_proc import run_engine_core
-from pagedllm.engine.dp_router import DPRouter, prompt_block_hashes, routing_policy_from_env
+from pagedllm.engine.dp_router import DPRouter, routing_policy_from_env
 from pagedllm.engine.messages import (
     EngineCoreEvent,
     EngineCoreInput,
@@ -108,34 +108,23 @@ class DPInprocClient:
         return [client.engine_core for client in self.clients]
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        block_hashes = prompt_block_hashes(
-            request.prompt_token_ids, self.block_size, request.cache_salt
-        )
-        num_samples = request.sampling_params.n
-        engine = self.router.route(request.request_id, num_samples, block_hashes)
+        engine = self.router.route_request(request, self.block_size)
         try:
             self.clients[engine].add_request(request)
         except BaseException:  # nothing of it runs there: release its load
-            for index in range(num_samples):
-                self.router.finish(child_request_id(request.request_id, index))
+            samples = range(request.sampling_params.n)
+            self.router.finish_all(child_request_id(request.request_id, i) for i in samples)
             raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        by_engine: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            engine = self.router.finish(request_id)
-            if engine is not None:  # None: the core finished it already
-                by_engine.setdefault(engine, []).append(request_id)
-        for engine, ids in by_engine.items():
+        for engine, ids in self.router.finish_all(request_ids).items():
             self.clients[engine].abort_requests(ids)
 
     def get_output(self) -> EngineCoreOutputs:
         busy = [client for client in self.clients if client.has_unfinished_requests()]
         stepped = [client.get_output() for client in busy or self.clients[:1]]
         outputs = [output for step in stepped for output in step.outputs]
-        for output in outputs:
-            if output.finished:
-                self.router.finish(output.request_id)
+        self.router.finish_outputs(outputs)
         return EngineCoreOutputs(outputs, self.get_stats())
 
     def has_unfinished_requests(self) -> bool:

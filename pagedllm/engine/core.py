@@ -127,21 +127,7 @@ class EngineCore:
         return cache_config.num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling_params,
-                frozenset(request.eos_token_ids),
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                bad_words_token_ids=request.bad_words_token_ids,
-                tenant=request.tenant,
-                lora_request=request.lora_request,
-                pooling_params=request.pooling_params,
-            )
-        )
+        self.scheduler.add_request(Request.from_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -16,7 +16,11 @@ leading blocks; with no block held anywhere, the least loaded. Policy `round_rob
 comparisons): the cores in turn. Ties go to the next core in turn after the last one chosen,
 so an idle engine spreads requests instead of piling them on core 0.
 
-Pure Python, no I/O: the clients call `route`, `finish` and `forget_engine`.
+Pure Python, no I/O. Both data-parallel front ends (the offline `DPInprocClient`, the server's
+`AsyncLLM`) keep their routing here: `route_request` picks and records a request's core,
+`finish_outputs` and `finish_all` release what the cores finished or are told to abort (the
+latter grouped by core, to send each core its own aborts), `forget_engine` and
+`forget_blocks` drop what a replaced or reset core held.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedllm.core import hashing
 from pagedllm.core.request import child_request_id
+
+if TYPE_CHECKING:
+    from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 
 ROUTING_POLICIES = ("prefix", "round_robin")
 # Internal switch for comparisons (tests, benchmarks): PAGEDLLM_DP_ROUTING=round_robin.
@@ -122,6 +130,14 @@ class DPRouter:
         self.assign(engine, request_id, num_samples, block_hashes)
         return engine
 
+    def route_request(
+        self, request: EngineCoreRequest, block_size: int, exclude: Iterable[int] = ()
+    ) -> int:
+        """`route` for an engine request: its n samples, its prompt's blocks of `block_size`
+        tokens (hashed with its cache salt, as the core's prefix cache hashes them)."""
+        block_hashes = prompt_block_hashes(request.prompt_token_ids, block_size, request.cache_salt)
+        return self.route(request.request_id, request.sampling_params.n, block_hashes, exclude)
+
     def assign(
         self, engine: int, request_id: str, num_samples: int, block_hashes: Sequence[int]
     ) -> None:
@@ -147,6 +163,21 @@ class DPRouter:
         if engine is not None:
             self.loads[engine] -= 1
         return engine
+
+    def finish_all(self, request_ids: Iterable[str]) -> dict[int, list[str]]:
+        """`finish` each engine request; those that were running, by their core (in order)."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.finish(request_id)
+            if engine is not None:  # None: the core finished it already
+                by_engine.setdefault(engine, []).append(request_id)
+        return by_engine
+
+    def finish_outputs(self, outputs: Iterable[EngineCoreOutput]) -> None:
+        """`finish` the engine requests that these outputs of the cores finish."""
+        for output in outputs:
+            if output.finished:
+                self.finish(output.request_id)
 
     def forget_engine(self, engine: int) -> list[str]:
         """The core was replaced (its requests failed, its cache is empty) or its prefix cache

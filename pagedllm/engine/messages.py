@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import msgspec
 
-from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+
+# The tenant of a request whose `tenant` is None (a server without API keys runs every
+# request as this one); the metrics' `tenant` label for it.
+DEFAULT_TENANT = "default"
+# (logprob, rank, top-k token ids, top-k logprobs) of one chosen token: what the runner
+# samples (`core.scheduler_output.ModelRunnerOutput`) and what leaves the core.
+TokenLogprob = tuple[float, int, list[int], list[float]]
 
 
 class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):

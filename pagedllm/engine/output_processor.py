@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.request import child_request_id
-from pagedllm.core.scheduler_output import TokenLogprob
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprob
 from pagedllm.errors import describe_error
 from pagedllm.outputs import (
     CompletionOutput,

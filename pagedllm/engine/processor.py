@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.request import CHILD_SEPARATOR
 from pagedllm.engine.chat_template import DEFAULT_MAX_OUTPUT_CHARS, apply_chat_template
 from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
@@ -75,14 +76,15 @@ def check_token_ids(token_ids: Any, vocab_size: int, param: str) -> list[int]:
 
 
 def check_request_id(request_id: object) -> None:
-    """A non-empty string without "#": the scheduler names the samples it forks for n > 1
-    `<id>#<i>` (`core.request.child_request_id`), and an id equal to one of those would
-    collide with it inside the engine core."""
+    """A non-empty string without `CHILD_SEPARATOR` ("#"): the scheduler names the samples
+    it forks for n > 1 `<id>#<i>` (`core.request.child_request_id`), and an id equal to one
+    of those would collide with it inside the engine core."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidRequestError("request_id: must be a non-empty string", "request_id")
-    if "#" in request_id:
+    if CHILD_SEPARATOR in request_id:
         raise InvalidRequestError(
-            "request_id: '#' is reserved for the engine's parallel samples", "request_id"
+            f"request_id: {CHILD_SEPARATOR!r} is reserved for the engine's parallel samples",
+            "request_id",
         )
 
 

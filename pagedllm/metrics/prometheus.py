@@ -1,9 +1,10 @@
 """Prometheus metrics for the server, named one-to-one after vLLM's (`vllm:x` -> `pagedllm:x`).
 
 `PrometheusMetrics` watches the engine from the API process (it is an `AsyncLLM` step
-observer): engine gauges and counters come from each step's stats snapshot; per-sequence
-latencies (time to first token, inter-token, end-to-end, queue time) from the times the
-API process sees each sequence's tokens arrive. A request with n > 1 counts as n sequences.
+observer, a `TimelineSink`): engine gauges and counters come from each step's stats snapshot;
+per-sequence latencies (time to first token, inter-token, end-to-end, queue time) from each
+sequence's timeline (`metrics.timeline`: the times the API process sees its tokens arrive).
+A request with n > 1 counts as n sequences.
 Per-sequence series carry a `tenant` label (the API key's tenant, `default` without keys), so
 their number is bounded by the configured tenants. Engine series (scheduler gauges, KV usage,
 prefix-cache and preemption counters, the stall gauge, restarts) carry an `engine` label, as
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -33,12 +33,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagedllm.core.scheduler import EngineCoreOutput
-from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.metrics.stats import EngineStats
-
-if TYPE_CHECKING:
-    from pagedllm.engine.async_llm import StepObserver
+from pagedllm.metrics.timeline import RequestTimeline, TimelineSink
 
 # As vLLM: no `_created` series, which dashboards do not use and which double the output.
 disable_created_metrics()
@@ -62,19 +58,6 @@ def token_buckets(max_model_len: int) -> list[int]:
                 return buckets
             buckets.append(value)
         scale *= 10
-
-
-@dataclass
-class SequenceTimes:
-    """One request's token times, as the metrics observers (this and the dashboard's
-    `timeseries.py`) follow it."""
-
-    arrival_time: float
-    num_prompt_tokens: int
-    tenant: str
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-    num_generation_tokens: int = 0
 
 
 @dataclass
@@ -112,7 +95,7 @@ class _TenantSeries:
     request_generation_tokens: Histogram
 
 
-class PrometheusMetrics:
+class PrometheusMetrics(TimelineSink):
     def __init__(
         self,
         model_name: str,
@@ -120,11 +103,10 @@ class PrometheusMetrics:
         num_engines: int = 1,
         max_loras: int | None = None,
     ) -> None:
-        """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics)."""
+        """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics). The
+        dashboard's time series `follow` its timelines."""
+        super().__init__()
         self.registry = CollectorRegistry()
-        self._sequences: dict[str, SequenceTimes] = {}
-        # Observers fed the same calls (the dashboard's time series): see `follow`.
-        self._followers: list[StepObserver] = []
         labels = ["model_name"]
         engine_labels = [*labels, "engine"]
 
@@ -240,49 +222,40 @@ class PrometheusMetrics:
             "request_success", "Finished sequences by finish reason.", ("finished_reason",)
         )
 
-    def follow(self, observer: StepObserver) -> None:
-        """Pass every request and step this sees on to `observer` too."""
-        self._followers.append(observer)
-
-    # ---- StepObserver -----------------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
-        # Called while the request's HTTP handler runs, so its tenant is the current one.
-        self._sequences[request_id] = SequenceTimes(arrival_time, num_prompt, current_tenant_name())
-        for follower in self._followers:
-            follower.on_request_added(request_id, arrival_time, num_prompt)
-
-    def on_step(
-        self,
-        outputs: list[EngineCoreOutput],
-        stopped: list[str],
-        stats: EngineStats,
-        now: float,
-        engine_index: int = 0,
-    ) -> None:
+    # ---- TimelineSink ---------------------------------------------------------------------
+    def on_engine_step(self, stats: EngineStats, now: float, engine_index: int) -> None:
         series = self._engines[engine_index]
         self._update_spec_decode(series, stats, str(engine_index))
         self._update_lora_info(series, stats, str(engine_index))
         self._update_kv_tiers(series, stats, str(engine_index))
         self._update_engine(series, stats)
-        stopped_ids = set(stopped)
-        for output in outputs:
-            sequence = self._sequence(output.request_id)
-            if sequence is None:
-                continue
-            if output.new_token_ids:
-                self._observe_tokens(sequence, output, now)
-            if output.finished or output.request_id in stopped_ids:
-                reason = output.finish_reason if output.finished else "stop"
-                self._finish(output.request_id, reason or "stop", now)
-        for follower in self._followers:
-            follower.on_step(outputs, stopped, stats, now, engine_index)
 
-    def on_request_aborted(self, request_ids: list[str], now: float) -> None:
-        for request_id in request_ids:
-            if request_id in self._sequences:
-                self._finish(request_id, "abort", now)
-        for follower in self._followers:
-            follower.on_request_aborted(request_ids, now)
+    def on_tokens(
+        self, timeline: RequestTimeline | None, num_new: int, gap: float | None, now: float
+    ) -> None:
+        if timeline is None:
+            return
+        series = self._series(timeline.tenant)
+        if gap is None:  # the first tokens
+            series.ttft.observe(timeline.time_to_first_token)
+            series.prompt_tokens.inc(timeline.num_prompt_tokens)
+            queue_time = timeline.queue_time
+            if queue_time is not None:
+                series.queue_time.observe(queue_time)
+        else:
+            for _ in range(num_new):
+                series.itl.observe(gap)
+        series.generation_tokens.inc(num_new)
+
+    def on_finished(self, timeline: RequestTimeline, reason: str, now: float) -> None:
+        series = self._series(timeline.tenant)
+        self._request_success.labels(self._model_name, timeline.tenant, reason).inc()
+        series.e2e.observe(now - timeline.arrival_time)
+        series.request_prompt_tokens.observe(timeline.num_prompt_tokens)
+        series.request_generation_tokens.observe(timeline.num_generation_tokens)
+        time_per_output_token = timeline.time_per_output_token
+        if time_per_output_token is not None:
+            series.tpot.observe(time_per_output_token)
 
     # ---- engine supervision (AsyncLLM's on_stalled and on_restarted) ------------------------
     def on_engine_stalled(self, engine_index: int, stalled: bool) -> None:
@@ -298,17 +271,6 @@ class PrometheusMetrics:
         return generate_latest(self.registry)
 
     # ---- internals --------------------------------------------------------------------------
-    def _sequence(self, request_id: str) -> SequenceTimes | None:
-        sequence = self._sequences.get(request_id)
-        if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
-            parent = self._sequences.get(request_id.rsplit("#", 1)[0])
-            if parent is not None:
-                sequence = SequenceTimes(
-                    parent.arrival_time, parent.num_prompt_tokens, parent.tenant
-                )
-                self._sequences[request_id] = sequence
-        return sequence
-
     @staticmethod
     def _update_engine(series: _EngineSeries, stats: EngineStats) -> None:
         series.num_requests_running.set(stats.num_running_reqs)
@@ -379,38 +341,6 @@ class PrometheusMetrics:
             }
             series = self._by_tenant[tenant] = _TenantSeries(**children)
         return series
-
-    def _observe_tokens(
-        self, sequence: SequenceTimes, output: EngineCoreOutput, now: float
-    ) -> None:
-        series = self._series(sequence.tenant)
-        num_new = len(output.new_token_ids)
-        if sequence.first_token_time is None:
-            sequence.first_token_time = now
-            series.ttft.observe(now - sequence.arrival_time)
-            series.prompt_tokens.inc(sequence.num_prompt_tokens)
-            if output.first_scheduled_time is not None:
-                series.queue_time.observe(
-                    max(0.0, output.first_scheduled_time - sequence.arrival_time)
-                )
-        else:
-            gap = (now - sequence.last_token_time) / num_new
-            for _ in range(num_new):
-                series.itl.observe(gap)
-        sequence.last_token_time = now
-        sequence.num_generation_tokens += num_new
-        series.generation_tokens.inc(num_new)
-
-    def _finish(self, request_id: str, reason: str, now: float) -> None:
-        sequence = self._sequences.pop(request_id)
-        series = self._series(sequence.tenant)
-        self._request_success.labels(self._model_name, sequence.tenant, reason).inc()
-        series.e2e.observe(now - sequence.arrival_time)
-        series.request_prompt_tokens.observe(sequence.num_prompt_tokens)
-        series.request_generation_tokens.observe(sequence.num_generation_tokens)
-        if sequence.first_token_time is not None and sequence.num_generation_tokens > 1:
-            decode_time = sequence.last_token_time - sequence.first_token_time
-            series.tpot.observe(decode_time / (sequence.num_generation_tokens - 1))
 
 
 def _adapter_names(counts: dict[str, int] | None) -> str:

@@ -1,9 +1,9 @@
 """The dashboard's live time series: one sample a second over the last few minutes, in memory.
 
-`TimeSeries` is a step observer (it sees what `PrometheusMetrics` sees, which passes each call
-on): engine gauges and counters from each step's stats, tokens and latencies from the times
-each sequence's tokens arrive, failed and aborted sequences from their finish, and requests
-refused before they ran (429, 503) from the server's middleware (`rejected`).
+`TimeSeries` is a `TimelineSink` (in the server it follows `PrometheusMetrics`: it consumes the
+same timelines): engine gauges and counters from each step's stats, tokens and latencies from
+each sequence's timeline (`metrics.timeline`), failed and aborted sequences from their finish,
+and requests refused before they ran (429, 503) from the server's middleware (`rejected`).
 
 Seconds are closed lazily, whenever an event arrives or the samples are read: nothing runs
 while nobody looks and nothing happens. A closed second becomes one sample (a JSON-ready
@@ -31,9 +31,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from pagedllm.engine.messages import EngineCoreOutput
-from pagedllm.metrics.prometheus import SequenceTimes
 from pagedllm.metrics.stats import EngineStats
+from pagedllm.metrics.timeline import RequestTimeline, TimelineSink
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_WINDOW_S = 300
@@ -98,12 +97,6 @@ class _Second:
     cache_hits: int = 0
 
 
-@dataclass
-class _Sequence(SequenceTimes):
-    parent_id: str | None = None  # a parallel sample's (n > 1) request
-    open_samples: int = 0  # a parent's samples not finished yet
-
-
 class _Latencies:
     """(time, seconds) observations, kept while a sample may still need them."""
 
@@ -128,69 +121,62 @@ def _delta(new: int, old: int | None) -> int:
     return new - old
 
 
-class TimeSeries:
+class TimeSeries(TimelineSink):
     def __init__(
         self,
         window_s: int = DEFAULT_WINDOW_S,
         latency_window_s: float = DEFAULT_LATENCY_WINDOW_S,
-        tenant_of: Callable[[], str] = lambda: "default",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """`window_s`: samples kept (one a second); `tenant_of`: the current request's tenant
-        (called in `on_request_added`, which runs in the request's handler); `clock`: the
-        engine's clock (the `now` of the observer calls); `wall_clock`: the samples' times."""
+        """`window_s`: samples kept (one a second); `clock`: the engine's clock (the `now` of
+        the observer calls); `wall_clock`: the samples' times."""
+        super().__init__()
         self.window_s = window_s
         self.latency_window_s = latency_window_s
-        self._tenant_of = tenant_of
         self._clock = clock
         self._wall_offset = wall_clock() - clock()
         self.samples: deque[dict] = deque(maxlen=window_s)
         self.totals = _Counts()
         self.total_preemptions = 0
-        self._sequences: dict[str, _Sequence] = {}
         self._engines: dict[int, EngineStats] = {}
         self._ttft: dict[str | None, _Latencies] = {None: _Latencies()}  # None: everyone
         self._tpot = _Latencies()
         self._tenants: set[str] = set()
         self._second = _Second(math.floor(clock()), _Gauges())
 
-    # ---- StepObserver ---------------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, num_prompt: int) -> None:
-        tenant = self._tenant_of()
-        self._tenants.add(tenant)
-        self._sequences[request_id] = _Sequence(arrival_time, num_prompt, tenant)
+    # ---- TimelineSink -------------------------------------------------------------------
+    def on_timeline_started(self, timeline: RequestTimeline) -> None:
+        self._tenants.add(timeline.tenant)
 
-    def on_step(
-        self,
-        outputs: list[EngineCoreOutput],
-        stopped: list[str],
-        stats: EngineStats,
-        now: float,
-        engine_index: int = 0,
+    def on_engine_step(self, stats: EngineStats, now: float, engine_index: int) -> None:
+        self._count_engine(self._advance(now), stats, engine_index)
+
+    def on_tokens(
+        self, timeline: RequestTimeline | None, num_new: int, gap: float | None, now: float
     ) -> None:
         second = self._advance(now)
-        self._count_engine(second, stats, engine_index)
-        stopped_ids = set(stopped)
-        for output in outputs:
-            sequence = self._sequence(output.request_id)
-            if output.new_token_ids:
-                self._observe_tokens(second, sequence, len(output.new_token_ids), now)
-            if sequence is not None and (output.finished or output.request_id in stopped_ids):
-                reason = output.finish_reason if output.finished else "stop"
-                self._finish(second, output.request_id, reason or "stop", now)
+        second.total.generation_tokens += num_new
+        self.totals.generation_tokens += num_new
+        if timeline is None:
+            return
+        tenant = self._tenant_counts(second, timeline.tenant)
+        tenant.generation_tokens += num_new
+        if gap is None:  # the first tokens
+            ttft = timeline.time_to_first_token
+            self._ttft[None].add(now, ttft)
+            self._ttft.setdefault(timeline.tenant, _Latencies()).add(now, ttft)
+            for counts in (second.total, tenant, self.totals):
+                counts.prompt_tokens += timeline.num_prompt_tokens
 
-    def on_request_aborted(self, request_ids: list[str], now: float) -> None:
+    def on_finished(self, timeline: RequestTimeline, reason: str, now: float) -> None:
         second = self._advance(now)
-        for request_id in request_ids:
-            if request_id in self._sequences:
-                self._finish(second, request_id, "abort", now)
-                continue
-            # A parallel request ended before its samples started: the parent ends instead.
-            parent_id = request_id.rsplit("#", 1)[0]
-            parent = self._sequences.get(parent_id)
-            if "#" in request_id and parent is not None and parent.open_samples == 0:
-                self._finish(second, parent_id, "abort", now)
+        outcome = {"error": "failed", "abort": "aborted"}.get(reason, "finished")
+        for counts in (second.total, self._tenant_counts(second, timeline.tenant), self.totals):
+            setattr(counts, outcome, getattr(counts, outcome) + 1)
+        time_per_output_token = timeline.time_per_output_token
+        if time_per_output_token is not None:
+            self._tpot.add(now, time_per_output_token)
 
     # ---- the server's middleware ----------------------------------------------------------
     def on_request_rejected(self, tenant: str) -> None:
@@ -316,55 +302,5 @@ class TimeSeries:
         self._engines[engine_index] = stats
         second.gauges.raise_to(self._gauges_now())
 
-    def _sequence(self, request_id: str) -> _Sequence | None:
-        sequence = self._sequences.get(request_id)
-        if sequence is None and "#" in request_id:  # a parallel sample: timed as its parent
-            parent_id = request_id.rsplit("#", 1)[0]
-            parent = self._sequences.get(parent_id)
-            if parent is not None:
-                sequence = _Sequence(parent.arrival_time, parent.num_prompt_tokens, parent.tenant)
-                sequence.parent_id = parent_id
-                self._sequences[request_id] = sequence
-                parent.open_samples += 1
-        return sequence
-
     def _tenant_counts(self, second: _Second, tenant: str) -> _Counts:
         return second.tenants.setdefault(tenant, _Counts())
-
-    def _observe_tokens(
-        self, second: _Second, sequence: _Sequence | None, num_new: int, now: float
-    ) -> None:
-        second.total.generation_tokens += num_new
-        self.totals.generation_tokens += num_new
-        if sequence is None:
-            return
-        tenant = self._tenant_counts(second, sequence.tenant)
-        tenant.generation_tokens += num_new
-        if sequence.first_token_time is None:
-            sequence.first_token_time = now
-            ttft = now - sequence.arrival_time
-            self._ttft[None].add(now, ttft)
-            self._ttft.setdefault(sequence.tenant, _Latencies()).add(now, ttft)
-            for counts in (second.total, tenant, self.totals):
-                counts.prompt_tokens += sequence.num_prompt_tokens
-        sequence.last_token_time = now
-        sequence.num_generation_tokens += num_new
-
-    def _finish(self, second: _Second, request_id: str, reason: str, now: float) -> None:
-        sequence = self._sequences.pop(request_id)
-        self._release_parent(sequence.parent_id)
-        outcome = {"error": "failed", "abort": "aborted"}.get(reason, "finished")
-        for counts in (second.total, self._tenant_counts(second, sequence.tenant), self.totals):
-            setattr(counts, outcome, getattr(counts, outcome) + 1)
-        if sequence.first_token_time is not None and sequence.num_generation_tokens > 1:
-            decode_time = sequence.last_token_time - sequence.first_token_time
-            self._tpot.add(now, decode_time / (sequence.num_generation_tokens - 1))
-
-    def _release_parent(self, parent_id: str | None) -> None:
-        """Forget a parallel request once its last sample ends (its samples start together,
-        after the one prefill; no finish is reported for the parent itself)."""
-        parent = self._sequences.get(parent_id) if parent_id is not None else None
-        if parent is not None:
-            parent.open_samples -= 1
-            if parent.open_samples == 0:
-                del self._sequences[parent_id]

@@ -12,6 +12,8 @@ from pagedllm.engine.dp_router import (
     prompt_block_hashes,
     routing_policy_from_env,
 )
+from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
 
 
 def load(router: DPRouter, engine: int, count: int, tag: str = "load") -> None:
@@ -166,3 +168,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         DPRouter(2, 10, policy="random")
     assert DPRouter(2, 10).load_threshold == DEFAULT_LOAD_THRESHOLD
+
+
+def test_routing_an_engine_request_and_finishing_it():
+    router = DPRouter(2, 100)
+    request = EngineCoreRequest("p", list(range(8)), SamplingParams(n=2), [], 0.0, cache_salt="s")
+    engine = router.route_request(request, block_size=4, exclude=[0])
+    assert engine == 1 and router.loads == [0, 2]
+    assert router.matched_blocks(1, prompt_block_hashes(list(range(8)), 4, "s")) == 2
+    # Finished outputs release their samples; the rest are aborted, grouped by core.
+    router.finish_outputs([EngineCoreOutput("p", [1], True), EngineCoreOutput("x", [], True)])
+    assert router.loads == [0, 1]
+    assert router.finish_all(["p", "p#1", "unknown"]) == {1: ["p#1"]}
+    assert router.loads == [0, 0]

@@ -29,11 +29,10 @@ def out(request_id: str, tokens: int, finish_reason: str | None = None) -> Engin
     return EngineCoreOutput(request_id, list(range(tokens)), finished, finish_reason=finish_reason)
 
 
-def make_series(clock: FakeClock, tenant: list[str], window_s: int = 300) -> TimeSeries:
+def make_series(clock: FakeClock, window_s: int = 300) -> TimeSeries:
     return TimeSeries(
         window_s=window_s,
         latency_window_s=10.0,
-        tenant_of=lambda: tenant[0],
         clock=clock,
         wall_clock=lambda: clock.now + WALL_OFFSET,
     )
@@ -49,11 +48,10 @@ def test_percentile_is_nearest_rank():
 @pytest.fixture
 def run():
     """Two tenants' requests over seconds 100 and 101, then a quiet second 102."""
-    clock, tenant = FakeClock(100.25), ["t1"]
-    series = make_series(clock, tenant)
-    series.on_request_added("a", 100.0, 7)
-    tenant[0] = "t2"
-    series.on_request_added("b", 100.0, 3)
+    clock = FakeClock(100.25)
+    series = make_series(clock)
+    series.on_request_added("a", 100.0, 7, "t1")
+    series.on_request_added("b", 100.0, 3, "t2")
     series.on_step([out("a", 1), out("b", 0)], [], stats(2, 1, 0, 10, 0.25, 10, 0), 100.5)
     series.on_step([out("a", 1), out("b", 1)], [], stats(2, 0, 0, 10, 0.5, 10, 0), 100.75)
     series.on_step(
@@ -61,8 +59,7 @@ def run():
     )
     clock.now = 101.5
     series.on_request_rejected("t2")
-    tenant[0] = "t1"
-    series.on_request_added("c", 101.5, 4)
+    series.on_request_added("c", 101.5, 4, "t1")
     series.on_request_aborted(["c"], 101.75)
     clock.now = 103.25
     return series, clock
@@ -154,7 +151,7 @@ def test_since_and_the_window(run):
 
 def test_engines_add_up_and_a_restarted_core_counts_from_zero():
     clock = FakeClock(10.0)
-    series = make_series(clock, ["t"])
+    series = make_series(clock)
     series.on_step([], [], stats(2, 1, preemptions=5, kv=0.2), 10.1, engine_index=0)
     series.on_step([], [], stats(3, 0, preemptions=1, kv=0.4), 10.2, engine_index=1)
     series.on_step([], [], stats(2, 1, preemptions=2, kv=0.2), 10.3, engine_index=0)  # restarted
@@ -167,7 +164,7 @@ def test_engines_add_up_and_a_restarted_core_counts_from_zero():
 
 def test_lora_adapters_running_and_waiting():
     clock = FakeClock(10.0)
-    series = make_series(clock, ["t"])
+    series = make_series(clock)
     lora = {"running_lora_adapters": {"a": 1}, "waiting_lora_adapters": {"b": 2}, "max_loras": 2}
     series.on_step([], [], stats(1, 2, **lora), 10.5)
     clock.now = 11.0
@@ -180,8 +177,8 @@ def test_lora_adapters_running_and_waiting():
 
 def test_parallel_samples_are_timed_as_their_parent():
     clock = FakeClock(10.0)
-    series = make_series(clock, ["t"])
-    series.on_request_added("p", 10.0, 5)
+    series = make_series(clock)
+    series.on_request_added("p", 10.0, 5, "t")
     series.on_step([out("p#0", 1), out("p#1", 1)], [], stats(2), 10.25)
     series.on_step([out("p#0", 1, "stop"), out("p#1", 0)], ["p#1"], stats(0), 10.75)
     clock.now = 11.0
@@ -189,14 +186,14 @@ def test_parallel_samples_are_timed_as_their_parent():
     assert sample["ttft"] == {"p50": 0.25, "p90": 0.25, "p99": 0.25}
     assert sample["finished"] == 2 and sample["prompt_tokens_per_s"] == 10
     assert sample["tpot"] == {"p50": 0.5, "p90": 0.5, "p99": 0.5}  # p#0: 2 tokens, 0.5 s apart
-    assert not series._sequences  # the parent is forgotten with its last sample
+    assert not series.timelines.open  # the parent is forgotten with its last sample
 
 
 def test_a_parallel_request_aborted_before_its_samples_start():
     clock = FakeClock(10.0)
-    series = make_series(clock, ["t"])
-    series.on_request_added("p", 10.0, 5)
+    series = make_series(clock)
+    series.on_request_added("p", 10.0, 5, "t")
     series.on_request_aborted(["p#0", "p#1"], 10.5)
     clock.now = 11.0
     (sample,) = series.snapshot()["samples"]
-    assert sample["aborted"] == 1 and not series._sequences
+    assert sample["aborted"] == 1 and not series.timelines.open

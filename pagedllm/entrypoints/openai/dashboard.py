@@ -21,11 +21,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.tenants import (
-    DEFAULT_TENANT,
-    TenantRegistry,
-    current_tenant_name,
-)
+from pagedllm.entrypoints.openai.tenants import DEFAULT_TENANT, TenantRegistry
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.timeseries import TimeSeries
 
@@ -53,7 +49,7 @@ def install_dashboard(
     """Add the dashboard's routes and its middleware (added after the guard, so it runs
     before it: it sees the guard's refusals and hands it the key). Returns the series (also
     `app.state.timeseries`)."""
-    series = TimeSeries(tenant_of=current_tenant_name)
+    series = TimeSeries()
     metrics.follow(series)
     page = resources.files(__package__).joinpath("static", "dashboard.html").read_text()
 

@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (
 from pagedllm.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from pagedllm.entrypoints.openai.serving import Prompt, sse, stream_with_errors
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.tenants import DEFAULT_TENANT, current_tenant
+from pagedllm.entrypoints.openai.tenants import current_tenant_name
 from pagedllm.entrypoints.openai.tool_calls import ToolCall, ToolCallStreamer, ToolPlan
 from pagedllm.errors import InvalidRequestError
 from pagedllm.outputs import CompletionOutput
@@ -126,7 +126,7 @@ class OpenAIServingResponses:
             return []
         if request.previous_response_id is None:
             return []
-        stored = self.store.get(_tenant_name(), request.previous_response_id)
+        stored = self.store.get(current_tenant_name(), request.previous_response_id)
         if stored is None:
             raise OpenAIError(
                 404,
@@ -182,11 +182,6 @@ _FINAL_EVENT = {
 }
 
 
-def _tenant_name() -> str:
-    tenant = current_tenant.get()
-    return DEFAULT_TENANT if tenant is None else tenant.name
-
-
 def _renamed(error: InvalidRequestError) -> InvalidRequestError:
     """Chat's error, naming the Responses API's fields where chat calls them otherwise."""
     message, param = str(error), error.param
@@ -240,7 +235,7 @@ class _Answer:
         self.created_at = int(time.time())
         self.stored = False
         # Read now: a stream's end runs after the request's own context.
-        self.tenant = _tenant_name()
+        self.tenant = current_tenant_name()
 
     def body(
         self,

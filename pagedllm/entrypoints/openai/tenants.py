@@ -7,8 +7,9 @@ whose lines are `name key [limit=N ...]` (limits from `TenantLimits`, `none` for
 finding the tenant of the key a request presents (in constant time), each tenant's cache
 salt, and the access-log filter that hides keys sent in a query string.
 
-The server's middleware puts the request's tenant in `current_tenant`; the serving code and
-the Prometheus metrics read it from there (the engine's observer calls carry no tenant).
+The server's middleware puts the request's tenant in `current_tenant`; the serving code reads
+it from there and runs the request as that tenant (`EngineCoreRequest.tenant`), which is how
+the metrics below learn it (`AsyncLLM`'s observer calls carry it).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# DEFAULT_TENANT: the tenant of requests on a server that has no API keys.
+from pagedllm.engine.messages import DEFAULT_TENANT
 from pagedllm.entrypoints.openai.tenant_limits import Clock, TenantLimiter, TenantLimits
 from pagedllm.value_checks import INT64_MAX
 
 logger = logging.getLogger("pagedllm")
 
-# The tenant of requests on a server that has no API keys.
-DEFAULT_TENANT = "default"
 # Names become metric labels and log fields: short, plain, and never a key.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
