@@ -45,6 +45,7 @@ def reference(tiny_llama):
     return run_tenants(llm, requests())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", FEATURES)
 def test_fair_with_the_feature_equals_neither(tiny_llama, reference, report_ties, feature):
     llm = LLM(str(tiny_llama), scheduling_policy="fair", **TIGHT, **FEATURES[feature])

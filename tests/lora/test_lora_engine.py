@@ -112,6 +112,8 @@ def test_mixed_batch_equals_peft(setup, report_ties, layout):
     assert_pool_whole(llm)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["LlamaForCausalLM"], indirect=True)  # one suffices
 def test_tenants_under_the_fair_policy_equal_peft(setup, report_ties):
     """Three tenants share two adapter slots and a pool that preempts, under "fair"."""
     llm = engine(
@@ -138,6 +140,8 @@ def test_tenants_under_the_fair_policy_equal_peft(setup, report_ties):
     assert_pool_whole(llm)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["LlamaForCausalLM"], indirect=True)  # one suffices
 def test_an_int8_base_takes_adapters(setup):
     """LoRA on an int8 base: the deltas run in fp32 beside the int8 projections. Fed PEFT's
     fp32 answers (teacher forcing), int8 + adapter ranks PEFT's token first at >= 95% of
@@ -312,11 +316,14 @@ def test_compiled_decode_runs_steps_without_adapters(tiny_llama, tmp_path, repor
     report_ties(ties, len(references))
 
 
+@pytest.mark.parametrize("setup", ["LlamaForCausalLM"], indirect=True)  # one suffices
 def test_combinations_not_built_yet_are_refused_by_name(setup):
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel"):
         engine(setup, tensor_parallel_size=2)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("setup", ["LlamaForCausalLM"], indirect=True)  # one suffices
 def test_a_draft_model_proposes_for_adapters(setup, report_ties):
     """The draft model runs without adapters: its proposals are only proposals, and the
     target with each request's adapter verifies them, so the tokens stay PEFT's."""
