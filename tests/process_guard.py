@@ -12,7 +12,8 @@ The kernel sends the signal when the *thread* that started the child ends, not t
 process: children are started from the main thread (`dies_with_us` refuses another).
 Grandchildren are the children's business: a server's engine core watches its parent
 (`pagedllm.engine.core_proc`), a core's workers set PDEATHSIG themselves
-(`pagedllm.worker.worker_proc`); tests/test_process_guard.py checks both after a SIGKILL.
+(`pagedllm.worker.worker_proc`); tests/test_process_guard.py checks the server's after a
+SIGKILL or a SIGTERM to pytest.
 Elsewhere than Linux these do nothing.
 
 Starting a process makes a test slow (tests/tiers.py): `dies_with_us` refuses to start one

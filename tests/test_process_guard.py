@@ -153,8 +153,9 @@ def test_grandchildren_and_multiprocessing_children_die_with_their_parent(tmp_pa
         shell_pid, spawned_pid = map(int, owner.stdout.readline().split())
         shell = psutil.Process(shell_pid)
 
-        # The wrapper started, maybe still on its way to the sleep: the owner killed then
-        # is the wrapper's parent gone before it could ask to die with it.
+        # The wrapper started, maybe still on its way to the sleep: killed now, the owner
+        # may take the shell with it before the wrapper asks to die with the shell (the
+        # wrapper then finds the owner gone).
         wait_until(lambda: bool(shell.children()), "the wrapper", GONE_TIMEOUT_S)
         started = [*tree(shell_pid), psutil.Process(spawned_pid)]
         owner.kill()
