@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: install test serve generate lint bench clean
+.PHONY: install test test-fast serve generate lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ $(BROWSER):
 
 test: $(STAMP) $(BROWSER)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Every test but the slow tier (servers, other processes, real models, long ones: tests/tiers.py).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(BIN)/pagedllm serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)

@@ -13,7 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Every engine in the tests checks KV-cache integrity after every step.
 os.environ["PAGEDLLM_DEBUG"] = "1"
 
+import process_guard
 from model_utils import make_tiny_model
+from tiers import mark_slow_tier
 
 VARIANTS = {
     "": {},
@@ -120,3 +122,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("greedy comparisons: numerical ties (top-2 logits within 1e-4)")
         for line in _TIE_REPORT:
             terminalreporter.write_line(line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The slow tier (tests/tiers.py) marked before `-m "not slow"` selects."""
+    mark_slow_tier(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before the test's fixtures are set up: a fast test's fixture must not start processes.
+    process_guard.fast_test = None if item.get_closest_marker("slow") else item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    process_guard.fast_test = None

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import inspect
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -140,6 +146,41 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> Greedy
         top2 = logits[0].float().topk(2).values
         gaps.append(float(top2[0] - top2[1]))
     return GreedyReference(tokens, gaps)
+
+
+def cached_hf_greedy(
+    model_file: str, prompts: list[list[int]], max_new_tokens: int, load: Callable[[], Any]
+) -> list[GreedyReference]:
+    """`hf_greedy` of Transformers' model on a real model's file (`load()` builds it) for
+    each prompt, computed once and then read from pagedllm's cache root (never the
+    repository): such references take minutes on two cores. The key is a digest of the
+    file's bytes, the prompts, `max_new_tokens`, the Transformers and torch versions and
+    `hf_greedy`'s source, so a change to any of them computes them again."""
+    import transformers
+
+    from pagedllm.utils import cache_root
+
+    with open(model_file, "rb") as file:
+        file_digest = hashlib.file_digest(file, "sha256").hexdigest()
+    key = {
+        "model": file_digest,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "hf_greedy": inspect.getsource(hf_greedy),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    path = cache_root() / "test-references" / f"{digest}.json"
+    if path.is_file():
+        return [GreedyReference(**reference) for reference in json.loads(path.read_text())]
+    model = load()
+    references = [hf_greedy(model, prompt, max_new_tokens) for prompt in prompts]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp-{os.getpid()}")
+    staging.write_text(json.dumps([asdict(reference) for reference in references]))
+    os.replace(staging, path)  # a concurrent reader sees the whole file or none
+    return references
 
 
 def compare_greedy(actual: list[int], reference: GreedyReference, tie_tolerance: float) -> int:

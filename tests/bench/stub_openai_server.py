@@ -133,7 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextlib.contextmanager
 def running_stub(*args: str, start_timeout_s: float = 30.0) -> Iterator[str]:
     """Runs the stub in a subprocess with `args`; yields its base URL; stops it on exit."""
-    process = subprocess.Popen([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    from process_guard import dies_with_us  # here: the stub itself runs without tests/ on its path
+
+    process = subprocess.Popen(
+        [sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True,
+        preexec_fn=dies_with_us(),
+    )  # fmt: skip
     try:
         ready, _, _ = select.select([process.stdout], [], [], start_timeout_s)
         line = process.stdout.readline() if ready else ""  # type: ignore[union-attr]

@@ -55,6 +55,7 @@ def logged_requests(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # the stub server in a process
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_reports_the_stub_timings(tmp_path, capsys, monkeypatch, endpoint):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
@@ -105,6 +106,7 @@ def test_reports_the_stub_timings(tmp_path, capsys, monkeypatch, endpoint):
     assert isinstance(prompt, str) and len(prompt.split()) == 12
 
 
+@pytest.mark.slow  # the stub server in a process
 def test_paced_requests_follow_the_schedule(tmp_path, monkeypatch):
     """rate 20/s with burstiness 1000 (near-regular gaps): each request leaves at its seeded
     time, never before it and in its order, and the reported send rate is that of the send
@@ -129,6 +131,7 @@ def test_paced_requests_follow_the_schedule(tmp_path, monkeypatch):
     assert all(len(b["prompt"]) == 5 and all(100 <= t < 1000 for t in b["prompt"]) for b in bodies)
 
 
+@pytest.mark.slow  # the stub server in a process
 def test_content_chunks_are_timed_as_they_arrive(tmp_path, monkeypatch):
     """The client sees (and times) a stream's first token while the stream is still open:
     the stub holds every stream after its first token until the test has seen the client
@@ -161,6 +164,7 @@ def test_content_chunks_are_timed_as_they_arrive(tmp_path, monkeypatch):
     assert len(report["itls"][0]) == 2
 
 
+@pytest.mark.slow  # the stub server in a process
 def test_max_concurrency_caps_requests_in_flight(tmp_path):
     with running_stub("--ttft-ms", "60", "--itl-ms", "10") as url:
         status, report = bench(
@@ -172,6 +176,7 @@ def test_max_concurrency_caps_requests_in_flight(tmp_path):
     assert max(in_flight) == 2
 
 
+@pytest.mark.slow  # the stub server in a process
 def test_server_errors_are_failed_requests(tmp_path, capsys):
     with running_stub("--ttft-ms", "10", "--itl-ms", "10", "--fail-every", "2") as url:
         status, report = bench(tmp_path, url, "--num-prompts", "6", "--output-len", "3")

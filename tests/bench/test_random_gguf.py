@@ -98,6 +98,7 @@ def test_same_seed_same_bytes(tiny_files, tmp_path):
     assert again.read_bytes() == tiny_files["Q8_0"].read_bytes()
 
 
+@pytest.mark.slow  # long (~9 s on two busy cores)
 def test_config_and_tokenizer_load_in_pagedllm(tiny_files):
     # The file is new, so this converts it (into the default cache, where the LLM below finds
     # it: another cache directory would rebuild pagedllm's CPU extension too).

@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 
 import pytest
+from process_guard import die_with_parent
 
 from pagedllm.distributed.cpu_binding import (
     HostTopology,
@@ -99,9 +100,10 @@ def test_read_numa_nodes_from_sysfs(tmp_path):
     assert read_numa_nodes(str(tmp_path / "missing")) == ()
 
 
-def _apply_and_report(core: int, result) -> None:
+def _apply_and_report(core: int, result, parent: int) -> None:
     import torch
 
+    die_with_parent(parent)
     apply_cpu_binding(RankBinding((core,), 1))
     threads = [int(t) for t in os.listdir("/proc/self/task")]
     result.put(
@@ -117,7 +119,7 @@ def test_apply_pins_every_thread_and_sets_torch_threads():
     core = min(os.sched_getaffinity(0))
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    proc = ctx.Process(target=_apply_and_report, args=(core, result), daemon=True)
+    proc = ctx.Process(target=_apply_and_report, args=(core, result, os.getpid()), daemon=True)
     proc.start()
     try:
         affinity, threads, all_threads = result.get(timeout=60)

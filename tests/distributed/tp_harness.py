@@ -21,12 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from process_guard import die_with_parent
 
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.utils import free_port
 
 
-def _entry(target, rank, world_size, port, results, timeout_s, env, args) -> None:
+def _entry(target, rank, world_size, port, results, timeout_s, env, args, parent) -> None:
+    die_with_parent(parent)  # a rank waiting in a collective must not outlive pytest
     os.environ.update(env)
     torch.set_num_threads(1)
     from pagedllm.distributed import parallel_state
@@ -61,12 +63,9 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    common = (port, results, collective_timeout_s, env or {}, args, os.getpid())
     procs = [
-        ctx.Process(
-            target=_entry,
-            args=(target, rank, world_size, port, results, collective_timeout_s, env or {}, args),
-            daemon=True,
-        )
+        ctx.Process(target=_entry, args=(target, rank, world_size, *common), daemon=True)
         for rank in range(world_size)
     ]
     got: dict[int, Any] = {}

@@ -105,6 +105,7 @@ def test_a_model_compile_cannot_trace_runs_eagerly(tiny_llama, caplog):
     assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow  # long: a second compile
 def test_compiled_decode_serves_several_kv_cache_groups(tiny_model_factory):
     """A model with a full and a windowed group: one graph takes both groups' metadata, and
     its tokens equal the eager forward's as the window moves past the prompts."""

@@ -16,6 +16,9 @@ MAX_NEW_TOKENS = 40
 TIE_TOLERANCE = 1e-4
 # Tokens of KV the engine gets: too few for the batch, so it preempts. A model whose every
 # layer has a window holds at most ~window tokens per request, so it gets fewer.
+# The fast tier (tests/tiers.py) keeps plain Llama, Qwen2's two KV cache groups and Gemma 3;
+# the other variants (3-8 s each on two busy cores) run in `make test`.
+LONG = pytest.mark.slow
 KV_TOKENS = {"Gemma3ForCausalLM": 400, "MistralForCausalLM:window24": 200}
 
 
@@ -23,18 +26,18 @@ KV_TOKENS = {"Gemma3ForCausalLM": 400, "MistralForCausalLM:window24": 200}
     "variant",
     [
         "LlamaForCausalLM",
-        "LlamaForCausalLM:llama3",
-        "LlamaForCausalLM:tied-bias",
-        "Qwen2ForCausalLM",
-        "MistralForCausalLM",
-        "MistralForCausalLM:window24",
+        pytest.param("LlamaForCausalLM:llama3", marks=LONG),
+        pytest.param("LlamaForCausalLM:tied-bias", marks=LONG),
+        pytest.param("Qwen2ForCausalLM", marks=LONG),
+        pytest.param("MistralForCausalLM", marks=LONG),
+        pytest.param("MistralForCausalLM:window24", marks=LONG),
         "Qwen2ForCausalLM:hybrid24",
-        "Qwen3ForCausalLM",
+        pytest.param("Qwen3ForCausalLM", marks=LONG),
         "Gemma3ForCausalLM",
-        "Phi3ForCausalLM",
-        "Phi3ForCausalLM:longrope",
-        "MixtralForCausalLM",
-        "Qwen3MoeForCausalLM",
+        pytest.param("Phi3ForCausalLM", marks=LONG),
+        pytest.param("Phi3ForCausalLM:longrope", marks=LONG),
+        pytest.param("MixtralForCausalLM", marks=LONG),
+        pytest.param("Qwen3MoeForCausalLM", marks=LONG),
     ],
 )
 def test_greedy_matches_transformers(variant, tiny_model_factory, report_ties):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import openai
 import pytest
 from server_utils import API_KEY, RunningServer
+from tiers import slow_fixture
 
 from pagedllm import LLM
 
 
 @pytest.fixture(scope="session")
+@slow_fixture
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--max-num-seqs", "64", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]

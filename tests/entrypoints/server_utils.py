@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx2 as httpx
+from process_guard import dies_with_us
 
 from pagedllm.utils import free_port
 
@@ -62,7 +63,7 @@ class RunningServer:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, "PAGEDLLM_DEBUG": "1"}
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=dies_with_us()
         )
         self._wait_healthy()
 

@@ -29,6 +29,7 @@ import httpx2 as httpx
 import psutil
 import pytest
 from server_utils import RunningServer
+from tiers import slow_fixture
 
 from pagedllm.engine.admission import AdmissionQueue, Cost, QueueFullError, QueueLimits
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -229,6 +230,7 @@ def test_slow_body_is_answered_408():
 
 # ---- against a server -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
+@slow_fixture
 def limited_server(tiny_llama, tmp_path_factory):
     args = [
         str(tiny_llama),

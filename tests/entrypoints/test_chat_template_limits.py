@@ -12,6 +12,7 @@ import time
 import httpx2 as httpx
 import pytest
 from server_utils import API_KEY, RunningServer
+from tiers import slow_fixture
 
 from pagedllm.engine.chat_template import RENDER_TIMEOUT_S
 from pagedllm.model.loader import load_tokenizer, resolve_model
@@ -29,6 +30,7 @@ SERVER_TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% e
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def trusted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("trusted")
     template = directory / "template.jinja"

@@ -9,6 +9,7 @@ import os
 import sys
 
 import pexpect
+from process_guard import dies_with_us
 from server_utils import API_KEY
 
 from pagedllm.entrypoints.cli import main
@@ -25,8 +26,9 @@ def spawn(server, command: str) -> pexpect.spawn:
     args += ["--api-key", API_KEY, "--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
     env = {**os.environ, "PAGEDLLM_API_KEY": "", "OPENAI_API_KEY": ""}
     return pexpect.spawn(
-        sys.executable, args, encoding="utf-8", timeout=180, env=env, dimensions=(50, 1000)
-    )
+        sys.executable, args, encoding="utf-8", timeout=180, env=env, dimensions=(50, 1000),
+        preexec_fn=dies_with_us(),
+    )  # fmt: skip
 
 
 def answer_to(child: pexpect.spawn, line: str) -> str:

@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 import yaml
+from process_guard import dies_with_us, dying_with_parent
 from server_utils import API_KEY, MODEL, wait_until
+from tiers import slow_fixture
 
 from pagedllm.entrypoints.openai import dashboard
 from pagedllm.metrics.prometheus import PrometheusMetrics
@@ -126,12 +128,14 @@ def test_data_after_load(loaded):
 
 
 @pytest.fixture
+@slow_fixture
 def browser(tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
+    # chromedriver dies with pytest, and chromium (chromedriver's child) with chromedriver.
+    options.binary_location = str(dying_with_parent(CHROMIUM, tmp_path))
     profile = tempfile.mkdtemp(prefix="chromium-profile-", dir=tmp_path)
     for flag in (
         "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -139,7 +143,8 @@ def browser(tmp_path):
         "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={profile}",
     ):  # fmt: skip
         options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    service = Service(executable_path=CHROMEDRIVER, popen_kw={"preexec_fn": dies_with_us()})
+    driver = webdriver.Chrome(options=options, service=service)
     yield driver
     driver.quit()
     shutil.rmtree(profile, ignore_errors=True)

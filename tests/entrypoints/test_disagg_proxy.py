@@ -17,6 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from process_guard import dies_with_us
 
 from pagedllm.entrypoints.disagg_proxy import build_app, prefill_body
 from pagedllm.utils import free_port
@@ -347,6 +348,7 @@ def test_cli_parses_repeated_urls():
     assert all(action.help for action in proxy._actions)
 
 
+@pytest.mark.slow  # `pagedllm proxy` in a process
 def test_pagedllm_proxy_command_serves_and_exits_cleanly(upstreams, tmp_path):
     prefill, decode = upstreams
     port = free_port()
@@ -354,7 +356,9 @@ def test_pagedllm_proxy_command_serves_and_exits_cleanly(upstreams, tmp_path):
     command += ["--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
     log_path = tmp_path / "proxy.log"
     with open(log_path, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=dies_with_us()
+        )
     try:
         url = f"http://{HOST}:{port}"
         deadline = time.monotonic() + 60

@@ -20,6 +20,8 @@ from server_utils import RunningServer, health, queue_is_full, wait_until
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.dp_router import ROUTING_ENV
 
+pytestmark = pytest.mark.slow  # servers with two engine-core processes
+
 WAIT_S = 120.0  # bound on anything a test waits for (the machine may be busy)
 MAX_TOKENS = 6
 BLOCK = 16  # the default block size

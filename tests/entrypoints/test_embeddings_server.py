@@ -11,6 +11,7 @@ import numpy as np
 import openai
 import pytest
 from server_utils import API_KEY, MODEL, RunningServer
+from tiers import slow_fixture
 
 from pagedllm import LLM
 
@@ -18,6 +19,7 @@ TEXTS = ["Hi", "Paged attention keeps keys and values in fixed-size blocks. " * 
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def pooling_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("pooling") / "server.log"
     running = RunningServer(["--runner", "pooling"], log, api_key=API_KEY)

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 from server_utils import RunningServer
+from tiers import slow_fixture
 
 FAULT_SEED = 424242
 PROMPTS = [[(11 * i + 5 * j) % 400 + 3 for j in range(6 + 3 * i)] for i in range(4)]
@@ -23,6 +24,7 @@ def body(prompt: list[int], **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def faulty_server(tiny_llama, tmp_path_factory):
     env = pytest.MonkeyPatch()
     env.setenv("PAGEDLLM_INJECT_FAULT_SEED", str(FAULT_SEED))  # inherited by the core process

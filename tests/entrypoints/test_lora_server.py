@@ -20,7 +20,9 @@ from types import SimpleNamespace
 import httpx2 as httpx
 import pytest
 from lora.lora_utils import make_peft_adapter
+from process_guard import dies_with_us
 from server_utils import API_KEY, RunningServer
+from tiers import slow_fixture
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.config import EngineArgs
@@ -74,6 +76,7 @@ def offline_texts(tiny_llama, adapters) -> dict[str | None, str]:
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def lora_server(tiny_llama, adapters, tmp_path_factory):
     json_module = {"name": "sql-json", "path": str(adapters["sql"]), "base_model_name": "llama"}
     args = [
@@ -353,11 +356,14 @@ def test_bad_lora_serve_flags_fail_before_the_model_loads(flags, words, capsys):
     assert words in capsys.readouterr().err
 
 
+@pytest.mark.slow  # `pagedllm serve` in a process
 def test_bad_lora_module_stops_the_server_with_the_reason(tiny_llama, adapters):
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tiny_llama)]
     command += ["--enable-lora", "--max-lora-rank", "16", "--port", "0"]
     command += ["--lora-modules", f"big={adapters['rank32']}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, preexec_fn=dies_with_us()
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "error: lora_modules: LoRA adapter 'big': rank r=32 is larger" in result.stderr
 

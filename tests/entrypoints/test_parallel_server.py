@@ -17,6 +17,8 @@ import psutil
 import pytest
 from server_utils import RunningServer, health, offline_greedy_texts
 
+pytestmark = pytest.mark.slow  # a server with two worker processes
+
 WAIT_S = 60.0  # bound on anything a test waits for (the machine may be busy)
 MAX_TOKENS = 8
 PROMPTS = [[5, 6, 7], [(7 * i) % 500 + 3 for i in range(40)]]

@@ -12,6 +12,7 @@ import httpx2 as httpx
 import jsonschema
 import pytest
 from server_utils import API_KEY, MODEL, RunningServer
+from tiers import slow_fixture
 
 from pagedllm.entrypoints.openai.app import LIMITED_PATHS
 
@@ -299,6 +300,7 @@ def test_bad_requests_name_the_field(server, fields, status, param):
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def two_tenants(tmp_path_factory):
     """A server keeping one response per key, for two keys, each with one request at a time."""
     log = tmp_path_factory.mktemp("responses-server") / "server.log"

@@ -40,6 +40,7 @@ def engine_process(server: RunningServer) -> psutil.Process:
     return next(c for c in children if "spawn_main" in " ".join(c.cmdline()))
 
 
+@pytest.mark.slow  # a server
 def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama, tmp_path):
     args = [str(tiny_llama), "--shutdown-timeout", "120", "--served-model-name", "a", "b"]
     server = RunningServer(args, tmp_path / "log")
@@ -56,6 +57,7 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tiny_llama, tmp_path):
     server.stop()
 
 
+@pytest.mark.slow  # a server
 def test_dead_engine_gives_503_health_500_in_flight_and_nonzero_exit(tiny_llama, tmp_path):
     # A queue of one: the request's admission (it stays queued without a first token) is seen
     # from outside without a model step.

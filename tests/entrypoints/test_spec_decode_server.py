@@ -9,7 +9,10 @@ import subprocess
 import sys
 
 import pytest
+from process_guard import dies_with_us
 from server_utils import RunningServer, offline_greedy_texts
+
+pytestmark = pytest.mark.slow  # servers
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 4, [(7 * i) % 500 + 3 for i in range(30)]]
 MAX_TOKENS = 24
@@ -54,7 +57,9 @@ def test_server_speculates_and_reports_its_counters(tiny_llama, tmp_path, refere
 def test_bad_speculative_config_stops_the_start(tiny_llama):
     command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(tiny_llama)]
     command += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}']
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, preexec_fn=dies_with_us()
+    )
     assert result.returncode != 0
     assert "speculative_config.num_speculative_tokens must be a positive integer" in (
         result.stderr + result.stdout

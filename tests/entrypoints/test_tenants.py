@@ -15,7 +15,9 @@ import time
 
 import httpx2 as httpx
 import pytest
+from process_guard import dies_with_us
 from server_utils import RunningServer, free_port
+from tiers import slow_fixture
 
 FLAG_KEY = "sk-flag-key-000"
 KEYS = {
@@ -52,7 +54,7 @@ class AccessLoggedServer(RunningServer):
         env = {**os.environ, "PAGEDLLM_DEBUG": "1"}
         env.pop("PAGEDLLM_API_KEY", None)
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=dies_with_us()
         )
         self._wait_healthy()
 
@@ -65,6 +67,7 @@ def keys_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def server(tiny_llama, keys_file, tmp_path_factory):
     log = tmp_path_factory.mktemp("tenants-log") / "server.log"
     args = [str(tiny_llama), "--api-keys-file", str(keys_file)]

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from process_guard import dies_with_us
 from server_utils import API_KEY, MODEL, STARTUP_TIMEOUT_S, RunningServer
+from tiers import slow_fixture
 
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 
@@ -30,11 +32,13 @@ def make_certificate(directory: Path, name: str) -> tuple[Path, Path]:
         check=True,
         capture_output=True,
         timeout=60,
+        preexec_fn=dies_with_us(),
     )  # fmt: skip
     return key, cert
 
 
 @pytest.fixture(scope="module")
+@slow_fixture  # openssl in a process
 def certificate(tmp_path_factory) -> tuple[Path, Path]:
     return make_certificate(tmp_path_factory.mktemp("tls"), "server")
 
@@ -103,6 +107,7 @@ def serve_exits(*args: str) -> str:
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=dies_with_us(),
     )
     assert result.returncode == 2, result.stdout + result.stderr
     return result.stderr

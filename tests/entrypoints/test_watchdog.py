@@ -123,6 +123,7 @@ def with_core_resumed(server: RunningServer) -> None:
             child.resume()
 
 
+@pytest.mark.slow  # a server
 def test_frozen_core_is_reported_and_recovers(tiny_llama, tmp_path):
     server = RunningServer([str(tiny_llama), *ITERATION_TIMEOUT], tmp_path / "log")
     try:
@@ -152,6 +153,7 @@ def test_frozen_core_is_reported_and_recovers(tiny_llama, tmp_path):
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.slow  # a server
 @pytest.mark.parametrize("failure", ["freeze", "kill"])
 def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tmp_path):
     # A killed core is replaced for its death: no stall timeout in reach of this test. A queue
@@ -202,6 +204,7 @@ def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tm
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.slow  # a server
 def test_drain_timeout_ends_requests_with_openai_errors(tiny_llama, tmp_path):
     args = [str(tiny_llama), "--shutdown-timeout", "1", "--max-num-queued-requests", "2"]
     server = RunningServer(args, tmp_path / "log")
@@ -227,6 +230,7 @@ def test_drain_timeout_ends_requests_with_openai_errors(tiny_llama, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow  # a server
 @pytest.mark.parametrize("run", range(3))
 def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp_path, monkeypatch):
     # Its own session, so the server's process group holds it and its children alone, as a

@@ -14,9 +14,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from process_guard import dies_with_us
 
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerError
 from pagedllm.parallel_config import ParallelConfig
+
+pytestmark = pytest.mark.slow  # worker processes
 
 
 class FakeExecutor(MultiprocExecutor):
@@ -157,8 +160,9 @@ time.sleep(120)
 def test_workers_die_with_the_executors_owner(how):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), "."])}
     owner = subprocess.Popen(
-        [sys.executable, "-c", _OWNER, how], stdout=subprocess.PIPE, text=True, env=env
-    )
+        [sys.executable, "-c", _OWNER, how],
+        stdout=subprocess.PIPE, text=True, env=env, preexec_fn=dies_with_us(),
+    )  # fmt: skip
     try:
         line = owner.stdout.readline()  # blocks until the workers are up (or it died)
         pids = [int(pid) for pid in line.split()]

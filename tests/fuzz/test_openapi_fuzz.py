@@ -24,6 +24,7 @@ from schemathesis.core.result import Ok
 # pytest 9.2 gives test items no `_nodeid`, which `schemathesis.pytest.from_fixture(...)
 # .parametrize()` rewrites per operation; its own per-operation test builder is used instead.
 from schemathesis.pytest.lazy import get_all_tests
+from tiers import slow_fixture
 
 # Small limits keep every generated request cheap: n <= MAX_NUM_SEQS, short contexts.
 MAX_MODEL_LEN = 256
@@ -67,6 +68,7 @@ GENERATING_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def fuzz_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz-server") / "server.log"
     running = RunningServer(SERVER_ARGS, log, api_key=API_KEY)

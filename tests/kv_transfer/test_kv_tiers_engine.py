@@ -283,6 +283,7 @@ def test_producer_without_a_consumer_still_answers(reference):
     # the swap batch preempts (a windowed layer holds at most 3 blocks of a request).
     [("Qwen2ForCausalLM:hybrid24", 41, 21), ("MistralForCausalLM:window24", 21, 8)],
 )
+@pytest.mark.slow  # long (20-30 s each on two busy cores)
 def test_tiers_with_sliding_windows(
     tiny_model_factory, variant, num_blocks, num_swap_blocks, tmp_path
 ):

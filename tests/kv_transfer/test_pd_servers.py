@@ -14,6 +14,8 @@ import time
 import httpx2 as httpx
 import pytest
 from entrypoints.server_utils import RunningServer, offline_greedy_texts, wait_until
+from process_guard import dies_with_us
+from tiers import slow_fixture
 
 from pagedllm.utils import free_port
 
@@ -25,6 +27,7 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
+@slow_fixture
 def cluster(tiny_llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-logs")
     kv_port = free_port()
@@ -46,7 +49,7 @@ def cluster(tiny_llama, tmp_path_factory):
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "proxy",
          "--prefill", prefill.base_url, "--decode", decode.base_url,
          "--host", "127.0.0.1", "--port", str(proxy_port)],
-        stdout=proxy_log, stderr=subprocess.STDOUT,
+        stdout=proxy_log, stderr=subprocess.STDOUT, preexec_fn=dies_with_us(),
     )  # fmt: skip
     proxy_url = f"http://127.0.0.1:{proxy_port}"
 

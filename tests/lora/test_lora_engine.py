@@ -40,7 +40,12 @@ class Setup:
         self.references = references  # [adapter index + 1 (0: base)][prompt] -> reference
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+# Llama's adapters and references in the fast tier; Qwen2's too (~70 s on two busy cores)
+# in `make test`.
+@pytest.fixture(
+    scope="module",
+    params=[ARCHITECTURES[0], pytest.param(ARCHITECTURES[1], marks=pytest.mark.slow)],
+)
 def setup(request, tiny_model_factory, tmp_path_factory) -> Setup:
     base = tiny_model_factory(request.param)
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
@@ -289,6 +294,7 @@ class CountingGraph:
         return self.graph(*args)
 
 
+@pytest.mark.slow  # long: a compile (tests/engine/test_compiled_decode.py)
 def test_compiled_decode_runs_steps_without_adapters(tiny_llama, tmp_path, report_ties):
     """compile=True: steps without adapters take the compiled graph, steps with an adapter
     stay eager; both are exact."""

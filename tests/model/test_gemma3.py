@@ -209,6 +209,7 @@ def test_rope_types_other_than_default_and_linear_are_refused():
         layer_rope_parameters(config, "full_attention")
 
 
+@pytest.mark.slow  # long (~14 s on two busy cores)
 def test_greedy_with_prefix_cache_hits_matches_transformers(gemma, report_ties):
     directory, hf_model = gemma
     # A shared prefix of several windows, then each its own tail; one unrelated prompt.
@@ -314,6 +315,7 @@ def test_gguf_blocks_give_the_fp32_engines_tokens(gemma, tmp_path):
     assert largest < 1e-3
 
 
+@pytest.mark.slow  # two worker processes
 def test_tensor_parallel_matches_one_process(gemma):
     """Two ranks: half the heads each (one KV head), the vocabulary-parallel embedding the
     model scales and the head tied to it."""

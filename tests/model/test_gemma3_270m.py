@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from model_utils import compare_greedy, hf_greedy
+from model_utils import cached_hf_greedy, compare_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InvalidRequestError
@@ -44,16 +44,20 @@ def _chat_text(question: str) -> str:
     )
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    """(engine, Transformers' model on the same file, prompts, Transformers' greedy tokens)."""
+def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
-    path = gemma3_270m_path()
     # Transformers dequantizes the file to fp32; so does the engine without quantization=.
-    hf_model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     )
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """(engine, prompts, Transformers' greedy tokens on the same file: cached, see
+    `cached_hf_greedy`)."""
+    path = gemma3_270m_path()
     llm = LLM(
         path,
         max_model_len=1024,
@@ -65,14 +69,18 @@ def gemma():
     prompts = [tokenizer.encode(text) for text in RAW_TEXTS]
     # The template writes <bos> itself.
     prompts += [tokenizer.encode(_chat_text(q), add_special_tokens=False) for q in QUESTIONS]
-    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
-    return llm, hf_model, prompts, references
+    references = cached_hf_greedy(path, prompts, MAX_NEW_TOKENS, lambda: _hf_model(path))
+    return llm, prompts, references
 
 
 @pytest.mark.slow
 def test_config_is_the_one_transformers_reads(gemma):
-    llm, hf_model, prompts, _ = gemma
-    ours, theirs = llm.llm_engine.model_config.hf_config, hf_model.config
+    from transformers import AutoConfig
+
+    llm, prompts, _ = gemma
+    path = gemma3_270m_path()
+    theirs = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ours = llm.llm_engine.model_config.hf_config
     for field in ("layer_types", "sliding_window", "rope_parameters", "head_dim",
                   "query_pre_attn_scalar", "num_key_value_heads", "vocab_size",
                   "tie_word_embeddings", "final_logit_softcapping"):  # fmt: skip
@@ -100,7 +108,7 @@ def test_tokenizer_gives_transformers_ids(gemma):
 
 @pytest.mark.slow
 def test_batch_in_chunks_matches_transformers(gemma, report_ties):
-    llm, _, prompts, references = gemma
+    llm, prompts, references = gemma
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ties = sum(
@@ -114,7 +122,7 @@ def test_batch_in_chunks_matches_transformers(gemma, report_ties):
 
 @pytest.mark.slow
 def test_chat_needs_the_callers_template(gemma):
-    llm, _, _, _ = gemma
+    llm, _, _ = gemma
     question = QUESTIONS[0]
     messages = [{"role": "user", "content": question}]
     params = SamplingParams(temperature=0, max_tokens=16)

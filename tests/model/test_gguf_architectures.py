@@ -227,6 +227,7 @@ def test_q8_0_file_matches_transformers_reading_it(tmp_path, report_ties):
     _compare(_greedy(path, prompts), theirs, prompts, report_ties)
 
 
+@pytest.mark.slow  # long (8-10 s each on two busy cores)
 @pytest.mark.parametrize("key", ["mixtral", "qwen3-moe"])
 def test_quantized_experts_give_transformers_tokens_on_the_dequantized_weights(
     converted, key, tmp_path, report_ties

@@ -45,6 +45,7 @@ def test_weights_in_memory_are_the_files_bytes(k_quant_file):
     assert mixed == [f"model.layers.{i}.self_attn.qkv_proj" for i in (2, 3)]
 
 
+@pytest.mark.slow  # long (~14 s on two busy cores)
 def test_greedy_tokens_are_the_fp32_engines(k_quant_file):
     prompts = [[1, 5, 9, 200], list(range(3, 40)), [7] * 12]
     fp32, quantized = (

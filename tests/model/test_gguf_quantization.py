@@ -332,6 +332,7 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_model_factory):
         EngineArgs(quantization="gguf", dtype="bfloat16")
 
 
+@pytest.mark.slow  # long: a compile
 def test_compiled_decode_step_equals_eager(tiny_gguf, engines):
     """The gguf kernel traces like the fp32 ones (`compile=True`): same tokens, same numbers."""
     compiled = LLM(

@@ -203,7 +203,10 @@ def test_int8_quantizes_around_the_experts(tiny_model_factory):
     assert quantized.argmax() == reference.argmax()
 
 
-@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize(
+    "architecture",
+    [pytest.param("MixtralForCausalLM", marks=pytest.mark.slow), "Qwen3MoeForCausalLM"],  # ~8 s
+)
 def test_shared_prefix_hits_the_cache_and_matches_transformers(
     architecture, tiny_model_factory, report_ties
 ):
@@ -248,6 +251,7 @@ def _single_process_reference(directory: Path):
     return config, run_steps(model, config, PROMPT, DECODE)
 
 
+@pytest.mark.slow  # two worker processes
 def test_tp2_matches_single_process(tiny_model_factory):
     # Each of the two ranks holds half of every expert of Qwen3-MoE's sparse layers 0 and 2
     # (and half of the dense layer 1), reading only its slice of the checkpoint.

@@ -2,9 +2,10 @@
 loading the same file, in one batch under chunking, preemption and an odd block size, and alone."""
 
 import pytest
-from model_utils import compare_greedy, hf_greedy
+from model_utils import cached_hf_greedy, compare_greedy
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.loader import default_model_path
 
 MAX_NEW_TOKENS = 32
 TIE_TOLERANCE = 1e-4
@@ -23,8 +24,7 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def prompts_and_references(hf_default_model):
-    hf_model = hf_default_model
+def prompts_and_references(request):
     llm = LLM(
         max_model_len=512,
         block_size=BLOCK_SIZE,
@@ -41,7 +41,12 @@ def prompts_and_references(hf_default_model):
         )
         for q in QUESTIONS
     ]
-    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+
+    # Transformers' model is loaded only when the references are not in the cache yet.
+    def load():
+        return request.getfixturevalue("hf_default_model")
+
+    references = cached_hf_greedy(default_model_path(), prompts, MAX_NEW_TOKENS, load)
     return llm, prompts, references
 
 

@@ -111,6 +111,7 @@ def test_max_tokens_and_stops_inside_an_accepted_run(tiny_llama):
     assert got.finish_reason == "stop" and got.stop_reason == tokens[stop_at]
 
 
+@pytest.mark.slow  # long (~13 s on two busy cores)
 def test_logprobs_penalties_and_n_with_speculation(tiny_llama):
     """Logprobs of the emitted tokens come from the target at their positions; penalties see
     the accepted drafts before each position; parallel samples each speculate."""
