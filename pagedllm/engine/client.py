@@ -169,7 +169,7 @@ class MPClient:
         self.engine_index = engine_index
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(args, input_address, output_address, engine_index),
+            args=(args, input_address, output_address, engine_index, os.getpid()),
             name=f"pagedllm-engine-core-{engine_index}",
             # Not a daemon: a daemonic process may not start children, and the core starts
             # its executor's worker processes (tensor/pipeline parallelism). It is killed at

@@ -48,16 +48,25 @@ IDLE_POLL_S = 1.0
 
 
 def run_engine_core(
-    args: EngineArgs, input_address: str, output_address: str, engine_index: int = 0
+    args: EngineArgs,
+    input_address: str,
+    output_address: str,
+    engine_index: int = 0,
+    parent_pid: int | None = None,
 ) -> None:
     """Entry point of the child process (started with the `spawn` method); `engine_index`:
-    which of the `data_parallel_size` cores this is."""
+    which of the `data_parallel_size` cores this is; `parent_pid`: the API process's pid, as
+    it knew it (read here instead, a parent that died while this process started would be
+    mistaken for the process that adopted it, and the core would outlive it)."""
+    if parent_pid is None:
+        parent_pid = os.getppid()
+    elif os.getppid() != parent_pid:
+        return  # the API process is already gone
     # Ctrl-C and a SIGTERM or SIGHUP (key reload) sent to the whole process group reach this
     # process too; the API process decides what they mean (it sends Shutdown, or kills this).
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     init_logger()
-    parent_pid = os.getppid()
     if args.data_parallel_size > 1:
         share_cpu_threads(args.data_parallel_size)
     try:

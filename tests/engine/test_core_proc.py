@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 
 from pagedllm.engine.core_proc import EngineCoreProc
@@ -37,3 +38,17 @@ def test_a_request_the_core_refuses_fails_alone():
     assert failed.request_id == "dup" and failed.finished
     assert failed.finish_reason == "error"
     assert failed.error == "ValueError: request_id 'dup' is already in use"
+
+
+def test_a_core_whose_api_process_died_while_it_started_exits_at_once(monkeypatch):
+    """The API process passes its pid: a core that finds another parent (its own died and
+    it was adopted) returns before it loads anything, signal handlers untouched."""
+    from pagedllm.engine import core_proc
+
+    def never(*args, **kwargs):
+        raise AssertionError("the core went on starting")
+
+    monkeypatch.setattr(core_proc, "load_engine_config", never)
+    monkeypatch.setattr(core_proc.signal, "signal", never)
+    dead_parent = os.getppid() + 1 if os.getppid() != 1 else 2
+    core_proc.run_engine_core(None, "ipc://unused-in", "ipc://unused-out", 0, dead_parent)
