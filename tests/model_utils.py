@@ -243,6 +243,17 @@ def model_runner(llm):
     return llm.model_runner
 
 
+# Repeated patterns (speculation's proposers find them) beside plain ones, of 8 to 40 tokens.
+MIXED_PROMPTS = [
+    [5, 6, 7, 8] * 6,
+    list(range(100, 140)),
+    [3, 200, 7, 90, 45, 300, 12, 8],
+    [9, 10, 11] * 7,
+    list(range(300, 330)),
+    [42, 43] * 12,
+]
+
+
 def run_tenants(llm, requests: list[tuple], samples: bool = False, max_steps: int = 5000) -> list:
     """Run `(request id, tenant, prompt token ids, SamplingParams, LoRARequest | None)`
     requests on `llm`'s engine to the end (several tenants share it, as the server's do);

@@ -15,20 +15,13 @@ from typing import Any
 
 import pytest
 from lora_utils import make_peft_adapter
-from model_utils import compare_to_reference_engine, run_tenants
+from model_utils import MIXED_PROMPTS, compare_to_reference_engine, run_tenants
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.model.layers.quantization import reduce_range
 from pagedllm.sampling_params import StructuredOutputsParams
 
-PROMPTS = [
-    [5, 6, 7, 8] * 6,
-    list(range(100, 140)),
-    [3, 200, 7, 90, 45, 300, 12, 8],
-    [9, 10, 11] * 7,
-    list(range(300, 330)),
-    [42, 43] * 12,
-]
+PROMPTS = MIXED_PROMPTS
 MAX_TOKENS = 16
 ROOMY = {"max_model_len": 256, "kv_cache_memory": "8MiB"}
 # Chunks of 16 tokens and a pool of 9 blocks of 16 tokens for six requests of up to 56

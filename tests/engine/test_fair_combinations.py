@@ -7,18 +7,11 @@ comes back and no request stays swapped out. LoRA under fair: tests/lora/test_lo
 from __future__ import annotations
 
 import pytest
-from model_utils import compare_to_reference_engine, run_tenants
+from model_utils import MIXED_PROMPTS, compare_to_reference_engine, run_tenants
 
 from pagedllm import LLM, SamplingParams
 
-PROMPTS = [
-    [5, 6, 7, 8] * 6,
-    list(range(100, 140)),
-    [3, 200, 7, 90, 45, 300, 12, 8],
-    [9, 10, 11] * 7,
-    list(range(300, 330)),
-    [42, 43] * 12,
-]
+PROMPTS = MIXED_PROMPTS
 MAX_TOKENS = 24
 # Prompts prefilled in chunks and a pool of 13 blocks of 16 tokens for six requests of up to
 # 64 tokens: preemption is certain.

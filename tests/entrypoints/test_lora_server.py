@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import httpx2 as httpx
 import pytest
-from lora.lora_utils import make_peft_adapter
+from lora_utils import make_peft_adapter
 from process_guard import dies_with_us
 from server_utils import API_KEY, RunningServer
 from tiers import slow_fixture

@@ -442,7 +442,7 @@ LORA_FIELDS = set(LoadLoRAAdapterRequest.model_fields) | set(UnloadLoRAAdapterRe
 @pytest.fixture(scope="module")
 def lora_setup(tiny_llama, tmp_path_factory):
     """The engine's adapter check for a tiny LoRA engine, and one adapter it accepts."""
-    from lora.lora_utils import make_peft_adapter
+    from lora_utils import make_peft_adapter
 
     _, _, config = load_engine_config(EngineArgs(str(tiny_llama), enable_lora=True), log=False)
     adapter = make_peft_adapter(tiny_llama, tmp_path_factory.mktemp("fuzz-lora"), seed=5, rank=4)

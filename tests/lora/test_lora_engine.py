@@ -85,6 +85,15 @@ def generate(llm: LLM, prompts, loras, logprobs: int | None = None):
     return [output.outputs[0] for output in outputs]
 
 
+def assert_peft_tokens(outputs, references, report_ties) -> None:
+    """Every output's greedy tokens are PEFT's (ties counted)."""
+    ties = sum(
+        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
+        for output, reference in zip(outputs, references, strict=True)
+    )
+    report_ties(ties, len(outputs))
+
+
 def assert_pool_whole(llm: LLM) -> None:
     kv = llm.llm_engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
@@ -104,11 +113,7 @@ def test_mixed_batch_equals_peft(setup, report_ties, layout):
     llm = engine(setup, **layout)
     prompts, loras, references = mixed_batch(setup)
     outputs = generate(llm, prompts, loras)
-    ties = sum(
-        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
-        for output, reference in zip(outputs, references, strict=True)
-    )
-    report_ties(ties, len(outputs))
+    assert_peft_tokens(outputs, references, report_ties)
     if layout:
         assert llm.get_stats().num_preemptions > 0
     # The adapters change the output: the comparison is not the base model's five times.
@@ -136,11 +141,7 @@ def test_tenants_under_the_fair_policy_equal_peft(setup, report_ties):
         for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True))
     ]
     outputs = run_tenants(llm, requests)
-    ties = sum(
-        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
-        for output, reference in zip(outputs, references, strict=True)
-    )
-    report_ties(ties, len(outputs))
+    assert_peft_tokens(outputs, references, report_ties)
     assert llm.get_stats().num_preemptions > 0
     assert_pool_whole(llm)
 
@@ -231,11 +232,7 @@ def test_max_loras_bounds_every_step(setup, report_ties):
     prompts, loras, references = mixed_batch(setup)
     outputs = generate(llm, prompts, loras)
     assert max(adapters_per_step) == 2
-    ties = sum(
-        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
-        for output, reference in zip(outputs, references, strict=True)
-    )
-    report_ties(ties, len(outputs))
+    assert_peft_tokens(outputs, references, report_ties)
     assert all(len(output.token_ids) == MAX_TOKENS for output in outputs)
     assert_pool_whole(llm)
 
@@ -337,11 +334,7 @@ def test_a_draft_model_proposes_for_adapters(setup, report_ties):
     llm = engine(setup, speculative_config=draft)
     prompts, loras, references = mixed_batch(setup)
     outputs = generate(llm, prompts, loras)
-    ties = sum(
-        compare_greedy(list(output.token_ids), reference, tie_tolerance=1e-4)
-        for output, reference in zip(outputs, references, strict=True)
-    )
-    report_ties(ties, len(outputs))
+    assert_peft_tokens(outputs, references, report_ties)
     counts = llm.get_stats().spec_decode
     # The base model's drafts: all accepted for the base model's requests, fewer for the
     # adapters' (the draft does not know them).
