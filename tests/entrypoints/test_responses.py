@@ -288,6 +288,13 @@ def test_store_false_keeps_nothing(server):
         ({"input": [{"role": "wizard", "content": "x"}]}, 400, "input[0].role"),
         ({"input": []}, 400, "input"),
         ({"metadata": {"k": "v" * 513}}, 400, "metadata"),
+        ({"input": [{"role": "user", "content": "x", "colour": 1}]}, 400, "input[0].colour"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "y": 1}]}]},
+         400, "input[0].content[0].y"),
+        ({"tools": [WEATHER_TOOL, {**WEATHER_TOOL, "x": 1}]}, 400, "tools[1].name"),
+        ({"tools": [{**WEATHER_TOOL, "x": 1}]}, 400, "tools[0].x"),
+        ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, 400,
+         "input[0].call_id"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_field(server, fields, status, param):

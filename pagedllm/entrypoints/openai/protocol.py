@@ -54,6 +54,10 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
+        return self.unknown_fields_here()
+
+    def unknown_fields_here(self) -> list[str]:
+        """This model's own unknown fields (not those of the models it holds)."""
         return sorted(self.model_extra or {})
 
 

@@ -222,6 +222,7 @@ class ResponsesRequest(RequestBody):
     @field_validator("tools", mode="before")
     @classmethod
     def _check_tools(cls, value: Any) -> Any:
+        names: set[Any] = set()
         for index, tool in enumerate(value if isinstance(value, list) else []):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind != "function":
@@ -230,7 +231,34 @@ class ResponsesRequest(RequestBody):
                     "only function tools",
                     f"tools[{index}].type",
                 )
+            name = tool.get("name") if isinstance(tool, dict) else None
+            if isinstance(name, str) and name in names:  # a call could not say which one
+                raise InvalidRequestError(
+                    f"tools[{index}].name: a tool of this name is already defined",
+                    f"tools[{index}].name",
+                )
+            names.add(name)
         return value
+
+    def unknown_fields(self) -> list[str]:
+        """Unknown fields at any depth, by path (`input[0].content[1].foo`)."""
+        return unknown_field_paths(self)
+
+    def check_call_outputs(self, earlier_call_ids: set[str]) -> None:
+        """Each function_call_output answers a function_call made before it: in `input`, or
+        in the conversation `previous_response_id` continues (`earlier_call_ids`)."""
+        if isinstance(self.input, str):
+            return
+        known = set(earlier_call_ids)
+        for index, item in enumerate(self.input):
+            if isinstance(item, FunctionCallItem):
+                known.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in known:
+                raise InvalidRequestError(
+                    f"input[{index}].call_id: no function_call with this call_id comes before "
+                    "this output",
+                    f"input[{index}].call_id",
+                )
 
     def refused_fields(self) -> list[str]:
         return [
@@ -265,6 +293,24 @@ class ResponsesRequest(RequestBody):
         if self.text is None or self.text.format is None:
             return None
         return self.text.format.for_chat()
+
+
+def unknown_field_paths(model: OpenAIModel, prefix: str = "") -> list[str]:
+    """The unknown fields of `model` and of the models it holds, by path."""
+    found = [f"{prefix}{name}" for name in model.unknown_fields_here()]
+    for name in type(model).model_fields:
+        found += _unknown_in(getattr(model, name), f"{prefix}{name}")
+    return found
+
+
+def _unknown_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, OpenAIModel):
+        return unknown_field_paths(value, f"{path}.")
+    if isinstance(value, list):
+        return [
+            found for i, item in enumerate(value) for found in _unknown_in(item, f"{path}[{i}]")
+        ]
+    return []
 
 
 def _is_bool_like(value: Any, allowed: tuple) -> bool:

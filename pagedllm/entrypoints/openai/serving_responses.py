@@ -51,7 +51,11 @@ class OpenAIServingResponses:
     async def create_response(self, request: ResponsesRequest, raw: Request):
         chat = self.chat
         chat.check_request(request, request.refused_fields())  # type: ignore[arg-type]
-        conversation = self._history(request) + request.input_messages()
+        history = self._history(request)
+        request.check_call_outputs(
+            {call["id"] for message in history for call in message.get("tool_calls", ())}
+        )
+        conversation = history + request.input_messages()
         try:
             chat_request = self._chat_request(request, conversation)
             prepared = await chat.prepare_chat(chat_request)

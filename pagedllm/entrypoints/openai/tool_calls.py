@@ -66,10 +66,13 @@ class ToolPlan:
             function = next(f for f in self.functions if f["name"] == self.named)
             return StructuredOutputsParams(json=_parameters(function))
         if self.mode == "required":
-            items = [_call_schema(f) for f in self.functions]
+            defs: dict[str, Any] = {}
+            items = [_call_schema(f, i, defs) for i, f in enumerate(self.functions)]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
             if not self.parallel:
                 schema["maxItems"] = 1
+            if defs:
+                schema["$defs"] = defs
             return StructuredOutputsParams(json=schema)
         return None
 
@@ -140,12 +143,37 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return function["parameters"]
 
 
-def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(function: dict[str, Any], index: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """One call of `function` as an item of the `required` array; its parameters' local
+    definitions move to the array schema's `$defs` (under names of their own), since a
+    `#/$defs/...` reference resolves from the root of the schema it ends up in."""
+    parameters = dict(_parameters(function))
+    local = {**parameters.pop("definitions", {}), **parameters.pop("$defs", {})}
+    names = {name: f"tool{index}_{name}" for name in local}
+    arguments = _rebased(parameters, names)
+    for name, definition in local.items():
+        defs[names[name]] = _rebased(definition, names)
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": _parameters(function)},
+        "properties": {"name": {"const": function["name"]}, "arguments": arguments},
         "required": ["name", "arguments"],
     }
+
+
+def _rebased(value: Any, names: dict[str, str]) -> Any:
+    """`value` with each local reference (`#/$defs/X`, `#/definitions/X`) renamed to X's
+    place in the combined schema; other references are left as they are."""
+    if isinstance(value, list):
+        return [_rebased(item, names) for item in value]
+    if not isinstance(value, dict):
+        return value
+    rebased = {key: _rebased(item, names) for key, item in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str):
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(prefix) and ref[len(prefix) :] in names:
+                rebased["$ref"] = f"#/$defs/{names[ref[len(prefix) :]]}"
+    return rebased
 
 
 def _parse_required(text: str) -> list[ToolCall]:
