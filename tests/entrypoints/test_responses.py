@@ -293,6 +293,7 @@ def test_store_false_keeps_nothing(server):
          400, "input[0].content[0].y"),
         ({"tools": [WEATHER_TOOL, {**WEATHER_TOOL, "x": 1}]}, 400, "tools[1].name"),
         ({"tools": [{**WEATHER_TOOL, "x": 1}]}, 400, "tools[0].x"),
+        ({"tools": [{**WEATHER_TOOL, "name": {}}]}, 400, "tools.0.name"),
         ({"input": [{"type": "function_call_output", "call_id": "call_1", "output": "3"}]}, 400,
          "input[0].call_id"),
     ],

@@ -222,7 +222,7 @@ class ResponsesRequest(RequestBody):
     @field_validator("tools", mode="before")
     @classmethod
     def _check_tools(cls, value: Any) -> Any:
-        names: set[Any] = set()
+        names: set[str] = set()
         for index, tool in enumerate(value if isinstance(value, list) else []):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind != "function":
@@ -232,7 +232,9 @@ class ResponsesRequest(RequestBody):
                     f"tools[{index}].type",
                 )
             name = tool.get("name") if isinstance(tool, dict) else None
-            if isinstance(name, str) and name in names:  # a call could not say which one
+            if not isinstance(name, str):
+                continue  # pydantic names what is wrong with it
+            if name in names:  # a call could not say which one it means
                 raise InvalidRequestError(
                     f"tools[{index}].name: a tool of this name is already defined",
                     f"tools[{index}].name",
