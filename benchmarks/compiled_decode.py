@@ -21,8 +21,8 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.worker.compiled_forward import CompiledDecode, compiled_batch_limit
-from pagedllm.worker.model_runner import ForwardStep
+from pagedllm.runner.compiled_forward import CompiledDecode, compiled_batch_limit
+from pagedllm.runner.model_runner import ForwardStep
 
 
 def capture_decode(llm: LLM, batch: int) -> tuple:

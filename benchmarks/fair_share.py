@@ -26,8 +26,8 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.tenant_server import prompt_text, report_policies, start_tenant_server
-from pagedllm.bench.serve import ServeBenchConfig, send_request
-from pagedllm.bench.serve_metrics import RequestOutcome, ttft
+from pagedllm.entrypoints.bench.serve import ServeBenchConfig, send_request
+from pagedllm.entrypoints.bench.serve_metrics import RequestOutcome, ttft
 
 KEYS = {"tenant-a": "sk-fair-a", "tenant-b": "sk-fair-b"}
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.datasets import DatasetConfig, random_dataset
+from pagedllm.entrypoints.bench.datasets import DatasetConfig, random_dataset
 
 
 def measure(args: argparse.Namespace) -> dict:

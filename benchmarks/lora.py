@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.lora import layers as lora_layers
+from pagedllm.lora.model import layers as lora_layers
 from pagedllm.lora.peft import projection_shapes, read_adapter
 
 

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.lora.layers import LoRAStep, add_lora
+from pagedllm.lora.model.layers import LoRAStep, add_lora
 from pagedllm.ops.extension import load
 
 RANK, SLOTS, TOKENS, LAYERS = 16, 8, 64, 30

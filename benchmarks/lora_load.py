@@ -27,7 +27,7 @@ import psutil
 from benchmarks.lora import write_adapter
 from benchmarks.serve_vs_offline import start_server, stop_server
 from pagedllm.config import EngineArgs
-from pagedllm.engine.engine_config import load_engine_config
+from pagedllm.core.engine_config import load_engine_config
 from pagedllm.lora.peft import projection_shapes
 from pagedllm.utils import free_port
 

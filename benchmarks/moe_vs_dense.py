@@ -29,7 +29,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.loader import write_config_dir
-from pagedllm.worker.model_runner import ForwardStep
+from pagedllm.runner.model_runner import ForwardStep
 
 VOCAB = 8192
 HEAD_DIM = 64

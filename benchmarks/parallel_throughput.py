@@ -53,8 +53,8 @@ WARMUP_REQUESTS = 8
 def run_layout(layout: str, args: argparse.Namespace) -> dict:
     """In the child process: build the engine, warm it up, run W1, read every rank's memory."""
     from pagedllm import LLM
-    from pagedllm.bench.datasets import DatasetConfig, load_dataset
-    from pagedllm.bench.runs import run_throughput
+    from pagedllm.entrypoints.bench.datasets import DatasetConfig, load_dataset
+    from pagedllm.entrypoints.bench.runs import run_throughput
     from pagedllm.model.loader import write_config_dir
 
     model = args.model or write_config_dir(MODEL_DIR, SMOLLM2_SHAPE_TP2)

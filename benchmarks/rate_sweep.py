@@ -28,8 +28,8 @@ import aiohttp
 import numpy as np
 
 from benchmarks.tenant_server import prompt_text, report_policies, start_tenant_server
-from pagedllm.bench.serve import ServeBenchConfig, arrival_offsets, send_request
-from pagedllm.bench.serve_metrics import RequestOutcome, ttft
+from pagedllm.entrypoints.bench.serve import ServeBenchConfig, arrival_offsets, send_request
+from pagedllm.entrypoints.bench.serve_metrics import RequestOutcome, ttft
 
 KEYS = {"tenant-a": "sk-rate-a", "tenant-b": "sk-rate-b"}
 WARMUP_REQUESTS = 8

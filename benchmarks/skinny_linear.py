@@ -18,7 +18,7 @@ from benchmarks.ceiling import HIDDEN, LAYERS, LINEAR_SHAPES, VOCAB, best_second
 from pagedllm.model.layers import onednn
 from pagedllm.ops import fused
 from pagedllm.ops.extension import load
-from pagedllm.worker.huge_pages import place_weights_on_huge_pages
+from pagedllm.runner.huge_pages import place_weights_on_huge_pages
 
 
 def main() -> None:

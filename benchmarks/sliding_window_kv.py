@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from pagedllm.config import ModelConfig, kv_cache_groups, parse_memory_size
+from pagedllm.core.engine_config import kv_bytes_per_block, model_kv_groups
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.engine.engine_config import kv_bytes_per_block, model_kv_groups
 from pagedllm.sampling_params import SamplingParams
 
 # Gemma 3 270M's attention shape (its GGUF's metadata).

@@ -39,11 +39,11 @@ from benchmarks.ceiling import (
     matmul_gflops,
 )
 from pagedllm import LLM, SamplingParams
-from pagedllm.bench.datasets import DatasetConfig, random_dataset
+from pagedllm.entrypoints.bench.datasets import DatasetConfig, random_dataset
+from pagedllm.runner.huge_pages import madvise
+from pagedllm.runner.kv_prefault import MADV_POPULATE_WRITE
+from pagedllm.runner.model_runner import ForwardStep
 from pagedllm.utils import round_up
-from pagedllm.worker.huge_pages import madvise
-from pagedllm.worker.kv_prefault import MADV_POPULATE_WRITE
-from pagedllm.worker.model_runner import ForwardStep
 
 PHASES = ("schedule", "forward", "logits", "sample", "update")
 

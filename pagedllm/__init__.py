@@ -1,8 +1,8 @@
 """pagedllm: fast, memory-efficient LLM inference (paged KV cache, continuous batching)."""
 
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.config import EngineArgs
-from pagedllm.llm import LLM
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedllm.logger import init_logger
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (

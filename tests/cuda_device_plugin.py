@@ -10,11 +10,11 @@ host memory for the KV tiers) against themselves and their own references on the
 
 from __future__ import annotations
 
-import pagedllm.llm
+import pagedllm.entrypoints.llm
 
 
 def pytest_configure(config) -> None:
-    original = pagedllm.llm.LLM.__init__
+    original = pagedllm.entrypoints.llm.LLM.__init__
 
     def on_cuda(self, model=None, **engine_args) -> None:
         engine_args.setdefault("device", "cuda")
@@ -26,4 +26,4 @@ def pytest_configure(config) -> None:
             if runner.kv_tiers is not None and runner.device.type == "cuda":
                 assert all(h.is_pinned() for h in runner.kv_tiers.host if h.numel())
 
-    pagedllm.llm.LLM.__init__ = on_cuda
+    pagedllm.entrypoints.llm.LLM.__init__ = on_cuda

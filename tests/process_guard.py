@@ -11,7 +11,7 @@ and its CPU. So every child a test starts asks the kernel for SIGKILL when its p
 The kernel sends the signal when the *thread* that started the child ends, not the
 process: children are started from the main thread (`dies_with_us` refuses another).
 Grandchildren are the children's business: a server's engine core watches its parent
-(`pagedllm.engine.core_proc`), a core's workers set PDEATHSIG themselves
+(`pagedllm.core.engine_core_proc`), a core's workers set PDEATHSIG themselves
 (`pagedllm.worker.worker_proc`); tests/test_process_guard.py checks the server's after a
 SIGKILL or a SIGTERM to pytest.
 Elsewhere than Linux these do nothing.

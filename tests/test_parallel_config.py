@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm.config import EngineArgs, ModelConfig
-from pagedllm.engine.engine_config import build_engine_config, kv_bytes_per_block
+from pagedllm.core.engine_config import build_engine_config, kv_bytes_per_block
 from pagedllm.model.loader import ModelSource
 from pagedllm.parallel_config import ParallelConfig, verify_parallel_layout
 

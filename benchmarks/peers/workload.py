@@ -1,9 +1,9 @@
 """The one workload every engine runs, and the load generator's command line.
 
 The prompts are written once to a JSONL file (`prompt_token_ids`, `output_len` per line,
-from `pagedllm.bench.datasets`' random dataset, seed 0), and every engine reads that file:
-the offline runners directly, the servers through `pagedllm bench serve --dataset-name file
---prompt-format token-ids`, so each engine sees exactly the same token ids.
+from `pagedllm.entrypoints.bench.datasets`' random dataset, seed 0), and every engine reads
+that file: the offline runners directly, the servers through `pagedllm bench serve
+--dataset-name file --prompt-format token-ids`, so each engine sees exactly the same token ids.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Workload:
 
 
 def write_workload(workload: Workload, seed: int = 0) -> None:
-    from pagedllm.bench.datasets import DatasetConfig, random_dataset
+    from pagedllm.entrypoints.bench.datasets import DatasetConfig, random_dataset
 
     config = DatasetConfig(
         name="random", num_prompts=workload.num_prompts, input_len=workload.input_len,

@@ -13,7 +13,7 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedllm.engine.messages import EngineCoreRequest
+    from pagedllm.core.messages import EngineCoreRequest
 
 
 # A request with n > 1 runs as n engine requests: itself (sample 0) and `<id>#<i>` for the

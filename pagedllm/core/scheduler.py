@@ -17,7 +17,7 @@ keeps for others (fair: seats and blocks claimed by tenants below their share) i
 The loop is the same for every policy and feature. The policy (`core/policy.py`) offers
 candidates and charges them; each feature meets the loop through its participant:
 structured output (`structured_output/scheduling.py`), speculative decoding
-(`spec_decode/scheduling.py`), the KV tiers (`kv_transfer/scheduling.py`), and parallel
+(`spec_decode/core/scheduling.py`), the KV tiers (`kv_transfer/core/scheduling.py`), and parallel
 sampling through `Request.fork`. None of them branches on another.
 """
 
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.fair_policy import FairPolicy
 from pagedllm.core.kv_cache_manager import KVAllocation, KVCacheManager
+from pagedllm.core.messages import EngineCoreOutput
 from pagedllm.core.policy import Outcome, StepState, create_policy, seats_of
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.runner_view import RunnerView
@@ -37,12 +38,11 @@ from pagedllm.core.scheduler_output import (
     SchedulerOutput,
 )
 from pagedllm.core.stop_checks import check_stop
-from pagedllm.engine.messages import EngineCoreOutput
-from pagedllm.kv_transfer.scheduling import kv_tier_participant
-from pagedllm.kv_transfer.tier_manager import KVTierManager
-from pagedllm.lora.scheduling import LoRASlots
+from pagedllm.kv_transfer.core.scheduling import kv_tier_participant
+from pagedllm.kv_transfer.core.tier_manager import KVTierManager
+from pagedllm.lora.core.scheduling import LoRASlots
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.scheduling import DraftScheduling
+from pagedllm.spec_decode.core.scheduling import DraftScheduling
 from pagedllm.structured_output.scheduling import GrammarScheduling, GrammarStatus
 
 if TYPE_CHECKING:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.messages import TokenLogprob
 from pagedllm.core.request import Request
-from pagedllm.engine.messages import TokenLogprob
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams

@@ -11,8 +11,8 @@ import dataclasses
 import math
 import os
 
-from pagedllm.bench.datasets import DATASETS, DatasetConfig, load_dataset
-from pagedllm.bench.runs import format_table, run_latency, run_throughput, write_json
+from pagedllm.entrypoints.bench.datasets import DATASETS, DatasetConfig, load_dataset
+from pagedllm.entrypoints.bench.runs import format_table, run_latency, run_throughput, write_json
 from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 
@@ -260,7 +260,7 @@ def _add_serve_report_args(serve: argparse.ArgumentParser) -> None:
 
 def run_serve_command(args: argparse.Namespace) -> int:
     """Exit status 0 when at least one request succeeded, 1 when every request failed."""
-    from pagedllm.bench.serve import (
+    from pagedllm.entrypoints.bench.serve import (
         ServeBenchConfig,
         format_report,
         load_prompt_tokenizer,
@@ -297,7 +297,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
     print(format_report(report))
     write_json(args.output_json, report)
     if args.plot:
-        from pagedllm.bench.plots import plot_serve_run
+        from pagedllm.entrypoints.bench.plots import plot_serve_run
 
         plot_serve_run(args.plot, report)
     return 0 if report["completed"] else 1

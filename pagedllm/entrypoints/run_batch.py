@@ -201,7 +201,7 @@ class OfflineEngineView:
     is_dead = False
 
     def __init__(self, llm_engine: Any) -> None:
-        from pagedllm.engine.admission import AdmissionQueue
+        from pagedllm.frontend.admission import AdmissionQueue
 
         self.tokenizer = llm_engine.tokenizer
         self.model_config = llm_engine.model_config

@@ -76,7 +76,6 @@ def add_run_batch_parser(subparsers) -> None:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from pagedllm.engine.chat_template import load_chat_template
     from pagedllm.entrypoints.openai.api_server import default_served_model_name
     from pagedllm.entrypoints.openai.server_config import ServerConfig
     from pagedllm.entrypoints.run_batch import (
@@ -85,6 +84,7 @@ def run_batch(args: argparse.Namespace) -> int:
         read_requests,
         write_records,
     )
+    from pagedllm.frontend.chat_template import load_chat_template
 
     # Everything that can be wrong with the flags or the files fails here, before the model
     # loads (ValueError: `pagedllm` prints it in one line).

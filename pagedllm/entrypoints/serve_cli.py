@@ -311,7 +311,7 @@ def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
     # Checked here so a missing or mismatched file, or a broken template, fails before the
     # model loads.
     check_tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
-    from pagedllm.engine.chat_template import load_chat_template
+    from pagedllm.frontend.chat_template import load_chat_template
 
     chat_template = args.chat_template
     return {

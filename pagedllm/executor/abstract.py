@@ -15,7 +15,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.runner.model_runner import ModelRunner
 
 
 class Executor(ABC):

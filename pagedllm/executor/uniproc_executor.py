@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.executor.abstract import Executor
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.worker.worker import Worker
 
 

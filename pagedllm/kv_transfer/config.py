@@ -111,7 +111,7 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class KVTierConfig:
-    """The KV tiers of one engine (built by `engine/engine_config.py`).
+    """The KV tiers of one engine (built by `core/engine_config.py`).
 
     `num_host_blocks`: blocks the host tier holds (0: none); `disk_dir`: the disk tier's
     folder (None: none); `identity`: a digest of what a block's bytes mean (model, dtypes,

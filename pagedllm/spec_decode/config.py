@@ -1,7 +1,7 @@
 """`SpeculativeConfig`: what `speculative_config` (vLLM's names) asks for, checked on its own.
 
 Checks that need the target model (vocabulary, context length, the engine's layout) are made
-where the engine config is built (`engine/engine_config.py`).
+where the engine config is built (`core/engine_config.py`).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.model.loader import resolve_model
+from pagedllm.runner.model_runner import ModelRunner
 from pagedllm.worker.cpu_env import tune_malloc
-from pagedllm.worker.model_runner import ModelRunner
 
 # How long a collective waits for its peers (a dead or hung rank then raises in the others).
 COLLECTIVE_TIMEOUT_ENV = "PAGEDLLM_COLLECTIVE_TIMEOUT_S"

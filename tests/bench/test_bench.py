@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from pagedllm.bench.datasets import DatasetConfig, load_dataset
-from pagedllm.bench.runs import percentile
+from pagedllm.entrypoints.bench.datasets import DatasetConfig, load_dataset
+from pagedllm.entrypoints.bench.runs import percentile
 from pagedllm.entrypoints.cli import main
 
 

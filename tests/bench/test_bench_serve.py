@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from stub_openai_server import running_stub
 
-from pagedllm.bench import serve
-from pagedllm.bench.datasets import BenchRequest
-from pagedllm.bench.serve import (
+from pagedllm.entrypoints.bench import serve
+from pagedllm.entrypoints.bench.datasets import BenchRequest
+from pagedllm.entrypoints.bench.serve import (
     ServeBenchConfig,
     WordCodec,
     arrival_offsets,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pagedllm.bench.serve_metrics import (
+from pagedllm.entrypoints.bench.serve_metrics import (
     RequestOutcome,
     compute_metrics,
     itls,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.core.request import (
     CHILD_SEPARATOR,
     Request,
@@ -10,7 +11,6 @@ from pagedllm.core.request import (
     family_id,
     is_child_request,
 )
-from pagedllm.engine.messages import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams

@@ -15,8 +15,8 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.runner.input_batch import InputBatch
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.input_batch import InputBatch
 
 MAX_LEN = 96
 

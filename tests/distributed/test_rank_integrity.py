@@ -14,7 +14,7 @@ from model_utils import model_runner
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.multiproc_executor import MultiprocExecutor, WorkerError
-from pagedllm.worker.kv_integrity import KVIntegrityError
+from pagedllm.runner.kv_integrity import KVIntegrityError
 from pagedllm.worker.worker import Worker
 
 PROMPTS = [[7 + i for i in range(n)] for n in (5, 21, 40, 60)]

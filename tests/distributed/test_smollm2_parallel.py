@@ -13,7 +13,7 @@ from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.engine.engine_config import kv_bytes_per_block, load_engine_config
+from pagedllm.core.engine_config import kv_bytes_per_block, load_engine_config
 from pagedllm.executor.multiproc_executor import MultiprocExecutor
 from pagedllm.parallel_config import ParallelConfig
 

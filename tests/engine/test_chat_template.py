@@ -1,4 +1,4 @@
-"""The bounded chat-template renderer (`engine/chat_template.py`): the text transformers'
+"""The bounded chat-template renderer (`frontend/chat_template.py`): the text transformers'
 `apply_chat_template` writes, Jinja's sandbox, and a time and size bound that stop a hostile
 template instead of letting it burn the process."""
 
@@ -13,13 +13,13 @@ import jinja2
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.chat_template import (
+from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.chat_template import (
     apply_chat_template,
     load_chat_template,
     render_template,
 )
-from pagedllm.engine.processor import render_chat
-from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.processor import render_chat
 from pagedllm.model.loader import load_tokenizer, resolve_model
 
 # Loops that emit nothing: 10^10 iterations, so only the time bound ends them.

@@ -14,7 +14,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.ops import fused
-from pagedllm.worker.compiled_forward import MAX_BATCH_SIZE
+from pagedllm.runner.compiled_forward import MAX_BATCH_SIZE
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list:
@@ -58,7 +58,7 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_llama):
 
 
 def test_compiled_decode_leaves_prefill_and_large_batches_eager(tiny_llama):
-    from pagedllm.worker.compiled_forward import CompiledDecode
+    from pagedllm.runner.compiled_forward import CompiledDecode
 
     compiled = CompiledDecode(model_runner(small_engine(tiny_llama)).model, max_batch_size=3)
     assert compiled.applies(torch.ones(3, dtype=torch.int64).numpy())

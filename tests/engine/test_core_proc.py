@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import queue
 
-from pagedllm.engine.core_proc import EngineCoreProc
-from pagedllm.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.core.engine_core_proc import EngineCoreProc
+from pagedllm.core.messages import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.sampling_params import SamplingParams
 
@@ -43,7 +43,7 @@ def test_a_request_the_core_refuses_fails_alone():
 def test_a_core_whose_api_process_died_while_it_started_exits_at_once(monkeypatch):
     """The API process passes its pid: a core that finds another parent (its own died and
     it was adopted) returns before it loads anything, signal handlers untouched."""
-    from pagedllm.engine import core_proc
+    from pagedllm.core import engine_core_proc as core_proc
 
     def never(*args, **kwargs):
         raise AssertionError("the core went on starting")

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 from model_utils import make_tiny_tokenizer
 
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.frontend.detokenizer import IncrementalDetokenizer
 from pagedllm.model.gguf_loader import load_gguf_tokenizer
 from pagedllm.model.loader import default_model_path
 

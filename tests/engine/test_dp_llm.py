@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.dp_router import ROUTING_ENV
+from pagedllm.client.dp_router import ROUTING_ENV
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

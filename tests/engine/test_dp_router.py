@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core import hashing
-from pagedllm.engine.dp_router import (
+from pagedllm.client.dp_router import (
     DEFAULT_LOAD_THRESHOLD,
     ROUTING_ENV,
     DPRouter,
     prompt_block_hashes,
     routing_policy_from_env,
 )
-from pagedllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from pagedllm.core import hashing
+from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 

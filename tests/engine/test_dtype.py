@@ -14,7 +14,7 @@ from model_utils import greedy_with_logprobs
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.engine import engine_config
+from pagedllm.core import engine_config
 from pagedllm.ops.cpu_features import CpuFeatures
 
 AVX2 = CpuFeatures.from_flags({"avx2", "fma", "f16c"})

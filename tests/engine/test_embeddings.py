@@ -11,7 +11,7 @@ from model_utils import TINY_CONFIGS
 
 from pagedllm import LLM, PoolingParams, SamplingParams
 from pagedllm.pooling_params import PoolerConfig
-from pagedllm.worker.pooler import Pooler
+from pagedllm.runner.pooler import Pooler
 
 TOLERANCE = 1e-4
 # Mixed lengths: one token, under a block, several blocks, longer than one step's budget.

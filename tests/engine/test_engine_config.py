@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.engine_config import load_engine_config
+from pagedllm.core.engine_config import load_engine_config
 from pagedllm.ops import attention_registry
 
 

@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.runner.input_batch import InputBatch
+from pagedllm.runner.sampling_stage import SamplingStage
 from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.structured_output.manager import StructuredOutputManager
-from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.sampling_stage import SamplingStage
 
 # Lengths 5..21 over 8-token blocks: full and partial blocks, prompts of different lengths.
 PROMPTS = [

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.processor import InputProcessor
+from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.processor import InputProcessor
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB_SIZE = 100

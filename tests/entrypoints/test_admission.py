@@ -31,7 +31,6 @@ import pytest
 from server_utils import RunningServer
 from tiers import slow_fixture
 
-from pagedllm.engine.admission import AdmissionQueue, Cost, QueueFullError, QueueLimits
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.limits import (
     BODY_BYTES_PER_TOKEN,
@@ -41,6 +40,7 @@ from pagedllm.entrypoints.openai.limits import (
 )
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.frontend.admission import AdmissionQueue, Cost, QueueFullError, QueueLimits
 
 QUEUE = 4  # --max-num-queued-requests
 QUEUED_TOKENS = 300  # --max-num-queued-tokens

@@ -14,7 +14,7 @@ import pytest
 from server_utils import API_KEY, RunningServer
 from tiers import slow_fixture
 
-from pagedllm.engine.chat_template import RENDER_TIMEOUT_S
+from pagedllm.frontend.chat_template import RENDER_TIMEOUT_S
 from pagedllm.model.loader import load_tokenizer, resolve_model
 
 pytestmark = pytest.mark.slow

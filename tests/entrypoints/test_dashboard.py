@@ -23,8 +23,8 @@ from server_utils import API_KEY, MODEL, wait_until
 from tiers import slow_fixture
 
 from pagedllm.entrypoints.openai import dashboard
-from pagedllm.metrics.prometheus import PrometheusMetrics
-from pagedllm.metrics.timeseries import PERCENTILES
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
+from pagedllm.metrics.frontend.timeseries import PERCENTILES
 from pagedllm.utils import free_port
 
 OBSERVABILITY = Path(__file__).resolve().parents[2] / "examples" / "observability"

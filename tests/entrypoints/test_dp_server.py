@@ -18,7 +18,7 @@ import pytest
 from server_utils import RunningServer, health, queue_is_full, wait_until
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.dp_router import ROUTING_ENV
+from pagedllm.client.dp_router import ROUTING_ENV
 
 pytestmark = pytest.mark.slow  # servers with two engine-core processes
 

@@ -36,7 +36,7 @@ from pagedllm.entrypoints.openai.lora_registry import (
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.serve_cli import _lora_overrides
 from pagedllm.lora.peft import LoRAAdapterError
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import EngineStats
 
 BASE = "tiny-base"
@@ -416,9 +416,9 @@ def test_registry_ids_are_never_reused_and_checks_run_off_the_loop():
 
 def app_routes(tiny_llama, **config) -> set[str]:
     """The routes `build_app` makes for a LoRA engine (no core process: the app only)."""
-    from pagedllm.engine.engine_config import load_engine_config
-    from pagedllm.engine.processor import InputProcessor
+    from pagedllm.core.engine_config import load_engine_config
     from pagedllm.entrypoints.openai.app import build_app
+    from pagedllm.frontend.processor import InputProcessor
 
     _, tokenizer, engine_config = load_engine_config(
         EngineArgs(str(tiny_llama), enable_lora=True), log=False

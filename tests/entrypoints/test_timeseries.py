@@ -1,13 +1,13 @@
-"""The dashboard's time series (`pagedllm.metrics.timeseries`): the samples one known run of
-requests and steps gives, second by second, against values worked out by hand."""
+"""The dashboard's time series (`pagedllm.metrics.frontend.timeseries`): the samples one known
+run of requests and steps gives, second by second, against values worked out by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.messages import EngineCoreOutput
+from pagedllm.core.messages import EngineCoreOutput
+from pagedllm.metrics.frontend.timeseries import TimeSeries, percentile, percentiles
 from pagedllm.metrics.stats import EngineStats
-from pagedllm.metrics.timeseries import TimeSeries, percentile, percentiles
 
 WALL_OFFSET = 1_000_000.0  # the samples' wall times are the fake clock's plus this
 

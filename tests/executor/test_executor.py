@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.config import EXECUTOR_BACKENDS, EngineArgs
-from pagedllm.engine.core import EngineCore
-from pagedllm.engine.engine_config import load_engine_config
-from pagedllm.engine.processor import InputProcessor
+from pagedllm.core.engine_config import load_engine_config
+from pagedllm.core.engine_core import EngineCore
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.multiproc_executor import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.registry import executor_class
 from pagedllm.executor.uniproc_executor import UniProcExecutor
+from pagedllm.frontend.processor import InputProcessor
 from pagedllm.sampling_params import SamplingParams
 
 

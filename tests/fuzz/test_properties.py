@@ -31,9 +31,8 @@ from pydantic import ValidationError
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.engine.engine_config import load_engine_config
-from pagedllm.engine.messages import EngineCoreRequest, input_decoder, input_encoder
-from pagedllm.engine.processor import InputProcessor
+from pagedllm.core.engine_config import load_engine_config
+from pagedllm.core.messages import EngineCoreRequest, input_decoder, input_encoder
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.lora_registry import LoRAModulePath, LoRARegistry
 from pagedllm.entrypoints.openai.protocol import (
@@ -44,6 +43,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.tool_calls import plan_tools
 from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.processor import InputProcessor
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_MODEL_LEN = 256

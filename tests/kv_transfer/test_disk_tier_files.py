@@ -14,9 +14,9 @@ import torch
 
 from pagedllm.kv_transfer import disk_layout
 from pagedllm.kv_transfer.config import KVTierConfig
+from pagedllm.kv_transfer.core.tier_manager import KVTierManager
 from pagedllm.kv_transfer.ops import DiskFetch
-from pagedllm.kv_transfer.tier_manager import KVTierManager
-from pagedllm.kv_transfer.tier_worker import KVTierWorker
+from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
 
 IDENTITY = "model-fp16-block4"
 TOKENS = (5, 6, 7, 8)

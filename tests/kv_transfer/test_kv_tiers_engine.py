@@ -12,7 +12,7 @@ from model_utils import model_runner
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.core import hashing
-from pagedllm.engine.engine_config import kv_bytes_per_block, load_engine_config
+from pagedllm.core.engine_config import kv_bytes_per_block, load_engine_config
 from pagedllm.kv_transfer import disk_layout
 
 BLOCK = 16

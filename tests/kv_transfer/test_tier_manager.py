@@ -9,8 +9,8 @@ from pagedllm.core import hashing
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.kv_transfer.config import KVTierConfig, KVTransferConfig
+from pagedllm.kv_transfer.core.tier_manager import PARKED, KVTierManager, TierHit
 from pagedllm.kv_transfer.ops import KVTransferResult, block_key
-from pagedllm.kv_transfer.tier_manager import PARKED, KVTierManager, TierHit
 from pagedllm.sampling_params import SamplingParams
 
 BLOCK = 4

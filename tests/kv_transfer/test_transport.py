@@ -9,7 +9,7 @@ import threading
 import pytest
 import zmq
 
-from pagedllm.kv_transfer.transport import (
+from pagedllm.kv_transfer.runner.transport import (
     MAX_MESSAGE_SLACK_BYTES,
     KVBlockPayload,
     KVReceiver,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.layers import LoRAStep, add_lora
+from pagedllm.lora.model.layers import LoRAStep, add_lora
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ a randomized comparison with a brute-force search, and argument validation."""
 import numpy as np
 import pytest
 
-from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.runner.ngram_proposer import NgramProposer
 
 
 def _propose(tokens: list[int], k: int, low: int, high: int) -> list[int]:

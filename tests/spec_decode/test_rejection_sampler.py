@@ -10,7 +10,7 @@ import torch
 
 import pagedllm.sample.sampler as sampler_module
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
-from pagedllm.spec_decode.rejection_sampler import (
+from pagedllm.spec_decode.runner.rejection_sampler import (
     draft_sample,
     rejection_sample,
     target_probs,

@@ -12,10 +12,10 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.config import EngineArgs
-from pagedllm.engine.messages import EngineCoreOutputs
+from pagedllm.core.messages import EngineCoreOutputs
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
-from pagedllm.metrics.logger import StatLogger
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.metrics.core.logger import StatLogger
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import EngineStats
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.metrics import SpecDecodeCounts, SpecDecodingStats
@@ -133,7 +133,7 @@ def test_settings_that_need_the_models(tiny_llama, tiny_model_factory, tmp_path)
 
 
 def test_a_draft_model_on_several_ranks_is_refused_and_model_free_methods_are_not():
-    from pagedllm.engine.engine_config import verify_speculative_config
+    from pagedllm.core.engine_config import verify_speculative_config
 
     draft = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2}
     args = EngineArgs(tensor_parallel_size=2, speculative_config=draft)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pagedllm.spec_decode.suffix_proposer import SuffixProposer, _SuffixTrie
+from pagedllm.spec_decode.runner.suffix_proposer import SuffixProposer, _SuffixTrie
 
 
 def _proposer(**overrides: object) -> SuffixProposer:

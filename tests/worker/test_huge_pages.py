@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.worker import huge_pages
+from pagedllm.runner import huge_pages
 
 
 def _model() -> nn.Module:

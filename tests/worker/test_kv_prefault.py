@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.runner import kv_prefault
+from pagedllm.runner.kv_prefault import KVCachePrefaulter, block_major_ranges
 from pagedllm.utils import round_up
-from pagedllm.worker import kv_prefault
-from pagedllm.worker.kv_prefault import KVCachePrefaulter, block_major_ranges
 from tests.model_utils import model_runner, small_engine
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

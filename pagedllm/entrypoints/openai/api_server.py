@@ -36,13 +36,13 @@ import time
 import uvicorn
 
 from pagedllm.config import EngineArgs
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.app import build_app, lora_registry
 from pagedllm.entrypoints.openai.drain import DrainingServer, graceful_shutdown_timeout
 from pagedllm.entrypoints.openai.limits import uvicorn_limits
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenants import redact_access_log
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.frontend.async_llm import AsyncLLM
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 
 logger = logging.getLogger("pagedllm")
 

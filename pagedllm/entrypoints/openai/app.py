@@ -19,8 +19,6 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
-from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.processor import check_token_ids
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -52,7 +50,9 @@ from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.tenant_limits import Refusal
 from pagedllm.entrypoints.openai.tenants import TenantRegistry, current_tenant
-from pagedllm.metrics.prometheus import PrometheusMetrics
+from pagedllm.frontend.async_llm import AsyncLLM
+from pagedllm.frontend.processor import check_token_ids
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 
 # Routes anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})

@@ -22,8 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.tenants import DEFAULT_TENANT, TenantRegistry
-from pagedllm.metrics.prometheus import PrometheusMetrics
-from pagedllm.metrics.timeseries import TimeSeries
+from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
+from pagedllm.metrics.frontend.timeseries import TimeSeries
 
 # The only routes that take the key in the query string.
 DASHBOARD_PATHS = frozenset({"/dashboard", "/dashboard/data"})

@@ -17,8 +17,8 @@ import socket
 
 import uvicorn
 
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger("pagedllm")
 

@@ -27,7 +27,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.value_checks import json_object
 
 if TYPE_CHECKING:
-    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.frontend.async_llm import AsyncLLM
 
 logger = logging.getLogger("pagedllm")
 

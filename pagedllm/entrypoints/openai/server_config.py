@@ -29,7 +29,7 @@ class ServerConfig:
     allow_credentials: bool = False
     # Requests waiting for their first token beyond which new ones get a 503 (None: no limit).
     max_num_queued_requests: int | None = None
-    # Admission limits (`engine/admission.py`, `limits.py`): prompt tokens waiting for their
+    # Admission limits (`frontend/admission.py`, `limits.py`): prompt tokens waiting for their
     # first token; request body size (None: sized from max_model_len); how long a client may
     # take to send its headers and its body; h11's bound on a header block (None: h11's).
     max_num_queued_tokens: int | None = None

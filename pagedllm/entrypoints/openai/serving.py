@@ -16,10 +16,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from pagedllm.engine.admission import Cost, QueueFullError, QueueLimits, Reservation
-from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.messages import EngineCoreRequest
-from pagedllm.engine.processor import check_token_ids
+from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
 from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIModel, SamplingRequest
@@ -27,6 +24,9 @@ from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
 from pagedllm.entrypoints.openai.tenants import current_tenant
 from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.admission import Cost, QueueFullError, QueueLimits, Reservation
+from pagedllm.frontend.async_llm import AsyncLLM
+from pagedllm.frontend.processor import check_token_ids
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.engine.chat_template import render_off_loop
-from pagedllm.engine.processor import render_chat
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
@@ -29,6 +27,8 @@ from pagedllm.entrypoints.openai.tool_calls import (
     plan_tools,
 )
 from pagedllm.errors import InvalidRequestError
+from pagedllm.frontend.chat_template import render_off_loop
+from pagedllm.frontend.processor import render_chat
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ class OpenAIServingChat(OpenAIServing):
         if plan is not None and plan.active:
             self._add_tools(conversation, template_kwargs, plan, own_template)
         try:
-            # Off the event loop, and bounded in time and size (`engine/chat_template.py`):
+            # Off the event loop, and bounded in time and size (`frontend/chat_template.py`):
             # a template past a bound is refused while the server goes on answering others.
             text = await render_off_loop(
                 render_chat,

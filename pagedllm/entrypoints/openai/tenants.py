@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # DEFAULT_TENANT: the tenant of requests on a server that has no API keys.
-from pagedllm.engine.messages import DEFAULT_TENANT
+from pagedllm.core.messages import DEFAULT_TENANT
 from pagedllm.entrypoints.openai.tenant_limits import Clock, TenantLimiter, TenantLimits
 from pagedllm.value_checks import INT64_MAX
 

@@ -1,0 +1,378 @@
+"""Resolve `EngineArgs` against a model into the frozen `EngineConfig` (and size the KV cache)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pagedllm.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    KVCacheGroups,
+    ModelConfig,
+    SchedulerConfig,
+    kv_cache_groups,
+    parse_memory_size,
+    resolve_dtype,
+    verify_quantization,
+)
+from pagedllm.core.kv_tier_setup import build_kv_tier_config
+from pagedllm.lora.config import LORA_ARCHITECTURES
+from pagedllm.model.layers.attention import layer_sliding_windows
+from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
+from pagedllm.model.registry import resolve_model_class
+from pagedllm.ops.attention_registry import check_attention_backend
+from pagedllm.ops.cpu_features import cpu_features
+from pagedllm.ops.kv_quant import bytes_per_row
+from pagedllm.parallel_config import (
+    ParallelConfig,
+    num_kv_heads_per_rank,
+    pipeline_stage_layers,
+    verify_cpu_binding,
+    verify_parallel_layout,
+)
+
+logger = logging.getLogger("pagedllm")
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The model's context window (a sliding window does not narrow it: those layers mask)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} is longer than the model's context window ({limit})"
+        )
+    return requested
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (
+        getattr(hf_config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def kv_bytes_per_block(
+    model_config: ModelConfig,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    parallel_config: ParallelConfig | None = None,
+    kv_groups: KVCacheGroups | None = None,
+) -> int:
+    """One block's K and V on one rank: its KV heads (tensor parallel: a share, or one
+    replicated head) for the tensor pairs its stage's layers need (pipeline parallel: the
+    largest stage's, so every rank's pool of `num_blocks` fits its `kv_cache_memory`). One
+    group of every layer needs a pair per layer; several groups share pairs."""
+    parallel_config = parallel_config or ParallelConfig()
+    num_kv_heads = num_kv_heads_per_rank(
+        model_config.num_kv_heads, parallel_config.tensor_parallel_size
+    )
+    groups = kv_groups or kv_cache_groups([None] * model_config.num_layers)
+    num_layers = max(
+        groups.num_tensor_pairs(
+            pipeline_stage_layers(
+                model_config.num_layers, parallel_config.pipeline_parallel_size, r
+            )
+        )
+        for r in range(parallel_config.pipeline_parallel_size)
+    )
+    # K and V rows of each token, with a quantized cache's scales (ops/kv_quant.py).
+    row_bytes = bytes_per_row(cache_dtype, model_config.head_dim)
+    return 2 * num_layers * num_kv_heads * row_bytes * block_size
+
+
+def model_kv_groups(hf_config: Any, max_model_len: int) -> KVCacheGroups:
+    """The model's KV cache groups. A window no shorter than `max_model_len` never drops a
+    key, so such layers count as full attention."""
+    windows = [
+        None if window is None or window >= max_model_len else window
+        for window in layer_sliding_windows(hf_config)
+    ]
+    return kv_cache_groups(windows)
+
+
+def _describe_groups(kv_groups: KVCacheGroups) -> str:
+    if kv_groups.num_groups == 1 and not kv_groups.has_windows:
+        return ""
+    kinds = ", ".join(
+        f"layers {list(g.layers)}: "
+        + ("full" if g.sliding_window is None else f"window {g.sliding_window}")
+        for g in kv_groups.groups
+    )
+    return f" in {kv_groups.num_groups} KV cache groups ({kinds})"
+
+
+def load_engine_config(args: EngineArgs, log: bool = True) -> tuple[ModelSource, Any, Any]:
+    """(model source, tokenizer or None, EngineConfig) for `args`; the model is not loaded."""
+    source = resolve_model(args.model)
+    hf_config = load_hf_config(source)
+    resolve_model_class(getattr(hf_config, "architectures", None))
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source, args.tokenizer)
+    return source, tokenizer, build_engine_config(args, source, hf_config, tokenizer, log)
+
+
+def checkpoint_dtype(hf_config: Any, is_gguf: bool) -> torch.dtype:
+    """The dtype the checkpoint's weights are stored in (a GGUF file's are dequantized to
+    float32); float32 where the config does not say."""
+    if is_gguf:
+        return torch.float32
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def model_dtype(args: EngineArgs, hf_config: Any, is_gguf: bool, log: bool = True) -> torch.dtype:
+    """`dtype`, with "auto" resolved by vLLM's rule: the checkpoint's dtype, except that on
+    the CPU bfloat16 is kept only where the CPU has bf16 arithmetic (AVX512-BF16 or AMX;
+    elsewhere every bf16 product is converted to fp32 and runs slower than fp32 itself) and
+    float16, which the CPU kernels do not take, becomes float32 (exact: every fp16 value is
+    an fp32 value). Quantized models compute in float32."""
+    if args.dtype != "auto":
+        return resolve_dtype(args.dtype)
+    stored = checkpoint_dtype(hf_config, is_gguf)
+    if args.quantization is not None or stored == torch.float32:
+        return torch.float32
+    on_cpu = torch.device(args.device).type == "cpu"
+    if stored == torch.bfloat16 and (not on_cpu or cpu_features().bf16_arithmetic):
+        chosen, why = torch.bfloat16, "the checkpoint's dtype"
+    elif stored == torch.bfloat16:
+        chosen, why = torch.float32, "this CPU has no bf16 arithmetic (AVX512-BF16 or AMX)"
+    else:
+        chosen, why = torch.float32, f"the kernels take float32 or bfloat16, not {stored}"
+    if log:
+        logger.info("dtype=auto: %s for a %s checkpoint (%s)", chosen, stored, why)
+    return chosen
+
+
+def build_engine_config(
+    args: EngineArgs, source: ModelSource, hf_config: Any, tokenizer: Any, log: bool = True
+):
+    parallel_config = args.parallel_config()
+    verify_parallel_layout(hf_config, parallel_config)
+    verify_cpu_binding(parallel_config)
+    model_config = ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=model_dtype(args, hf_config, source.is_gguf, log),
+        max_model_len=derive_max_model_len(hf_config, args.max_model_len),
+        eos_token_ids=eos_token_ids(hf_config, tokenizer),
+        seed=args.seed,
+        max_logprobs=args.max_logprobs,
+        quantization=args.quantization,
+        load_format=args.load_format,
+        gguf_activation_bits=args.gguf_activation_bits,
+    )
+    lora_config = args.lora_config()
+    verify_lora_config(args, parallel_config, model_config)
+    draft_model_config = build_draft_model_config(args, model_config)
+    cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=model_config.max_model_len,
+        policy=args.scheduling_policy,
+        tenant_weights=args.tenant_weights,
+        max_loras=lora_config.max_loras if lora_config is not None else None,
+    )
+    check_attention_backend(args.attention_backend)
+    verify_speculative_config(args, parallel_config)
+    kv_tier_config = build_kv_tier_config(
+        args,
+        model_config,
+        cache_config,
+        parallel_config,
+        kv_bytes_per_block(
+            model_config,
+            cache_config.block_size,
+            cache_config.cache_dtype,
+            parallel_config,
+            cache_config.kv_groups,
+        ),
+        log,
+    )
+    return EngineConfig(
+        model_config,
+        cache_config,
+        scheduler_config,
+        args.attention_backend,
+        args.device,
+        compile=args.compile and not args.enforce_eager,
+        parallel_config=parallel_config,
+        speculative_config=args.speculative_config,
+        draft_model_config=draft_model_config,
+        lora_config=lora_config,
+        kv_tier_config=kv_tier_config,
+        pooler_config=args.pooler_config if args.runner == "pooling" else None,
+    )
+
+
+def verify_lora_config(
+    args: EngineArgs, parallel_config: ParallelConfig, model_config: ModelConfig
+) -> None:
+    """What LoRA cannot be combined with yet is refused here, by name."""
+    if not args.enable_lora:
+        return
+    refused = [
+        (
+            parallel_config.tensor_parallel_size > 1,
+            "tensor_parallel_size > 1 (adapter weights are not sharded over ranks)",
+        ),
+        (
+            not hasattr(model_config.hf_config, "intermediate_size")
+            or model_config.architecture not in LORA_ARCHITECTURES,
+            f"architecture {model_config.architecture} (LoRA serves "
+            f"{', '.join(LORA_ARCHITECTURES)})",
+        ),
+    ]
+    for is_refused, what in refused:
+        if is_refused:
+            raise ValueError(f"enable_lora is not supported with {what} (yet)")
+
+
+def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    """The model that proposes for method "draft_model" (its own path) or "self_quantized"
+    (the target's own file, quantized); None for the model-free methods. Refused: another
+    vocabulary, a shorter context than the target's, sliding windows."""
+    spec = args.speculative_config
+    if spec is None or not spec.uses_draft_model:
+        return None
+    if spec.method == "self_quantized":
+        source = resolve_model(target.model)
+        if target.quantization is not None:
+            raise ValueError(
+                f"speculative_config method 'self_quantized' drafts for an unquantized target; "
+                f"the model already runs with quantization={target.quantization!r}"
+            )
+        if spec.quantization == "gguf" and not source.is_gguf:
+            raise ValueError(
+                "speculative_config quantization 'gguf' keeps a GGUF file's blocks: the model "
+                f"{target.model!r} is not a .gguf file (use quantization 'int8')"
+            )
+    else:
+        source = resolve_model(spec.model)
+    verify_quantization(spec.quantization)
+    hf_config = load_hf_config(source)
+    resolve_model_class(getattr(hf_config, "architectures", None))
+    draft = ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=torch.float32 if spec.quantization else target.dtype,
+        max_model_len=target.max_model_len,
+        eos_token_ids=target.eos_token_ids,
+        seed=target.seed,
+        max_logprobs=target.max_logprobs,
+        quantization=spec.quantization,
+        load_format=target.load_format,
+    )
+    _check_draft_fits_target(draft, target, source.path)
+    return draft
+
+
+def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str) -> None:
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model {path!r} has a vocabulary of "
+            f"{draft.vocab_size} tokens, the target {target.vocab_size}: a draft must share "
+            "the target's tokenizer"
+        )
+    draft_len = derive_max_model_len(draft.hf_config, None)
+    if draft_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model's context ({draft_len} tokens) is shorter "
+            f"than max_model_len={target.max_model_len}; lower max_model_len"
+        )
+    for name, config in (("target", target), ("draft", draft)):
+        groups = model_kv_groups(config.hf_config, target.max_model_len)
+        if groups.num_groups > 1 or groups.has_windows:
+            raise ValueError(
+                f"speculative_config: the {name} model has sliding-window attention, which a "
+                "draft model does not support yet (use method 'ngram' or 'suffix')"
+            )
+
+
+def verify_speculative_config(args: EngineArgs, parallel_config: ParallelConfig) -> None:
+    """What speculative decoding cannot be combined with yet is refused here, by name."""
+    spec = args.speculative_config
+    if spec is None:
+        return
+    if parallel_config.world_size > 1 and spec.uses_draft_model:
+        raise ValueError(
+            f"speculative_config method {spec.method!r} is not supported with "
+            "tensor_parallel_size or pipeline_parallel_size > 1 (yet): a draft model runs "
+            "on one rank; methods 'ngram' and 'suffix' work on several"
+        )
+
+
+def _cache_config(
+    args: EngineArgs,
+    model_config: ModelConfig,
+    parallel_config: ParallelConfig,
+    log: bool,
+    draft_model_config: ModelConfig | None = None,
+) -> CacheConfig:
+    """The pool's geometry; `kv_cache_memory` is each rank's (every rank holds `num_blocks`
+    blocks of its own heads and layers, and a speculative draft model's own KV of them)."""
+    block_size = args.block_size
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype] or model_config.dtype
+    max_len = model_config.max_model_len
+    kv_groups = model_kv_groups(model_config.hf_config, max_len)
+    bytes_per_block = kv_bytes_per_block(
+        model_config, block_size, cache_dtype, parallel_config, kv_groups
+    )
+    if draft_model_config is not None:
+        bytes_per_block += kv_bytes_per_block(draft_model_config, block_size, cache_dtype)
+    blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
+    if args.kv_cache_memory is None:
+        # Enough for every sequence at full length, capped: most traffic is far shorter.
+        blocks_wanted = args.max_num_seqs * blocks_per_request + 1
+        memory = min(DEFAULT_KV_CACHE_MEMORY, blocks_wanted * bytes_per_block)
+    else:
+        memory = parse_memory_size(args.kv_cache_memory)
+    num_blocks = memory // bytes_per_block
+    cache_config = CacheConfig(
+        block_size,
+        num_blocks,
+        memory,
+        # A pooling request keeps no KV after its prefill (last-token pooling could share
+        # prefixes, but mean and cls need every token's hidden state computed).
+        args.enable_prefix_caching and args.runner != "pooling",
+        cache_dtype,
+        kv_groups if kv_groups.num_groups > 1 or kv_groups.has_windows else None,
+    )
+    num_tokens = (num_blocks - 1) // kv_groups.num_groups * block_size
+    if num_blocks - 1 < blocks_per_request:
+        raise ValueError(
+            f"kv_cache_memory={memory} bytes holds {num_blocks - 1} blocks, fewer than the "
+            f"{blocks_per_request} one request of max_model_len={max_len} tokens needs; "
+            "raise kv_cache_memory or lower max_model_len"
+        )
+    if not log:
+        return cache_config
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)%s; max concurrency at "
+        "max_model_len=%d: %.2fx",
+        num_blocks - 1,
+        block_size,
+        num_tokens,
+        num_blocks * bytes_per_block / 1024**3,
+        _describe_groups(kv_groups),
+        max_len,
+        (num_blocks - 1) / blocks_per_request,
+    )
+    return cache_config

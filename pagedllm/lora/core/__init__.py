@@ -1,0 +1,1 @@
+"""LoRA's scheduler side: the adapter slots a step may use."""

@@ -1,0 +1,1 @@
+"""LoRA's runner side: resident adapters loaded into the model's slots."""

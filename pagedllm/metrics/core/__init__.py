@@ -1,0 +1,1 @@
+"""Metrics kept in the engine core: the periodic stats log."""

@@ -1,0 +1,2 @@
+"""Metrics kept in the API process: one timeline a request, Prometheus series, the dashboard's
+samples."""

@@ -1,0 +1,149 @@
+"""Faulting the CPU KV pool's pages in ahead of use, on CPU time nothing else wants.
+
+The pool comes from calloc, so its pages are mapped lazily: the first write to a block
+faults them in inside a step. On a VM that fault is the host's first touch of guest
+memory, ~0.4-0.75 GB/s here, and W1 (64 prompts x 384 tokens) touches ~1.1 GB of fresh
+blocks: 2-3 s of its ~40 (docs/performance.md, "The KV pool faulted in while the engine
+idles"). Touching the whole 4 GiB pool up front would cost ~9 s of start-up instead.
+
+So a background thread at SCHED_IDLE priority faults the pool in with
+MADV_POPULATE_WRITE, in the order a fresh pool hands out its blocks (ascending ids): 256 KB
+of every layer's K and V before the next 256 KB of any. It runs only on a core that is
+otherwise idle: the second core while the model loads, and both while a server waits for
+requests. MADV_POPULATE_WRITE never changes a page's contents, so it is safe against the
+steps' own writes to the same blocks. Where the kernel lacks it (Linux < 5.14) or the
+thread cannot be put at idle priority, nothing is faulted in ahead and the steps fault as
+before. It stops short where the machine's available memory would fall below a quarter
+of its RAM (at least 1 GiB): several engines in one machine (a test suite holds a few) or a
+pool sized beyond the RAM that is left then cost only what their steps use, and the page
+cache keeps room. PAGEDLLM_KV_PREFAULT=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from pagedllm.model.layers.onednn import available_memory_bytes
+from pagedllm.runner.huge_pages import madvise
+from pagedllm.utils import round_up
+
+logger = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Bytes of each tensor per madvise call. Calls of 2 MB slowed the model load running beside
+# them more than calls of 256 KB did (load 2.6-2.9 s against 1.1-1.7; 0.6-0.8 alone).
+CHUNK_BYTES = 256 * 1024
+MIN_AVAILABLE_SHARE, MIN_AVAILABLE_BYTES = 0.25, 2**30  # left to the rest of the machine
+_CHECK_MEMORY_EVERY_BYTES = 64 * 2**20  # /proc/meminfo is read once per this many bytes
+
+
+def prefault_enabled() -> bool:
+    return os.environ.get("PAGEDLLM_KV_PREFAULT", "1") != "0"
+
+
+def block_major_ranges(
+    tensors: Sequence[torch.Tensor], chunk_blocks: int
+) -> Iterator[tuple[int, int]]:
+    """(address, length) page ranges covering `tensors` (each [num_blocks, ...], blocks
+    outermost), `chunk_blocks` blocks of every tensor before the next blocks of any. A
+    tensor's ranges do not overlap: each starts where the one before it ended."""
+    num_blocks = tensors[0].shape[0]
+    for first in range(0, num_blocks, chunk_blocks):
+        last = min(num_blocks, first + chunk_blocks)
+        for tensor in tensors:
+            block_bytes = tensor.nbytes // num_blocks
+            start = tensor.data_ptr() + first * block_bytes
+            begin = _page_down(start) if first == 0 else _page_up(start)
+            end = _page_up(tensor.data_ptr() + last * block_bytes)
+            if end > begin:
+                yield begin, end - begin
+
+
+def _page_down(address: int) -> int:
+    return address // _PAGE_BYTES * _PAGE_BYTES
+
+
+def _page_up(address: int) -> int:
+    return round_up(address, _PAGE_BYTES)
+
+
+class KVCachePrefaulter:
+    """Owns the background thread; `stop()` ends it within one madvise call.
+    `populated_bytes` counts the bytes of the ranges populated so far."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not tensors or any(t.shape[0] != tensors[0].shape[0] for t in tensors):
+            raise ValueError("KV tensors must be non-empty and share their number of blocks")
+        block_bytes = max(t.nbytes // t.shape[0] for t in tensors)
+        self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
+        self.populated_bytes = 0
+        self.finished = threading.Event()  # set when the thread ends, for any reason
+        self._stopping = threading.Event()
+        # The thread holds the tensors, so their memory outlives any call it makes.
+        self._thread = threading.Thread(
+            target=self._run, args=(list(tensors),), name="kv-prefault", daemon=True
+        )
+
+    def start(self) -> KVCachePrefaulter:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self, tensors: list[torch.Tensor]) -> None:
+        try:
+            if not _lower_own_priority():
+                return
+            started, next_check, floor = time.perf_counter(), 0, _memory_floor_bytes()
+            for address, length in block_major_ranges(tensors, self.chunk_blocks):
+                if self._stopping.is_set():
+                    return
+                if self.populated_bytes >= next_check:
+                    if available_memory_bytes() < floor + length:
+                        logger.info(
+                            "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
+                            "that use it (available memory is low)",
+                            self.populated_bytes / 1e9,
+                        )
+                        return
+                    next_check = self.populated_bytes + _CHECK_MEMORY_EVERY_BYTES
+                error = madvise(address, length, MADV_POPULATE_WRITE)
+                if error:
+                    logger.debug("KV pool not faulted in ahead (madvise errno %d)", error)
+                    return
+                self.populated_bytes += length
+            logger.debug(
+                "KV pool faulted in: %.2f GB in %.1f s",
+                self.populated_bytes / 1e9,
+                time.perf_counter() - started,
+            )
+        finally:
+            self.finished.set()
+
+
+def _memory_floor_bytes() -> int:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        total = 0
+    return max(MIN_AVAILABLE_BYTES, int(MIN_AVAILABLE_SHARE * total))
+
+
+def _lower_own_priority() -> bool:
+    """Put the calling thread at SCHED_IDLE (Linux scheduling policies are per thread)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as error:
+        logger.debug("KV pool not faulted in ahead (no idle priority: %s)", error)
+        return False
+    return True

@@ -1,0 +1,226 @@
+"""What a `ModelRunner` runs on, built once at start-up: the paged KV pool, the model with its
+weights, kernels and attention backend, a speculative draft model with a pool of its own,
+and the decode step through torch.compile.
+
+`ModelBuilder` owns the decisions of that build (which kernels, which layout, zeroed memory
+and its prefaulting, when compiling is given up); the runner keeps what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig, KVCacheGroups, ModelConfig
+from pagedllm.model.gguf_loader import release_gguf_readers
+from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
+from pagedllm.model.layers.onednn import pack_linear_weights
+from pagedllm.model.layers.quantization import quantize_model
+from pagedllm.model.loader import ModelSource, load_weights
+from pagedllm.model.registry import resolve_model_class
+from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.kernel_selection import KernelSelection, select_kernels
+from pagedllm.ops.kv_quant import KVCache, kv_cache_entry
+from pagedllm.parallel_config import num_kv_heads_per_rank
+from pagedllm.runner.compiled_forward import CompiledDecode, compiled_batch_limit
+from pagedllm.runner.huge_pages import place_weights_on_huge_pages, release_free_heap
+from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
+from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
+
+logger = logging.getLogger(__name__)
+
+
+class BuiltModel(NamedTuple):
+    """A model with its weights, the kernels its layers run, and its attention backend."""
+
+    model: torch.nn.Module
+    kernels: KernelSelection
+    attention_backend: object
+
+
+class ModelBuilder:
+    """Builds the model and KV pool of one rank: `tp_size` tensor-parallel ranks share each
+    layer's KV heads, and this rank's pipeline stage holds `layers`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        tp_size: int,
+        layers: range,
+        kv_groups: KVCacheGroups,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.tp_size = tp_size
+        self.layers = layers
+        self.kv_groups = kv_groups
+        self.block_size = config.cache_config.block_size
+
+    # ---- the KV pool ------------------------------------------------------------------------
+    def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        """(K, V) per tensor pair; an int8 / fp8 cache's entries also hold their scales:
+        (K, V, K scale, V scale), see ops/kv_quant.py."""
+        shape, dtype = self.kv_cache_shape(num_blocks), self.config.cache_config.cache_dtype
+        return [
+            kv_cache_entry(shape, dtype, self.zeros)
+            for _ in range(self.kv_groups.num_tensor_pairs(self.layers))
+        ]
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        """One layer's K (or V) pool on this rank: its KV heads (a share, or one replicated
+        head when there are more ranks than KV heads). The pool holds one such pair per layer
+        of this rank's pipeline stage."""
+        model_config = self.config.model_config
+        num_kv_heads = num_kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
+        return (num_blocks, self.block_size, num_kv_heads, model_config.head_dim)
+
+    def start_prefault(
+        self, owner: object, tensors: list[torch.Tensor]
+    ) -> KVCachePrefaulter | None:
+        """Fault `tensors` in on idle CPU time, stopping when `owner` is collected (a dropped
+        engine's pool must be neither kept alive nor faulted in)."""
+        if self.device.type != "cpu" or not prefault_enabled():
+            return None
+        prefaulter = KVCachePrefaulter(tensors).start()
+        weakref.finalize(owner, prefaulter.stop)
+        return prefaulter
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed, not empty: padded decode batches read slots past each sequence's end, and
+        masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
+
+        On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
+        4 GiB cache costs no start-up time. A page not yet touched is faulted in by the first
+        write to its block, inside a step (5-8% of a 2,048-token prefill step); on this VM
+        that is the host's first touch of guest memory, ~0.5 GB/s on small and huge pages
+        alike, so touching the whole pool up front would take ~9 s. Instead
+        `KVCachePrefaulter` faults the pool in on idle CPU time from here on (while the
+        model loads, and while the engine waits for work), in the order blocks are handed
+        out; the pool becomes resident as it goes.
+
+        numpy advises MADV_HUGEPAGE for arrays this large (NUMPY_MADVISE_HUGEPAGE=0 turns
+        that off), so where transparent huge pages are "madvise" the pool is faulted in as
+        huge pages. Nothing here depends on it: on small pages the steady-state decode step
+        at 256 sequences measured the same (docs/performance.md, "What bounds decode
+        attention").
+        """
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        num_bytes = math.prod(shape) * dtype.itemsize
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+
+    # ---- models -----------------------------------------------------------------------------
+    def build_model(self, source: ModelSource, model_config: ModelConfig) -> BuiltModel:
+        """The target, or a speculative draft model, each with its own config."""
+        model_class = resolve_model_class(model_config.hf_config.architectures)
+        # The one decision of which kernels run; the model's layers and the sampler keep it.
+        kernels = select_kernels(
+            self.device,
+            model_config.dtype,
+            self.config.attention_backend,
+            head_dim=model_config.head_dim,
+            cache_dtype=self.config.cache_config.cache_dtype,
+        )
+        logger.debug("kernels: %s", kernels.describe())
+        attention_backend = get_attention_backend(kernels.attention)
+        with torch.device(self.device):
+            model = model_class(
+                model_config.hf_config,
+                attention_backend,
+                model_config.dtype,
+                model_config.max_model_len,
+                kernels=kernels,
+            )
+        self._load_weights(model, source, model_config)
+        return BuiltModel(model.eval(), kernels, attention_backend)
+
+    def _load_weights(
+        self, model: torch.nn.Module, source: ModelSource, model_config: ModelConfig
+    ) -> None:
+        quantization = model_config.quantization
+        # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
+        on_blocks = (
+            keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
+            if quantization == "gguf"
+            else set()
+        )
+        load_weights(
+            model,
+            source,
+            model_config.hf_config,
+            model_config.load_format,
+            seed=model_config.seed,
+            # Tensor-parallel ranks read only their shard of each safetensors tensor.
+            lazy=self.config.parallel_config.tensor_parallel_size > 1,
+            skip=frozenset(on_blocks),
+        )
+        if source.is_gguf:
+            release_gguf_readers()
+        if quantization == "int8":
+            quantize_model(model, quantization)
+        if self.device.type == "cpu":
+            pack_linear_weights(model)
+            place_weights_on_huge_pages(model)
+            release_free_heap()  # what loading and the moves above freed, back to the OS
+
+    def build_draft_model(
+        self, draft_config: ModelConfig, num_blocks: int, target_backend
+    ) -> tuple[DraftModelDrafts, list[KVCache]]:
+        """The speculative draft model's proposer, and its KV pool of the same `num_blocks`
+        blocks as the target's (block ids are shared, so copies-on-write cover both).
+        Whether its steps compile is `target_backend`'s call, as for the target's step."""
+        source = ModelSource(draft_config.model, draft_config.model.endswith(".gguf"))
+        model, _, attention_backend = self.build_model(source, draft_config)
+        shape = (num_blocks, self.block_size, draft_config.num_kv_heads, draft_config.head_dim)
+        dtype = self.config.cache_config.cache_dtype
+        pool = [kv_cache_entry(shape, dtype, self.zeros) for _ in range(draft_config.num_layers)]
+        model.bind_kv_cache(pool)
+        speculative_config = self.config.speculative_config
+        assert speculative_config is not None
+        compiled = (
+            self.compile_decode(model, target_backend, num_kv_groups=1)
+            if self.config.compile
+            else None
+        )
+        proposer = DraftModelDrafts(
+            speculative_config,
+            model,
+            attention_backend,
+            self.block_size,
+            self.config.model_config.max_model_len,
+            self.device,
+            compiled,
+        )
+        return proposer, pool
+
+    def compile_decode(
+        self, model: torch.nn.Module, attention_backend, num_kv_groups: int
+    ) -> CompiledDecode | None:
+        """The decode step of `model` (the target's; a draft model's chained steps) through
+        torch.compile, or None where it cannot be compiled."""
+        if not attention_backend.traceable:
+            # The torch backend reads the step's layout from Python lists, on which a
+            # compiled graph would specialize and recompile step after step.
+            logger.warning(
+                "compile needs attention_backend='cpu' on the CPU; decode steps stay eager"
+            )
+            return None
+        compiled = CompiledDecode(model, compiled_batch_limit(model), num_kv_groups)
+        try:
+            with torch.inference_mode():
+                compiled.warm_up(self.device)
+        except Exception as error:  # compiling is an optimization: never fail the start
+            # e.g. int8's fbgemm weights are script objects the tracer cannot follow
+            logger.warning("compile failed (%s); decode steps stay eager", _first_line(error))
+            return None
+        return compiled
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

@@ -1,0 +1,485 @@
+"""`ModelRunner`: one rank's step: turns a `SchedulerOutput` into tokens.
+
+A step applies the scheduler's updates to the persistent `InputBatch`, copies blocks
+(copy-on-write), lays the step out, runs the stage's forward and, on the sampling rank,
+hands the logits to the step's `SamplingStage`. What the runner runs on is built once by
+`ModelBuilder` (model_building.py); the debug-mode KV check is kv_integrity.py's.
+
+All scheduled tokens of a step run as one flattened batch (no padding to the longest);
+the layout (token ids, positions, slot mapping, block tables) is built with numpy from
+the persistent `InputBatch`, and logits are computed only for rows that sample.
+
+Fault isolation: a request whose own row cannot be added (its parameters raise) gets an
+inert row that runs the forward but never samples, and is reported in
+`ModelRunnerOutput.failed_requests`; the per-request sampling stages isolate their faults
+the same way (sampling_stage.py).
+
+Several ranks (`distributed/parallel_state.py` groups): each rank's KV pool holds its own
+KV heads (tensor parallel) for its stage's layers (pipeline parallel). Only the sampling
+rank (the first tensor-parallel rank of the last stage) holds the sampled tokens; the others
+write the tokens each running request runs (`CachedRequestData.token_ids`) into their
+batch before laying it out. A stage after the first receives the previous stage's
+(hidden, residual) instead of embedding token ids, a stage before the last sends its own
+on; the last stage's ranks compute logits together (only the sampling rank gets them) and
+only the sampling rank samples.
+
+Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
+benchmarks time and capture steps without patching the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig, kv_cache_groups
+from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.errors import describe_error
+from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
+from pagedllm.lora.runner.model_manager import LoRAModelManager
+from pagedllm.model.loader import ModelSource
+from pagedllm.ops.attention import AttentionLayout
+from pagedllm.parallel_config import pipeline_stage_layers
+from pagedllm.runner import kv_integrity
+from pagedllm.runner.input_batch import InputBatch, to_device
+from pagedllm.runner.kv_prefault import KVCachePrefaulter
+from pagedllm.runner.model_building import ModelBuilder
+from pagedllm.runner.pooler import Pooler
+from pagedllm.runner.sampling_stage import (
+    SamplingStage,
+    SamplingTools,
+    injected_fault_seed,
+    prompt_logprobs,
+)
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.runner.proposer import build_proposer
+from pagedllm.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+# A request whose own parameters could not be loaded still gets a row (the forward must
+# write its prompt's KV, which the prefix cache may already share), with these: it never samples.
+_INERT_PARAMS = SamplingParams()
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """One forward of a runner, as its observers see it."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: Any  # the attention backend's (a tuple of them with several KV cache groups)
+    num_scheduled_tokens: int
+    # Wall time of the forward, a pipeline stage's receive included; on an accelerator the
+    # kernels may still run after it returns.
+    seconds: float
+
+    @property
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(input_ids, positions, metadata): the forward's arguments, to run it again."""
+        return self.input_ids, self.positions, self.metadata
+
+
+ForwardObserver = Callable[[ForwardStep], None]
+
+
+class ModelRunner:
+    """Built in stages by its `Worker`: `initialize_kv_cache`, then `load_model`."""
+
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.device = device
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = model_config.vocab_size
+        # One table per KV cache group, interleaved in each row (see core/kv_cache_manager.py).
+        self.kv_groups = config.cache_config.kv_groups or kv_cache_groups(
+            [None] * model_config.num_layers
+        )
+        self.num_kv_groups = self.kv_groups.num_groups
+        max_blocks = cdiv(model_config.max_model_len, self.block_size) * self.num_kv_groups
+        self.input_batch = InputBatch(model_config.max_model_len, max_blocks, device=self.device)
+        # One (K, V) pair per layer of the stage; layers of different groups share pairs.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_cache_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A speculative draft model's own pool of the same blocks (empty without one).
+        self.draft_kv_pool: list[tuple[torch.Tensor, torch.Tensor]] = []
+        tp_group, self.pp_group = get_tp_group(), get_pp_group()
+        self.tp_size = tp_group.world_size
+        self.rank_name = (
+            f"rank {tp_group.global_rank} (tensor-parallel rank {tp_group.rank_in_group} of "
+            f"{self.tp_size}, pipeline stage {self.pp_group.rank_in_group} of "
+            f"{self.pp_group.world_size})"
+        )
+        # The rank that samples; every other rank returns an empty output.
+        self.is_sampling_rank = tp_group.is_first_rank and self.pp_group.is_last_rank
+        self.is_first_stage = self.pp_group.is_first_rank
+        self.is_last_stage = self.pp_group.is_last_rank
+        self.layers = pipeline_stage_layers(
+            model_config.num_layers, self.pp_group.world_size, self.pp_group.rank_in_group
+        )
+        self.builder = ModelBuilder(config, device, self.tp_size, self.layers, self.kv_groups)
+        self._prefaulter: KVCachePrefaulter | None = None
+        self._fault_seed = injected_fault_seed()
+        self._faulty: set[str] = set()  # requests the injected fault hits
+        self._forward_observers: list[ForwardObserver] = []
+        # Speculative decoding: what proposes each request's next tokens (None: off).
+        self.proposer = build_proposer(config.speculative_config)
+        # LoRA: the adapters and the model's LoRA layers (None: enable_lora is off).
+        self.lora_manager: LoRAModelManager | None = None
+        # KV tiers: host memory, disk, a peer instance (None: off).
+        self.kv_tiers: KVTierWorker | None = None
+        # runner="pooling": prompts become vectors, nothing is sampled (None: generate).
+        self.pooler = Pooler(config.pooler_config) if config.pooler_config is not None else None
+
+    # ---- start-up -----------------------------------------------------------------------
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged pool (K and V per layer) and start faulting its pages in."""
+        self.kv_cache_pool = self.builder.allocate_kv_cache(num_blocks)
+        slots = self.kv_groups.layer_slots(self.layers)
+        self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
+        self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
+
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the main pool, block id on dim 0: a block is row b of each."""
+        return [tensor for pair in self.kv_cache_pool for tensor in pair]
+
+    def load_model(self, source: ModelSource) -> None:
+        """Load the weights, bind the KV cache, and compile the decode step when asked."""
+        builder = self.builder
+        self.model, self.kernels, self.attention_backend = builder.build_model(
+            source, self.config.model_config
+        )
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(
+                self.model, self.config.lora_config, self.config.model_config, self.device
+            )
+        if self.num_kv_groups == 1:
+            self.model.bind_kv_cache(self.kv_caches)
+        else:
+            groups = [group for group, _ in self.kv_groups.layer_slots(self.layers).values()]
+            self.model.bind_kv_cache(self.kv_caches, groups)
+        self.sampler = Sampler(self.kernels)
+        draft_config = self.config.draft_model_config
+        if draft_config is not None:
+            num_blocks = self.kv_cache_pool[0][0].shape[0]
+            self.proposer, self.draft_kv_pool = builder.build_draft_model(
+                draft_config, num_blocks, self.attention_backend
+            )
+        # Eager with several ranks: a compiled graph traces neither the collectives of
+        # tensor parallelism nor a later pipeline stage's input from the previous stage.
+        compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
+        self.compiled_decode = (
+            builder.compile_decode(self.model, self.attention_backend, self.num_kv_groups)
+            if compile_decode
+            else None
+        )
+        tiers = self.config.kv_tier_config
+        if tiers is not None and tiers.enabled:
+            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors())
+
+    # ---- observers and checks -----------------------------------------------------------
+    def add_forward_observer(self, observer: ForwardObserver) -> None:
+        """Call `observer` after each forward of this rank, inside the step (keep it quick)."""
+        self._forward_observers.append(observer)
+
+    def remove_forward_observer(self, observer: ForwardObserver) -> None:
+        self._forward_observers.remove(observer)
+
+    @contextmanager
+    def forward_observer(self, observer: ForwardObserver) -> Iterator[None]:
+        """`observer` sees the forwards run inside the `with` block."""
+        self.add_forward_observer(observer)
+        try:
+            yield
+        finally:
+            self.remove_forward_observer(observer)
+
+    def check_kv_integrity(self, expected: KVTableCheck) -> None:
+        """Raise `KVIntegrityError` naming this rank unless its KV tensors and block tables
+        agree with the scheduler's (debug mode; see kv_integrity.py)."""
+        kv_integrity.check_kv_integrity(
+            expected,
+            self.input_batch,
+            self.kv_caches,
+            self.layers,
+            self.builder.kv_cache_shape(expected.num_blocks),
+            self.config.cache_config.cache_dtype,
+            self.rank_name,
+        )
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self._execute_model(scheduler_output)
+        if self.kv_tiers is not None:
+            if not scheduler_output.num_scheduled_tokens:  # nothing else to do: not a spin
+                self.kv_tiers.wait_for_fetches(timeout_s=0.01)
+            output.kv_transfer = self.kv_tiers.take_result()
+        return output
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        failed: dict[str, str] = {}  # request id -> what raised for it alone
+        self._update_states(scheduler_output, failed)
+        if scheduler_output.kv_check is not None:  # debug mode only
+            self.check_kv_integrity(scheduler_output.kv_check)
+        kv_ops = scheduler_output.kv_transfer
+        if self.kv_tiers is not None:  # before copies-on-write: saves read freed blocks
+            self.kv_tiers.before_forward(kv_ops)
+        self._copy_blocks(scheduler_output.blocks_to_copy)
+        if not scheduler_output.num_scheduled_tokens:
+            if self.kv_tiers is not None:
+                self.kv_tiers.after_forward(kv_ops)
+            return ModelRunnerOutput(failed_requests=failed)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array(list(scheduler_output.num_scheduled_tokens.values()))
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], dtype=np.int64)
+        input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(
+            rows, num_scheduled, num_drafts
+        )
+        uses_lora = self.lora_manager is not None and self.lora_manager.set_step(
+            req_ids, num_scheduled
+        )
+        hidden_states = self._forward(input_ids, positions, metadata, num_scheduled, uses_lora)
+        if self.kv_tiers is not None:  # the step's blocks are filled: persist and send them
+            self.kv_tiers.after_forward(kv_ops)
+        output = ModelRunnerOutput(failed_requests=failed)
+        if not self.is_last_stage:
+            self._send_to_next_stage(hidden_states)
+            return output
+        if self.pooler is not None:
+            if self.is_sampling_rank:
+                starts = self.input_batch.num_computed_tokens[rows].tolist()
+                output.pooler_output = self.pooler.pool(
+                    req_ids, starts, num_scheduled.tolist(), hidden_states
+                )
+            return output
+        prompt_logprobs(
+            output,
+            self.input_batch,
+            self.model.compute_logits,
+            req_ids,
+            rows,
+            num_scheduled,
+            hidden_states,
+        )
+        if not len(logits_indices):
+            return output
+        logits = self.model.compute_logits(hidden_states[logits_indices])
+        if not self.is_sampling_rank:  # its tensor-parallel peers gathered its shard
+            return output
+        sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
+        SamplingStage(
+            self._sampling_tools(),
+            scheduler_output,
+            output,
+            logits,
+            rows[sample_mask],
+            sample_req_ids,
+            num_drafts[sample_mask],
+        ).run()
+        if self.proposer is not None:
+            output.draft_token_ids = self.proposer.propose(
+                list(output.sampled_token_ids), self.input_batch
+            )
+        return output
+
+    def _sampling_tools(self) -> SamplingTools:
+        # Read anew each step: benchmarks and tests may wrap the sampler after start-up.
+        return SamplingTools(
+            self.input_batch,
+            self.sampler,
+            self.proposer,
+            self.kernels,
+            self.vocab_size,
+            self.device,
+            self._faulty,
+        )
+
+    def _forward(self, input_ids, positions, metadata, num_scheduled, uses_lora):
+        """`_run_model`, timed and shown to the observers when there are any."""
+        if not self._forward_observers:
+            return self._run_model(input_ids, positions, metadata, num_scheduled, uses_lora)
+        started = time.perf_counter()
+        hidden_states = self._run_model(input_ids, positions, metadata, num_scheduled, uses_lora)
+        step = ForwardStep(
+            input_ids,
+            positions,
+            metadata,
+            int(num_scheduled.sum()),
+            time.perf_counter() - started,
+        )
+        for observer in list(self._forward_observers):
+            observer(step)
+        return hidden_states
+
+    def _update_states(self, scheduler_output: SchedulerOutput, failed: dict[str, str]) -> None:
+        batch = self.input_batch
+        for request_id in scheduler_output.finished_req_ids:
+            batch.remove_request(request_id)
+            self._faulty.discard(request_id)
+            if self.proposer is not None:
+                self.proposer.remove_request(request_id)
+            if self.lora_manager is not None:
+                self.lora_manager.remove_request(request_id)
+            if self.pooler is not None:
+                self.pooler.remove_request(request_id)
+        for new in scheduler_output.scheduled_new_reqs:
+            row = self._add_request(new, failed)
+            if self.pooler is not None:
+                self.pooler.add_request(
+                    new.request_id, new.pooling_params, len(new.prompt_token_ids)
+                )
+            batch.set_blocks(row, new.block_ids, replace=True)
+            batch.num_computed_tokens[row] = new.num_computed_tokens
+            if self.proposer is not None:
+                self.proposer.add_request(new.request_id, new.prompt_token_ids)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            row = batch.row(cached.request_id)
+            batch.set_blocks(row, cached.new_block_ids, replace=cached.resumed_from_preemption)
+            batch.num_computed_tokens[row] = cached.num_computed_tokens
+            if self.proposer is not None and cached.resumed_from_preemption:
+                kept = 0 if cached.preempted else int(batch.num_blocks[row]) * self.block_size
+                self.proposer.truncate(cached.request_id, kept)
+            if cached.token_ids is not None and not self.is_sampling_rank:
+                batch.write_tokens(
+                    row,
+                    cached.num_computed_tokens,
+                    cached.token_ids,
+                    cached.resumed_from_preemption,
+                )
+        # Drafts sit after a request's tokens without counting among them.
+        for request_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = batch.row(request_id)
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(drafts)] = drafts
+
+    def _add_request(self, new, failed: dict[str, str]) -> int:
+        """The request's row; if its own parameters raise (e.g. a seed its generator refuses,
+        a forked sample's included), an inert row that runs the forward but never samples."""
+        batch = self.input_batch
+        try:
+            row = batch.add_request(
+                new.request_id,
+                new.prompt_token_ids,
+                new.sampling_params,
+                self.vocab_size,
+                new.eos_token_ids,
+                new.bad_words_token_ids,
+            )
+        except Exception as error:
+            logger.exception("Request %s: adding it to the batch failed", new.request_id)
+            failed[new.request_id] = f"adding the request failed: {describe_error(error)}"
+            batch.remove_request(new.request_id)
+            return batch.add_request(
+                new.request_id, new.prompt_token_ids, _INERT_PARAMS, self.vocab_size
+            )
+        if self._fault_seed is not None and new.sampling_params.seed == self._fault_seed:
+            self._faulty.add(new.request_id)
+        if new.lora_request is not None:
+            self._add_lora(new, failed)
+        return row
+
+    def _add_lora(self, new, failed: dict[str, str]) -> None:
+        """The request's adapter, read now if it is not loaded; one that cannot be read
+        fails this request alone (it runs on the base model until it ends)."""
+        try:
+            if self.lora_manager is None:
+                raise ValueError("this engine was started without enable_lora")
+            self.lora_manager.add_request(new.request_id, new.lora_request)
+        except Exception as error:
+            logger.exception("Request %s: loading its LoRA adapter failed", new.request_id)
+            failed[new.request_id] = f"loading the LoRA adapter failed: {describe_error(error)}"
+
+    def _prepare_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray, num_drafts):
+        batch = self.input_batch
+        num_computed = batch.num_computed_tokens[rows]
+        query_start_loc = np.concatenate(([0], np.cumsum(num_scheduled)))
+        token_req = np.repeat(np.arange(len(rows)), num_scheduled)
+        positions = (
+            num_computed[token_req] + np.arange(query_start_loc[-1]) - query_start_loc[token_req]
+        )
+        token_rows = rows[token_req]
+        input_ids = batch.token_ids[token_rows, positions]
+        seq_lens = num_computed + num_scheduled
+        sample_mask = seq_lens >= batch.num_tokens[rows]
+        num_blocks = cdiv(int(seq_lens.max()), self.block_size)
+        metadata = []
+        for group in range(self.num_kv_groups):
+            table = batch.block_table[:, group :: self.num_kv_groups]
+            layout = AttentionLayout(
+                slot_mapping=table[token_rows, positions // self.block_size] * self.block_size
+                + positions % self.block_size,
+                block_tables=table[rows, :num_blocks],
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+            )
+            # The backend builds only the metadata its forward reads.
+            metadata.append(self.attention_backend.build_metadata(layout, self.device))
+        metadata = metadata[0] if self.num_kv_groups == 1 else tuple(metadata)
+        # A sampling row's logits: its last token's, and each draft's after it.
+        ends = query_start_loc[1:][sample_mask]
+        counts = 1 + num_drafts[sample_mask]
+        logits_indices = self._tensor(
+            np.repeat(ends - counts, counts)
+            + np.arange(counts.sum())
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        )
+        return (
+            self._tensor(input_ids),
+            self._tensor(positions),
+            metadata,
+            logits_indices,
+            sample_mask,
+        )
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: a request gets its own copy of a shared block before writing it."""
+        if not copies:
+            return
+        sources = self._tensor(np.array([source for source, _ in copies]))
+        destinations = self._tensor(np.array([destination for _, destination in copies]))
+        for entry in self.kv_cache_pool + self.draft_kv_pool:
+            for tensor in entry:  # K and V, and a quantized cache's scales
+                tensor[destinations] = tensor[sources]
+
+    def _run_model(self, input_ids, positions, metadata, num_scheduled, uses_lora=False):
+        """The stage's forward: hidden states on the last stage, else (hidden, residual).
+        A step that runs LoRA adapters stays eager (the compiled graph has no LoRA)."""
+        if not self.is_first_stage:
+            return self.model(
+                input_ids,
+                positions,
+                metadata,
+                intermediate_tensors=self._recv_from_prev_stage(len(input_ids)),
+            )
+        compiled = self.compiled_decode
+        if compiled is not None and not uses_lora and compiled.applies(num_scheduled):
+            return self.compiled_decode(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata)
+
+    def _recv_from_prev_stage(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model_config = self.config.model_config
+        shape = (num_tokens, model_config.hf_config.hidden_size)
+        hidden = self.pp_group.recv(shape, model_config.dtype)
+        residual = self.pp_group.recv(shape, model_config.dtype)
+        return hidden, residual
+
+    def _send_to_next_stage(self, intermediate: tuple[torch.Tensor, torch.Tensor]) -> None:
+        hidden, residual = intermediate
+        self.pp_group.send(hidden)
+        self.pp_group.send(residual)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return to_device(array, self.device)

@@ -1,0 +1,2 @@
+"""Speculative decoding's scheduler side: lookahead slots and draft tokens in the scheduling
+loop."""

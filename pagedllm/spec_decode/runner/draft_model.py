@@ -1,0 +1,145 @@
+"""`DraftModelDrafts`: a second, cheaper model proposes each request's next tokens.
+
+The draft model has its own paged KV cache: a pool of the same blocks as the target's (same
+block ids, its own tensors), so it needs no allocation of its own. It computes its KV only
+when it proposes, catching up on each request from where its KV is valid to the request's
+last token (the whole prompt the first time, then the accepted drafts and the token after
+them) in one forward; that forward's last logits give the first draft, and
+`num_speculative_tokens - 1` chained single-token steps give the rest, writing the draft's
+KV into the lookahead slots the scheduler holds past the request's tokens. Steps that do
+not speculate (`disable_by_batch_size`) do not run the draft at all: its KV falls behind and
+is caught up later. A preempted request's blocks are new, so its draft KV starts over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.ops.attention import AttentionLayout
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.runner.proposer import Proposer
+from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
+
+if TYPE_CHECKING:
+    from pagedllm.runner.compiled_forward import CompiledDecode
+    from pagedllm.runner.input_batch import InputBatch
+
+
+class DraftModelDrafts(Proposer):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        model: torch.nn.Module,
+        attention_backend,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        compiled: CompiledDecode | None = None,
+    ) -> None:
+        super().__init__(config)
+        # The chained single-token steps through torch.compile (EngineArgs.compile).
+        self.compiled = compiled
+        self.model = model
+        self.attention_backend = attention_backend
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        # q of the drafts proposed last, for requests that sample (greedy ones have none).
+        self._probs: dict[str, torch.Tensor] = {}
+        # Request id -> how many of its leading tokens have their draft KV computed.
+        self._num_computed: dict[str, int] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self._num_computed[request_id] = 0
+
+    def remove_request(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+        self._num_computed.pop(request_id, None)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """The draft's KV of the request is valid for its first `num_tokens` at most (a
+        preempted request's is gone; a table cut back lost its tail)."""
+        if request_id in self._num_computed:
+            self._num_computed[request_id] = min(self._num_computed[request_id], num_tokens)
+
+    def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
+        self._probs.clear()
+        if not request_ids or not self.config.speculates(len(request_ids)):
+            return {}
+        rows = np.array([batch.row(r) for r in request_ids], dtype=np.int64)
+        ends = batch.num_tokens[rows]
+        starts = np.array([self._num_computed[r] for r in request_ids], dtype=np.int64)
+        temperature = self._tensor(batch.temperature[rows])
+        generators = {
+            i: batch.generators[row]
+            for i, row in enumerate(rows.tolist())
+            if row in batch.generators
+        }
+        # Catch up to each request's last token (sampled this step): the first drafts.
+        logits = self._forward_spans(batch, rows, starts, ends)
+        for request_id, end in zip(request_ids, ends.tolist(), strict=True):
+            self._num_computed[request_id] = end
+        drafts, probs = [], []
+        positions = ends
+        for step in range(self.config.num_speculative_tokens):
+            token_ids, q = draft_sample(logits, temperature, generators)
+            drafts.append(token_ids.cpu().numpy())
+            probs.append(q)
+            if step + 1 == self.config.num_speculative_tokens:
+                break
+            # Past the context nothing is verified: the last slot is rewritten instead.
+            positions = np.minimum(positions, self.max_model_len - 1)
+            logits = self._forward_spans(batch, rows, positions, positions + 1, drafts[-1])
+            positions = positions + 1
+        self._keep_probs(request_ids, probs)
+        proposals = np.stack(drafts, axis=1)
+        return dict(zip(request_ids, proposals.tolist(), strict=True))
+
+    def _forward_spans(self, batch: InputBatch, rows, starts, ends, token_ids=None):
+        """The tokens at positions [start, end) of each row through the draft (their KV
+        written): the logits at each row's last position. `token_ids`: one token per row
+        to run instead of the batch's (a draft, not yet one of the request's tokens)."""
+        counts = ends - starts
+        query_start_loc = np.concatenate(([0], np.cumsum(counts)))
+        token_row = np.repeat(np.arange(len(rows)), counts)
+        positions = starts[token_row] + np.arange(query_start_loc[-1]) - query_start_loc[token_row]
+        table = batch.block_table
+        num_blocks = int(ends.max() - 1) // self.block_size + 1
+        layout = AttentionLayout(
+            slot_mapping=table[rows[token_row], positions // self.block_size] * self.block_size
+            + positions % self.block_size,
+            block_tables=table[rows, :num_blocks],
+            query_start_loc=query_start_loc,
+            seq_lens=ends,
+        )
+        metadata = self.attention_backend.build_metadata(layout, self.device)
+        if token_ids is None:
+            token_ids = batch.token_ids[rows[token_row], positions]
+        input_ids, positions = self._tensor(token_ids), self._tensor(positions)
+        if self.compiled is not None and self.compiled.applies(counts):
+            hidden = self.compiled(input_ids, positions, metadata)
+        else:
+            hidden = self.model(input_ids, positions, metadata)
+        return self.model.compute_logits(hidden[self._tensor(query_start_loc[1:] - 1)])
+
+    def _keep_probs(self, request_ids: list[str], probs: list[torch.Tensor | None]) -> None:
+        if probs[0] is None:  # every request is greedy
+            return
+        stacked = torch.stack(probs, dim=1)  # [R, k, V]
+        for index, request_id in enumerate(request_ids):
+            self._probs[request_id] = stacked[index]
+
+    def draft_probs(
+        self, request_ids: list[str], request_drafts: list[list[int]]
+    ) -> list[torch.Tensor | None]:
+        """q of each request's drafts as scheduled (a prefix of what was proposed)."""
+        return [
+            None if (q := self._probs.get(r)) is None else q[: len(drafts)]
+            for r, drafts in zip(request_ids, request_drafts, strict=True)
+        ]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
