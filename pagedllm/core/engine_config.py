@@ -177,7 +177,7 @@ def build_engine_config(
         gguf_activation_bits=args.gguf_activation_bits,
     )
     lora_config = args.lora_config()
-    verify_lora_config(args, parallel_config, model_config)
+    verify_lora_config(args, model_config)
     draft_model_config = build_draft_model_config(args, model_config)
     cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
     scheduler_config = SchedulerConfig(
@@ -220,17 +220,12 @@ def build_engine_config(
     )
 
 
-def verify_lora_config(
-    args: EngineArgs, parallel_config: ParallelConfig, model_config: ModelConfig
-) -> None:
-    """What LoRA cannot be combined with yet is refused here, by name."""
+def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
+    """What LoRA cannot be combined with yet is refused here, by name. Tensor parallelism
+    is not: each rank applies its cut of the adapters (`lora/model/layers.py`, `RankCut`)."""
     if not args.enable_lora:
         return
     refused = [
-        (
-            parallel_config.tensor_parallel_size > 1,
-            "tensor_parallel_size > 1 (adapter weights are not sharded over ranks)",
-        ),
         (
             not hasattr(model_config.hf_config, "intermediate_size")
             or model_config.architecture not in LORA_ARCHITECTURES,

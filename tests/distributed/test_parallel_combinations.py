@@ -160,23 +160,49 @@ def test_int8_across_ranks_agrees_with_one_rank(tiny_llama, layout):
     assert agreement >= MIN_INT8_TEACHER_FORCED
 
 
-def test_lora_across_pipeline_stages_equals_one_rank(tiny_llama, tmp_path, report_ties):
-    """Each stage applies the adapters' deltas of its own layers; an adapter's modules on
-    the other stage are that stage's to load."""
+def lora_batch(directory, root) -> tuple[list[dict], list[LoRARequest | None]]:
+    """SPEC_PROMPTS under two adapters of `directory` and the base model, in turn."""
     adapters = [
-        LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, tmp_path / f"a{i}", i + 1)))
+        LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(directory, root / f"a{i}", i + 1)))
         for i in range(2)
     ]
     loras = [adapters[i % 3] if i % 3 < 2 else None for i in range(len(SPEC_PROMPTS))]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    batch = [{"prompt_token_ids": prompt} for prompt in SPEC_PROMPTS]
+    return [{"prompt_token_ids": prompt} for prompt in SPEC_PROMPTS], loras
 
-    def generate(llm) -> list:
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        ("LlamaForCausalLM", LAYOUTS["pp2"]),
+        ("LlamaForCausalLM", LAYOUTS["tp2"]),
+        # q/k/v biases, and one KV head that both ranks hold (each keeps its rows of B).
+        ("Qwen2ForCausalLM:kv1-vocab509", LAYOUTS["tp2"]),
+        ("LlamaForCausalLM", LAYOUTS["tp2"] | LAYOUTS["pp2"]),  # 4 ranks share 2 cores
+    ],
+    ids=["llama-pp2", "llama-tp2", "qwen2-kv1-tp2", "llama-tp2xpp2"],
+)
+def test_lora_across_ranks_equals_one_rank(
+    tiny_model_factory, tmp_path, report_ties, model, layout
+):
+    """Each stage applies the adapters' deltas of its own layers (an adapter's modules on
+    the other stage are that stage's to load); each tensor-parallel rank applies its cut of
+    them: column-parallel layers their rows of B, row-parallel ones their columns of A, the
+    deltas joining the partial sums before the all-reduce."""
+    directory = tiny_model_factory(model)
+    batch, loras = lora_batch(directory, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    def generate(llm, loras=loras) -> list:
         outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
         return [output.outputs[0] for output in outputs]
 
-    expected = generate(budget_llm(tiny_llama, enable_lora=True, max_loras=2))
-    llm = budget_llm(tiny_llama, enable_lora=True, max_loras=2, pipeline_parallel_size=2)
+    one_rank = budget_llm(directory, enable_lora=True, max_loras=2)
+    expected = generate(one_rank)
+    # The adapters change the tokens: equal ones show their deltas applied on every rank.
+    base = generate(one_rank, loras=None)
+    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
+    assert changed == [lora is not None for lora in loras]
+    llm = budget_llm(directory, enable_lora=True, max_loras=2, **layout)
     try:
         actual = generate(llm)
         assert llm.get_stats().num_preemptions > 0

@@ -2,8 +2,9 @@
 Transformers + PEFT on the merged model for every adapter, in one mixed batch of four
 adapters and the base model, under chunked prefill and preemption, with tenants under the
 fair policy, and equal each request run alone; the prefix cache never shares KV between
-adapters; `max_loras` bounds the adapters of every step; every block returns to the pool
-(PAGEDLLM_DEBUG checks every step, tests/conftest.py)."""
+adapters; `max_loras` bounds the adapters of every step; two tensor-parallel ranks give
+PEFT's tokens too; every block returns to the pool (PAGEDLLM_DEBUG checks every step,
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -319,10 +320,19 @@ def test_compiled_decode_runs_steps_without_adapters(tiny_llama, tmp_path, repor
     report_ties(ties, len(references))
 
 
+@pytest.mark.slow  # two worker processes
 @pytest.mark.parametrize("setup", ["LlamaForCausalLM"], indirect=True)  # one suffices
-def test_combinations_not_built_yet_are_refused_by_name(setup):
-    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel"):
-        engine(setup, tensor_parallel_size=2)
+def test_tensor_parallel_ranks_equal_peft(setup, report_ties):
+    """Two ranks, each with its cut of the four adapters (rows of B in q/k/v and gate/up,
+    columns of A in o and down), in the mixed batch with the base model: PEFT's tokens."""
+    llm = engine(setup, tensor_parallel_size=2)
+    try:
+        prompts, loras, references = mixed_batch(setup)
+        outputs = generate(llm, prompts, loras)
+        assert_pool_whole(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert_peft_tokens(outputs, references, report_ties)
 
 
 @pytest.mark.slow

@@ -14,6 +14,14 @@ of evenly used slots (decodes of many adapters) are gathered into one [slots, ro
 and go through two batched matmuls for all adapters at once (BGMV); otherwise the tokens are
 gathered sorted by slot and each slot's rows run as one matmul pair (SGMV). Tokens without
 an adapter are never touched, and a step without any adapter skips the layer's LoRA work.
+
+With tensor parallelism each rank applies its cut of every adapter (`RankCut`), cut as the
+base weights are (`model/layers/parallel_linear.py`): a column-parallel projection (q/k/v,
+gate/up) keeps each shard's rows of B that its output slice holds (q heads, its KV heads,
+replicated ones included) and all of A; a row-parallel one (o, down) keeps A's columns of
+its input slice and all of B, and its delta joins the rank's partial product before the
+base's all-reduce. Adapters arrive whole (the same file on every rank) and are cut as they
+take a slot.
 """
 
 from __future__ import annotations
@@ -133,6 +141,19 @@ class LoRAState:
         self.step: LoRAStep | None = None
 
 
+@dataclass(frozen=True)
+class RankCut:
+    """The part of an adapter's full weights this rank's projection applies (with one rank,
+    all of them): `b_rows`, per output shard, the first row of the checkpoint's B that its
+    output slice starts at; `a_start`, the first of A's columns (input features) it holds;
+    `partial`: its base is row-parallel over several ranks, and the delta goes into the
+    rank's partial product, before the all-reduce."""
+
+    b_rows: dict[str | None, int]
+    a_start: int = 0
+    partial: bool = False
+
+
 class LoRALinear(nn.Module):
     """`base` (any projection: its output is [tokens, out]) plus the step's LoRA deltas."""
 
@@ -146,11 +167,13 @@ class LoRALinear(nn.Module):
         state: LoRAState,
         dtype: torch.dtype,
         device: torch.device,
+        cut: RankCut | None = None,
     ) -> None:
         super().__init__()
         self.base = base
         self.in_features = in_features
         self.slices = slices  # shard id -> its output columns (None: the whole output)
+        self.cut = cut or RankCut(dict.fromkeys(slices, 0))
         self.max_rank = max_rank
         self.state = state
         out_features = max(s.stop for s in slices.values())
@@ -177,18 +200,29 @@ class LoRALinear(nn.Module):
         self.lora_b[slot].zero_()
 
     def set_slice(self, slot: int, shard: str | None, lora_a: torch.Tensor, lora_b: torch.Tensor):
-        """Write one shard's A [rank, in] and scaled B [out, rank] into `slot`."""
+        """Write this rank's cut of one shard's full A [rank, in] and scaled B [out, rank]
+        into `slot`."""
         rank = lora_a.shape[0]
         offset = self.shard_index(shard) * self.max_rank
+        columns = self.slices[shard]
+        lora_a = lora_a.narrow(1, self.cut.a_start, self.in_features)
+        lora_b = lora_b.narrow(0, self.cut.b_rows[shard], columns.stop - columns.start)
         self.lora_a[slot, :, offset : offset + rank] = lora_a.T
-        self.lora_b[slot, offset : offset + rank, self.slices[shard]] = lora_b.T
+        self.lora_b[slot, offset : offset + rank, columns] = lora_b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = self.base(x)
         step = self.state.step
         if step is None:
-            return output
-        return apply_lora(self, output, x.reshape(-1, self.in_features), step)
+            return self.base(x)
+        rows = x.reshape(-1, self.in_features)
+        if not self.cut.partial:
+            return apply_lora(self, self.base(x), rows, step)
+        # Row-parallel: x_r A_r^T B^T joins this rank's partial product, and the base's one
+        # all-reduce sums the deltas with the products (the delta is linear in x, so the sum
+        # over ranks is x A^T B^T). All-reducing the shrunk x A^T instead would cost a
+        # collective of its own per layer, dearer on CPU than the small matmuls it saves.
+        partial = self.base.partial_forward(x)
+        return self.base.reduce_partial(apply_lora(self, partial, rows, step))
 
 
 def apply_lora(layer: LoRALinear, output: torch.Tensor, x: torch.Tensor, step: LoRAStep):
@@ -253,9 +287,11 @@ def wrap_lora_modules(
     state: LoRAState,
     dtype: torch.dtype,
     device: torch.device,
+    tp_size: int = 1,
 ) -> dict[str, LoRALinear]:
     """Replace each decoder layer's projections with a `LoRALinear` around it; returns them
-    by module name (model.layers.3.self_attn.qkv_proj)."""
+    by module name (model.layers.3.self_attn.qkv_proj). `tp_size`: the tensor-parallel
+    ranks the projections are split over (each wrapper applies its rank's cut)."""
     targets = [
         (name, module)
         for name, module in model.named_modules()
@@ -269,12 +305,32 @@ def wrap_lora_modules(
         out_features, in_features = shape
         shard_slices = getattr(module, "shard_slices", None) or {None: slice(0, out_features)}
         parent_name, _, child = name.rpartition(".")
+        cut = rank_cut(name, module, list(shard_slices), in_features, tp_size)
         layer = LoRALinear(
-            module, in_features, dict(shard_slices), max_loras, max_rank, state, dtype, device
+            module, in_features, dict(shard_slices), max_loras, max_rank, state, dtype, device, cut
         )
         setattr(model.get_submodule(parent_name), child, layer)
         wrapped[name] = layer
     return wrapped
+
+
+def rank_cut(
+    name: str, module: nn.Module, shards: list[str | None], in_features: int, tp_size: int
+) -> RankCut:
+    """How this rank cuts adapters for `module`, read from how its base weight was cut: a
+    column-parallel layer's `shard_sources` (its rows of each shard in the checkpoint), a
+    row-parallel one's rank (its slice of the input features)."""
+    sources = getattr(module, "shard_sources", None)
+    if sources is not None:
+        return RankCut({shard: sources[shard][0] for shard in shards})
+    if getattr(module, "tp_size", 1) > 1 and hasattr(module, "partial_forward"):
+        return RankCut({None: 0}, module.tp_rank * in_features, partial=True)
+    if tp_size > 1:  # a layer whose split is unknown here: refused, never applied wrong
+        raise ValueError(
+            f"LoRA cannot cut adapters for {name} ({type(module).__name__}) over "
+            f"tensor_parallel_size {tp_size}: it carries no tensor-parallel layout"
+        )
+    return RankCut(dict.fromkeys(shards, 0))
 
 
 def _projection_shape(module: nn.Module) -> tuple[int, int] | None:

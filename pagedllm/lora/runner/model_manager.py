@@ -6,6 +6,10 @@ uses). Each step names at most `max_loras` adapters (the scheduler sees to it); 
 slot in every `LoRALinear`, an adapter already resident keeps its own, and a new one takes
 a free slot or the one least recently used. The step's layout then goes to every layer
 through their shared `LoRAState`.
+
+Every rank runs its own manager on the same scheduler outputs, so each reads the adapters a
+step names and gives them the same slots: pipeline stages load their own layers' modules,
+tensor-parallel ranks their cut of each (`lora/model/layers.py`, `RankCut`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.model.layers import LoRAState, LoRAStep, lora_target, wrap_lora_modules
 from pagedllm.lora.peft import LoRAAdapter, LoRAAdapterError, projection_shapes, read_adapter
@@ -40,7 +45,13 @@ class LoRAModelManager:
         self.config = config
         self.state = LoRAState()
         self.layers = wrap_lora_modules(
-            model, config.max_loras, config.max_lora_rank, self.state, model_config.dtype, device
+            model,
+            config.max_loras,
+            config.max_lora_rank,
+            self.state,
+            model_config.dtype,
+            device,
+            get_tp_group().world_size,
         )
         # Pipeline parallel: decoder layers another stage runs (it applies their deltas).
         self._other_stages = {

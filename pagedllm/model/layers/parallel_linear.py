@@ -200,8 +200,16 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = fused.linear(
+        return self.reduce_partial(self.partial_forward(x))
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product x_r W_r^T, before the all-reduce and the bias (a LoRA
+        layer adds its own rank's delta to it first)."""
+        return fused.linear(
             x, self.weight, None, self.kernels, self.packed_weight, self.packed_fp32_weight
         )
+
+    def reduce_partial(self, out: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial products summed, then the bias added once."""
         out = self.tp_group.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)

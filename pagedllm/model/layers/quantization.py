@@ -136,6 +136,8 @@ class Int8MergedLinear(SplitOutputs, Int8Linear):
         assert isinstance(linear, MergedLinear)
         layer = cls(linear.weight, linear.bias, linear.output_sizes)
         layer.shard_slices = dict(linear.shard_slices)  # LoRA adapters address its shards
+        if hasattr(linear, "shard_sources"):  # and cut their B as its tensor-parallel rows
+            layer.shard_sources = dict(linear.shard_sources)
         return layer
 
 
@@ -146,6 +148,7 @@ class Int8RowParallelLinear(Int8Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp_group) -> None:
         super().__init__(weight, bias)
         self.tp_group = tp_group
+        self.tp_rank, self.tp_size = tp_group.rank_in_group, tp_group.world_size
 
     @classmethod
     def from_float(cls, linear: Linear) -> Int8RowParallelLinear:
@@ -153,7 +156,14 @@ class Int8RowParallelLinear(Int8Linear):
         return cls(linear.weight, linear.bias, linear.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp_group.all_reduce(self._matmul(x))
+        return self.reduce_partial(self.partial_forward(x))
+
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the all-reduce (as `RowParallelLinear`'s)."""
+        return self._matmul(x)
+
+    def reduce_partial(self, out: torch.Tensor) -> torch.Tensor:
+        out = self.tp_group.all_reduce(out)
         return out if self.bias is None else out.add_(self.bias)
 
 
