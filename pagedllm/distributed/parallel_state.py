@@ -12,12 +12,16 @@ With nothing initialized (the `uni` executor) `get_tp_group()` and `get_pp_group
 one-rank groups whose collectives are the identity, so model code calls them
 unconditionally; the model's layers also read `world_size` once, at construction, and skip
 the calls entirely when it is 1, so the single-rank forward is exactly what it was.
+`single_rank_groups()` gives the same one-rank view for a while in an initialized rank
+(a model built whole on one rank, such as a speculative draft model).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -269,6 +273,21 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     """This rank's pipeline group (one rank when nothing was initialized)."""
     return _PP or _SINGLE
+
+
+@contextmanager
+def single_rank_groups() -> Iterator[None]:
+    """Inside the block `get_tp_group()` and `get_pp_group()` are one-rank groups: a model
+    built here is whole (every head, layer and vocabulary row) and calls no collective,
+    since its layers read their groups at construction. A speculative draft model is built
+    so on the sampling rank alone while its peers run the sharded target."""
+    global _TP, _PP
+    saved = _TP, _PP
+    _TP = _PP = None
+    try:
+        yield
+    finally:
+        _TP, _PP = saved
 
 
 def model_parallel_is_initialized() -> bool:

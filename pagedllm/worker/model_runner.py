@@ -21,7 +21,9 @@ write the tokens each running request runs (`CachedRequestData.token_ids`) into 
 batch before laying it out. A stage after the first receives the previous stage's
 (hidden, residual) instead of embedding token ids, a stage before the last sends its own
 on; the last stage's ranks compute logits together (only the sampling rank gets them) and
-only the sampling rank samples.
+only the sampling rank samples. It alone proposes speculative drafts: a draft model is
+loaded there only, whole (model_building.py), with its own KV of every layer and head, and
+reads the full token history the sampling rank's batch holds.
 
 Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
 benchmarks time and capture steps without patching the runner.
@@ -170,7 +172,9 @@ class ModelRunner:
             self.model.bind_kv_cache(self.kv_caches, groups)
         self.sampler = Sampler(self.kernels)
         draft_config = self.config.draft_model_config
-        if draft_config is not None:
+        # Drafts are proposed where tokens are sampled and verified; the other ranks run the
+        # verification step's rows from the scheduler's token ids, as with ngram.
+        if draft_config is not None and self.is_sampling_rank:
             num_blocks = self.kv_cache_pool[0][0].shape[0]
             self.proposer, self.draft_kv_pool = builder.build_draft_model(
                 draft_config, num_blocks, self.attention_backend

@@ -86,6 +86,38 @@ def test_speculation_across_ranks_equals_one_rank(
 
 
 @pytest.mark.parametrize(
+    ("drafter", "layout"),
+    [(d, layout) for d in ("self", "qwen2") for layout in LAYOUTS] + [("self_quantized", "tp2")],
+)
+def test_draft_model_across_ranks_equals_one_rank(
+    tiny_llama, tiny_model_factory, plain_one_rank, report_ties, layout, drafter
+):
+    """The draft runs whole on the sampling rank (its own KV of all its layers and heads,
+    from that rank's full token history); the target's ranks verify as with ngram. The
+    target as its own draft has every draft accepted (the whole draft computes what the
+    ranks compute together); another architecture's are rejected, so the draft's KV is cut
+    back; all under preemption."""
+    draft = tiny_llama if drafter != "qwen2" else tiny_model_factory("Qwen2ForCausalLM")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    if drafter == "self_quantized":  # the target's own weights, whole and int8
+        spec = {"method": "self_quantized", "quantization": "int8", "num_speculative_tokens": 3}
+    llm = budget_llm(tiny_llama, draft, speculative_config=spec, **LAYOUTS[layout])
+    try:
+        actual = greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS)
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0
+        counts = stats.spec_decode
+        assert counts.num_drafts > 0
+        if drafter == "self":
+            assert counts.num_accepted_tokens == counts.num_draft_tokens
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(plain_one_rank, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+
+
+@pytest.mark.parametrize(
     ("tiers", "layout"),
     [({"kv_offload_memory": "1MiB"}, "tp2"), ({"preemption_mode": "swap"}, "pp2")],
     ids=["offload-tp2", "swap-pp2"],
