@@ -115,6 +115,15 @@ class GroupCoordinator:
         dist.gather(tensor, parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_object(self, value: object) -> list[object]:
+        """Every rank's picklable `value`, in rank order, on every rank (through the CPU
+        group: small bookkeeping, not tensors)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.cpu_group)
+        return values
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """`src`'s tensor on every rank (in place into `tensor`, which must be contiguous)."""
         if self.world_size > 1:

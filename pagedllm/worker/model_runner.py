@@ -43,7 +43,7 @@ import torch
 
 from pagedllm.config import EngineConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from pagedllm.errors import describe_error
 from pagedllm.kv_transfer.tier_worker import KVTierWorker
 from pagedllm.lora.model_manager import LoRAModelManager
@@ -189,7 +189,8 @@ class ModelRunner:
         )
         tiers = self.config.kv_tier_config
         if tiers is not None and tiers.enabled:
-            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors())
+            # Every rank moves its own bytes; disk reads are agreed on over all ranks.
+            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
 
     # ---- observers and checks -----------------------------------------------------------
     def add_forward_observer(self, observer: ForwardObserver) -> None:
