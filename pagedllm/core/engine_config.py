@@ -189,7 +189,6 @@ def build_engine_config(
         max_loras=lora_config.max_loras if lora_config is not None else None,
     )
     check_attention_backend(args.attention_backend)
-    verify_speculative_config(args, parallel_config)
     kv_tier_config = build_kv_tier_config(
         args,
         model_config,
@@ -299,19 +298,6 @@ def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str)
             )
 
 
-def verify_speculative_config(args: EngineArgs, parallel_config: ParallelConfig) -> None:
-    """What speculative decoding cannot be combined with yet is refused here, by name."""
-    spec = args.speculative_config
-    if spec is None:
-        return
-    if parallel_config.world_size > 1 and spec.uses_draft_model:
-        raise ValueError(
-            f"speculative_config method {spec.method!r} is not supported with "
-            "tensor_parallel_size or pipeline_parallel_size > 1 (yet): a draft model runs "
-            "on one rank; methods 'ngram' and 'suffix' work on several"
-        )
-
-
 def _cache_config(
     args: EngineArgs,
     model_config: ModelConfig,
@@ -320,7 +306,8 @@ def _cache_config(
     draft_model_config: ModelConfig | None = None,
 ) -> CacheConfig:
     """The pool's geometry; `kv_cache_memory` is each rank's (every rank holds `num_blocks`
-    blocks of its own heads and layers, and a speculative draft model's own KV of them)."""
+    blocks of its own heads and layers; the sampling rank also holds a speculative draft
+    model's KV of them, of all its heads and layers, and every rank is sized for that one)."""
     block_size = args.block_size
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -331,6 +318,7 @@ def _cache_config(
         model_config, block_size, cache_dtype, parallel_config, kv_groups
     )
     if draft_model_config is not None:
+        # The draft runs whole on the sampling rank: its KV is not split over the ranks.
         bytes_per_block += kv_bytes_per_block(draft_model_config, block_size, cache_dtype)
     blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
     if args.kv_cache_memory is None:

@@ -102,8 +102,8 @@ class EngineCore:
         groups = self.config.cache_config.kv_groups
         disk_keys: set[str] = set()
         if tiers.disk_dir is not None:
-            disk_keys = disk_layout.scan_keys(
-                disk_layout.namespace_dir(tiers.disk_dir, tiers.identity)
+            disk_keys = disk_layout.scan_all_ranks(
+                tiers.disk_dir, tiers.identity, self.config.parallel_config.world_size
             )
             logger.info("KV disk tier: %d blocks on disk", len(disk_keys))
         return KVTierManager(

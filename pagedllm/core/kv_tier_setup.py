@@ -3,7 +3,8 @@
 
 A block's bytes mean something only for one model, cache dtype, block size and layout;
 `cache_identity` digests those, and the disk tier keys its folder by it and a peer refuses
-blocks of another.
+blocks of another. With several ranks the layout includes how the model is split (each rank
+keeps its own share of a block in files of its own: disk_layout.py).
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ def build_kv_tier_config(
         return None
     refused = [
         (
-            parallel_config.world_size > 1
-            and (args.kv_offload_dir is not None or args.kv_transfer_config is not None),
-            "kv_offload_dir or kv_transfer_config with tensor_parallel_size or "
-            "pipeline_parallel_size > 1 (each rank's blocks would need files and links of "
-            "their own; host memory and swap work)",
+            parallel_config.world_size > 1 and args.kv_transfer_config is not None,
+            "kv_transfer_config with tensor_parallel_size or pipeline_parallel_size > 1 (each "
+            "rank's blocks would need a link of its own; host memory, swap and the disk tier "
+            "work)",
         ),
         (
             args.speculative_config is not None and args.speculative_config.uses_draft_model,
@@ -91,7 +91,8 @@ def cache_identity(
     model_config: ModelConfig, cache_config: CacheConfig, parallel_config: ParallelConfig
 ) -> str:
     """A digest of what a KV block's bytes depend on: the weights (a fingerprint of the
-    files), the model and cache dtypes, the block size and the cache's layout."""
+    files), the model and cache dtypes, the block size and the cache's layout (with several
+    ranks, the tensor and pipeline split)."""
     groups = cache_config.kv_groups
     described = {
         "version": FORMAT_VERSION,
@@ -108,6 +109,11 @@ def cache_identity(
         "head_dim": model_config.head_dim,
         "groups": repr(groups) if groups is not None else None,
     }
+    if parallel_config.world_size > 1:
+        # Each rank's share of a block depends on the split; one rank's identity is kept as
+        # it was, so a one-rank disk tier written before stays valid.
+        described["tensor_parallel_size"] = parallel_config.tensor_parallel_size
+        described["pipeline_parallel_size"] = parallel_config.pipeline_parallel_size
     text = json.dumps(described, sort_keys=True).encode()
     return hashlib.sha256(text).hexdigest()[:32]
 

@@ -12,12 +12,16 @@ With nothing initialized (the `uni` executor) `get_tp_group()` and `get_pp_group
 one-rank groups whose collectives are the identity, so model code calls them
 unconditionally; the model's layers also read `world_size` once, at construction, and skip
 the calls entirely when it is 1, so the single-rank forward is exactly what it was.
+`single_rank_groups()` gives the same one-rank view for a while in an initialized rank
+(a model built whole on one rank, such as a speculative draft model).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -110,6 +114,15 @@ class GroupCoordinator:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.gather(tensor, parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim)
+
+    def all_gather_object(self, value: object) -> list[object]:
+        """Every rank's picklable `value`, in rank order, on every rank (through the CPU
+        group: small bookkeeping, not tensors)."""
+        if self.world_size == 1:
+            return [value]
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.cpu_group)
+        return values
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """`src`'s tensor on every rank (in place into `tensor`, which must be contiguous)."""
@@ -269,6 +282,21 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     """This rank's pipeline group (one rank when nothing was initialized)."""
     return _PP or _SINGLE
+
+
+@contextmanager
+def single_rank_groups() -> Iterator[None]:
+    """Inside the block `get_tp_group()` and `get_pp_group()` are one-rank groups: a model
+    built here is whole (every head, layer and vocabulary row) and calls no collective,
+    since its layers read their groups at construction. A speculative draft model is built
+    so on the sampling rank alone while its peers run the sharded target."""
+    global _TP, _PP
+    saved = _TP, _PP
+    _TP = _PP = None
+    try:
+        yield
+    finally:
+        _TP, _PP = saved
 
 
 def model_parallel_is_initialized() -> bool:

@@ -10,6 +10,11 @@ where the header names the identity, the key, the block's token ids, the payload
 and its SHA-256. A file is written under a temporary name and renamed, so a reader sees a
 whole file or none; a torn, foreign or altered file fails its checks and is never loaded.
 
+Several ranks (tensor or pipeline parallel) each hold their own heads' or layers' bytes of a
+block: each writes and reads its own files, in its own subfolder `<identity>/rank<r>/`, and
+its files' headers name the rank (`rank_identity`), so a file in another rank's folder fails
+its checks. A block is on disk when every rank's file of it is (`scan_all_ranks`).
+
 The folder is not trusted: no link is followed (a subfolder or block file that is a
 symbolic link is refused, the temporary file is new, created with O_EXCL), a block file is
 read only if it is a regular file of exactly the size its key's header and payload make, and
@@ -46,6 +51,24 @@ class BlockFileError(ValueError):
 
 def namespace_dir(disk_dir: str | os.PathLike, identity: str) -> Path:
     return Path(disk_dir) / identity
+
+
+def rank_namespace(disk_dir: str | os.PathLike, identity: str, rank: int, world_size: int) -> Path:
+    """The folder of rank `rank`'s block files: the identity's folder itself for one rank
+    (as before ranks had folders: a one-rank cache stays readable), else its subfolder."""
+    namespace = namespace_dir(disk_dir, identity)
+    return namespace if world_size == 1 else namespace / f"rank{rank}"
+
+
+def rank_identity(identity: str, rank: int, world_size: int) -> str:
+    """What rank `rank`'s block file headers name: the identity, with the rank if several."""
+    return identity if world_size == 1 else f"{identity}/rank{rank}"
+
+
+def scan_all_ranks(disk_dir: str | os.PathLike, identity: str, world_size: int) -> set[str]:
+    """Keys whose block files every rank has (a block is loaded only whole)."""
+    folders = [rank_namespace(disk_dir, identity, r, world_size) for r in range(world_size)]
+    return set.intersection(*(scan_keys(folder) for folder in folders))
 
 
 def block_path(namespace: Path, key: str) -> Path:

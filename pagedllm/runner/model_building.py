@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, KVCacheGroups, ModelConfig
+from pagedllm.distributed.parallel_state import get_tp_group, single_rank_groups
 from pagedllm.model.gguf_loader import release_gguf_readers
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.onednn import pack_linear_weights
@@ -156,8 +157,9 @@ class ModelBuilder:
             model_config.hf_config,
             model_config.load_format,
             seed=model_config.seed,
-            # Tensor-parallel ranks read only their shard of each safetensors tensor.
-            lazy=self.config.parallel_config.tensor_parallel_size > 1,
+            # Tensor-parallel ranks read only their shard of each safetensors tensor (a model
+            # built whole under `single_rank_groups` reads all of it).
+            lazy=get_tp_group().world_size > 1,
             skip=frozenset(on_blocks),
         )
         if source.is_gguf:
@@ -174,9 +176,14 @@ class ModelBuilder:
     ) -> tuple[DraftModelDrafts, list[KVCache]]:
         """The speculative draft model's proposer, and its KV pool of the same `num_blocks`
         blocks as the target's (block ids are shared, so copies-on-write cover both).
-        Whether its steps compile is `target_backend`'s call, as for the target's step."""
+        Whether its steps compile is `target_backend`'s call, as for the target's step.
+
+        The draft is built whole, every head and layer, even on a rank of several: only the
+        sampling rank runs it, between steps, so it must call no collective its peers would
+        wait in (and a small draft gains nothing from being split)."""
         source = ModelSource(draft_config.model, draft_config.model.endswith(".gguf"))
-        model, _, attention_backend = self.build_model(source, draft_config)
+        with single_rank_groups():
+            model, _, attention_backend = self.build_model(source, draft_config)
         shape = (num_blocks, self.block_size, draft_config.num_kv_heads, draft_config.head_dim)
         dtype = self.config.cache_config.cache_dtype
         pool = [kv_cache_entry(shape, dtype, self.zeros) for _ in range(draft_config.num_layers)]

@@ -21,7 +21,9 @@ write the tokens each running request runs (`CachedRequestData.token_ids`) into 
 batch before laying it out. A stage after the first receives the previous stage's
 (hidden, residual) instead of embedding token ids, a stage before the last sends its own
 on; the last stage's ranks compute logits together (only the sampling rank gets them) and
-only the sampling rank samples.
+only the sampling rank samples. It alone proposes speculative drafts: a draft model is
+loaded there only, whole (model_building.py), with its own KV of every layer and head, and
+reads the full token history the sampling rank's batch holds.
 
 Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
 benchmarks time and capture steps without patching the runner.
@@ -41,7 +43,7 @@ import torch
 
 from pagedllm.config import EngineConfig, kv_cache_groups
 from pagedllm.core.scheduler_output import KVTableCheck, ModelRunnerOutput, SchedulerOutput
-from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from pagedllm.errors import describe_error
 from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
 from pagedllm.lora.runner.model_manager import LoRAModelManager
@@ -170,7 +172,9 @@ class ModelRunner:
             self.model.bind_kv_cache(self.kv_caches, groups)
         self.sampler = Sampler(self.kernels)
         draft_config = self.config.draft_model_config
-        if draft_config is not None:
+        # Drafts are proposed where tokens are sampled and verified; the other ranks run the
+        # verification step's rows from the scheduler's token ids, as with ngram.
+        if draft_config is not None and self.is_sampling_rank:
             num_blocks = self.kv_cache_pool[0][0].shape[0]
             self.proposer, self.draft_kv_pool = builder.build_draft_model(
                 draft_config, num_blocks, self.attention_backend
@@ -185,7 +189,8 @@ class ModelRunner:
         )
         tiers = self.config.kv_tier_config
         if tiers is not None and tiers.enabled:
-            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors())
+            # Every rank moves its own bytes; disk reads are agreed on over all ranks.
+            self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
 
     # ---- observers and checks -----------------------------------------------------------
     def add_forward_observer(self, observer: ForwardObserver) -> None:

@@ -33,17 +33,21 @@ def kv_cache_memory(directory, tp: int, pp: int) -> int:
     return NUM_BLOCKS * BLOCK_SIZE * 2 * layers * kv_heads * head_dim * 4  # K and V, fp32
 
 
-def budget_llm(directory, **parallel) -> LLM:
+def budget_llm(directory, draft_directory=None, **parallel) -> LLM:
     """An `LLM` whose small budgets make prompts prefill in chunks and whose pool (the same
-    number of blocks in every layout) forces preemption."""
+    number of blocks in every layout) forces preemption. `draft_directory`: a speculative
+    draft model's, whose whole KV every rank's budget holds beside its share."""
     tp = parallel.get("tensor_parallel_size", 1)
     pp = parallel.get("pipeline_parallel_size", 1)
+    memory = kv_cache_memory(directory, tp, pp)
+    if draft_directory is not None:
+        memory += kv_cache_memory(draft_directory, 1, 1)
     return LLM(
         str(directory),
         max_model_len=128,
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=32,
-        kv_cache_memory=kv_cache_memory(directory, tp, pp),
+        kv_cache_memory=memory,
         **parallel,
     )
 

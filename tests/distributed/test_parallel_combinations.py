@@ -10,9 +10,12 @@ from gguf import GGMLQuantizationType as GGML
 from gguf_writer import tiny_model, write_model_gguf
 from lora_utils import make_peft_adapter
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
-from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+from parallel_greedy import BLOCK_SIZE, MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.core import hashing
+from pagedllm.kv_transfer import disk_layout
+from pagedllm.kv_transfer.ops import block_key
 from pagedllm.sampling_params import StructuredOutputsParams
 
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
@@ -86,6 +89,38 @@ def test_speculation_across_ranks_equals_one_rank(
 
 
 @pytest.mark.parametrize(
+    ("drafter", "layout"),
+    [(d, layout) for d in ("self", "qwen2") for layout in LAYOUTS] + [("self_quantized", "tp2")],
+)
+def test_draft_model_across_ranks_equals_one_rank(
+    tiny_llama, tiny_model_factory, plain_one_rank, report_ties, layout, drafter
+):
+    """The draft runs whole on the sampling rank (its own KV of all its layers and heads,
+    from that rank's full token history); the target's ranks verify as with ngram. The
+    target as its own draft has every draft accepted (the whole draft computes what the
+    ranks compute together); another architecture's are rejected, so the draft's KV is cut
+    back; all under preemption."""
+    draft = tiny_llama if drafter != "qwen2" else tiny_model_factory("Qwen2ForCausalLM")
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    if drafter == "self_quantized":  # the target's own weights, whole and int8
+        spec = {"method": "self_quantized", "quantization": "int8", "num_speculative_tokens": 3}
+    llm = budget_llm(tiny_llama, draft, speculative_config=spec, **LAYOUTS[layout])
+    try:
+        actual = greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS)
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0
+        counts = stats.spec_decode
+        assert counts.num_drafts > 0
+        if drafter == "self":
+            assert counts.num_accepted_tokens == counts.num_draft_tokens
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(plain_one_rank, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+
+
+@pytest.mark.parametrize(
     ("tiers", "layout"),
     [({"kv_offload_memory": "1MiB"}, "tp2"), ({"preemption_mode": "swap"}, "pp2")],
     ids=["offload-tp2", "swap-pp2"],
@@ -114,9 +149,59 @@ def test_host_memory_tiers_across_ranks_equal_one_rank(
     report_ties(ties, 2 * len(expected))
 
 
-def test_disk_tier_on_several_ranks_is_refused_by_name(tiny_llama, tmp_path):
-    with pytest.raises(ValueError, match="kv_offload_dir or kv_transfer_config with tensor_"):
-        budget_llm(tiny_llama, kv_offload_dir=str(tmp_path), tensor_parallel_size=2)
+def prompt_block_key(prompt: list[int], index: int) -> str:
+    """The KV tiers' key of block `index` of `prompt` (no salt, one KV cache group)."""
+    hashes: list[int] = []
+    hashing.extend_block_hashes(hashes, prompt, BLOCK_SIZE, None, stable=True)
+    return block_key(hashes[index], 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_disk_tier_across_ranks_equals_one_rank_and_survives_a_restart(
+    tiny_llama, plain_one_rank, report_ties, tmp_path, layout
+):
+    """Each rank writes its own heads' (or layers') bytes of every cached block to files of
+    its own; a restarted engine reads the prefixes back from them on every rank. One rank's
+    file of a block spoiled makes that block a miss on all ranks: recomputed, still equal."""
+    outputs = []
+    llm = budget_llm(tiny_llama, kv_offload_dir=str(tmp_path), **LAYOUTS[layout])
+    try:
+        outputs.append(greedy_with_logprobs(llm, SPEC_PROMPTS, MAX_TOKENS))
+        assert llm.get_stats().num_preemptions > 0
+        identity = llm.llm_engine.engine_core.config.kv_tier_config.identity
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # waits for every rank's disk writes
+    rank_keys = [
+        disk_layout.scan_keys(disk_layout.rank_namespace(tmp_path, identity, rank, 2))
+        for rank in range(2)
+    ]
+    assert rank_keys[0] == rank_keys[1] and len(rank_keys[0]) >= 10
+    # Rank 1's file of the fifth block of the longest prompt, which the restart looks up.
+    spoiled = disk_layout.block_path(
+        disk_layout.rank_namespace(tmp_path, identity, 1, 2), prompt_block_key(prompts()[-1], 4)
+    )
+    assert spoiled.exists()
+    spoiled.write_bytes(spoiled.read_bytes()[:-1] + b"?")
+
+    restarted = budget_llm(tiny_llama, kv_offload_dir=str(tmp_path), **LAYOUTS[layout])
+    try:
+        outputs.append(greedy_with_logprobs(restarted, SPEC_PROMPTS, MAX_TOKENS))
+        core = restarted.llm_engine.engine_core
+        tiers = core.get_stats().kv_tiers
+        assert tiers["fetched_blocks"] >= 10 and tiers["failed_fetches"] >= 1
+        core.check_integrity()
+    finally:
+        restarted.llm_engine.engine_core.shutdown()
+    ties = sum(
+        compare_to_reference_engine(plain_one_rank, actual, TIE_TOLERANCE)[0] for actual in outputs
+    )
+    report_ties(ties, 2 * len(plain_one_rank))
+
+
+def test_kv_transfer_on_several_ranks_is_refused_by_name(tiny_llama):
+    transfer = {"kv_role": "kv_consumer", "kv_port": 0}
+    with pytest.raises(ValueError, match="kv_transfer_config with tensor_parallel_size"):
+        budget_llm(tiny_llama, kv_transfer_config=transfer, tensor_parallel_size=2)
 
 
 # int8 rescales each row of its input before quantizing it, and a row-parallel layer's rows

@@ -2,7 +2,8 @@
 file, to a genuine block file elsewhere), a FIFO, a folder, or a regular file of the wrong
 size, or one that grows or shrinks while read, is a miss (counted, logged, deleted where it
 can be), read no further than a block file's size, and never hangs or kills the reader;
-writes and the start-up scan follow no link."""
+writes and the start-up scan follow no link. On several ranks each rank's files are its own
+(its folder, its rank in their headers), and a read counts once every rank ended it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from pagedllm.kv_transfer import disk_layout
 from pagedllm.kv_transfer.config import KVTierConfig
 from pagedllm.kv_transfer.core.tier_manager import KVTierManager
-from pagedllm.kv_transfer.ops import DiskFetch
+from pagedllm.kv_transfer.ops import DiskFetch, KVTransferOps
 from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
 
 IDENTITY = "model-fp16-block4"
@@ -252,3 +253,68 @@ def test_the_start_up_scan_lists_names_and_follows_no_link(worker, tmp_path):
     (namespace / "ef").symlink_to(outside, target_is_directory=True)
     # A FIFO is listed by name (and refused when read); the linked folder is not entered.
     assert disk_layout.scan_keys(namespace) == {KEY, other}
+
+
+class PeerRanks:
+    """A two-rank group to a `KVTierWorker` of rank 1: the other rank's reads that ended
+    (key -> loaded) are what its `all_gather_object` answers for rank 0."""
+
+    world_size, rank_in_group = 2, 1
+
+    def __init__(self) -> None:
+        self.peer: dict[str, bool] = {}
+        self.calls = 0
+
+    def all_gather_object(self, value: object) -> list[object]:
+        self.calls += 1
+        return [dict(self.peer), value]
+
+
+@pytest.fixture
+def rank_worker(tmp_path):
+    ranks = PeerRanks()
+    config = KVTierConfig(IDENTITY, num_host_blocks=2, disk_dir=str(tmp_path / "tier"))
+    pool = [torch.full((4, 16), 7, dtype=torch.uint8)]
+    tiers = KVTierWorker(config, pool, ranks)  # type: ignore[arg-type]
+    yield tiers, ranks
+    tiers.shutdown()
+
+
+def ask_fetch(worker: KVTierWorker) -> None:
+    """A step's ops ask for KEY into host slot 0; returns once this rank's read ended."""
+    worker.before_forward(KVTransferOps(fetches=[DiskFetch(KEY, 0, TOKENS)]))
+    assert worker._io is not None
+    worker._io.submit(lambda: None).result()  # the one I/O thread: the read ran before
+
+
+def test_a_rank_keeps_its_own_files_checked_against_its_rank(rank_worker, tmp_path):
+    worker, _ = rank_worker
+    path = persist(worker)
+    assert path.parent.parent == tmp_path / "tier" / IDENTITY / "rank1"
+    identity = disk_layout.rank_identity(IDENTITY, 1, 2)
+    size = disk_layout.block_file_size(identity, KEY, TOKENS, worker.nbytes_per_block)
+    data = disk_layout.read_block_file(path, size)
+    disk_layout.decode_block_file(data, identity, KEY, TOKENS, worker.nbytes_per_block)
+    with pytest.raises(disk_layout.BlockFileError, match="another model"):
+        disk_layout.decode_block_file(data, IDENTITY, KEY, TOKENS, worker.nbytes_per_block)
+    # The scheduler sees a block on disk only where every rank has its file.
+    assert disk_layout.scan_all_ranks(tmp_path / "tier", IDENTITY, 2) == set()
+    other = disk_layout.block_path(tmp_path / "tier" / IDENTITY / "rank0", KEY)
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"")
+    assert disk_layout.scan_all_ranks(tmp_path / "tier", IDENTITY, 2) == {KEY}
+
+
+def test_a_read_is_reported_once_every_rank_ended_it_loaded_only_if_all_did(rank_worker):
+    worker, ranks = rank_worker
+    persist(worker)
+    ask_fetch(worker)  # loads here; the other rank has not finished
+    assert worker.take_result() is None and ranks.calls == 1
+    ranks.peer[KEY] = False  # the other rank's file was bad: a miss on every rank
+    result = worker.take_result()
+    assert result is not None and result.fetched == [(KEY, 0, False)]
+    assert worker.take_result() is None and ranks.calls == 2  # nothing outstanding: no call
+    ask_fetch(worker)
+    ranks.peer[KEY] = True
+    result = worker.take_result()
+    assert result is not None and result.fetched == [(KEY, 0, True)]

@@ -132,19 +132,23 @@ def test_settings_that_need_the_models(tiny_llama, tiny_model_factory, tmp_path)
         )
 
 
-def test_a_draft_model_on_several_ranks_is_refused_and_model_free_methods_are_not():
-    from pagedllm.core.engine_config import verify_speculative_config
+def test_a_draft_models_whole_kv_is_sized_into_every_ranks_pool(tiny_llama, tiny_model_factory):
+    """A draft model runs whole on the sampling rank: its KV of every head and layer comes
+    on top of each rank's share of the target's (every rank holds the same blocks)."""
+    from pagedllm.core.engine_config import kv_bytes_per_block, load_engine_config
 
-    draft = {"method": "draft_model", "model": "draft", "num_speculative_tokens": 2}
-    args = EngineArgs(tensor_parallel_size=2, speculative_config=draft)
-    with pytest.raises(ValueError, match="tensor_parallel_size or pipeline_parallel_size"):
-        verify_speculative_config(args, args.parallel_config())
-    for method in ("ngram", "suffix"):
-        args = EngineArgs(
-            pipeline_parallel_size=2,
-            speculative_config={"method": method, "num_speculative_tokens": 2},
+    draft = {"method": "draft_model", "model": str(tiny_model_factory("Qwen2ForCausalLM"))}
+    common = dict(model=str(tiny_llama), max_model_len=64, kv_cache_memory="1MiB")
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        spec = {**draft, "num_speculative_tokens": 2}
+        _, _, config = load_engine_config(
+            EngineArgs(**common, **layout, speculative_config=spec), log=False
         )
-        verify_speculative_config(args, args.parallel_config())
+        cache = config.cache_config
+        per_block = kv_bytes_per_block(
+            config.model_config, cache.block_size, cache.cache_dtype, config.parallel_config
+        ) + kv_bytes_per_block(config.draft_model_config, cache.block_size, cache.cache_dtype)
+        assert cache.num_blocks == 1024**2 // per_block
 
 
 def test_flag_reaches_the_engine_args():

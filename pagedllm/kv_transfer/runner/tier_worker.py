@@ -5,6 +5,13 @@ scheduler's `KVTierManager` decides them) and reports what ended.
 A block is moved as raw bytes: one row (dim 0) of every tensor of the pool (keys, values and,
 for a quantized cache, their scales), so any cache dtype moves unchanged and a loaded block
 is bit for bit the block that was saved.
+
+Several ranks: each carries out the same ops on its own bytes (its heads, its stage's
+layers), the disk tier in files of its own (disk_layout.py). A disk read ends on each rank
+in its own time, and with its own outcome, but the scheduler hears only one rank: the ranks
+agree (`_agree_on_fetches`) and report a read once it ended on all of them, loaded only if
+it loaded on all. Until then its host slot is not handed out again, so no rank's read can
+land in a slot reused for another block.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagedllm.distributed.parallel_state import GroupCoordinator
 from pagedllm.kv_transfer import disk_layout
 from pagedllm.kv_transfer.config import KVTierConfig
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult, RequestSend
@@ -35,8 +43,22 @@ def host_zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 class KVTierWorker:
-    def __init__(self, config: KVTierConfig, pool: list[torch.Tensor]) -> None:
+    """`ranks`: the group of all the engine's ranks when there are several (None: one)."""
+
+    def __init__(
+        self, config: KVTierConfig, pool: list[torch.Tensor], ranks: GroupCoordinator | None = None
+    ) -> None:
         self.config = config
+        self._ranks = ranks if ranks is not None and ranks.world_size > 1 else None
+        rank, world_size = (0, 1)
+        if self._ranks is not None:
+            rank, world_size = self._ranks.rank_in_group, self._ranks.world_size
+        # What this rank's block files are checked against (its rank included if several).
+        self._file_identity = disk_layout.rank_identity(config.identity, rank, world_size)
+        # Disk reads asked for and not yet agreed on by every rank (the same count on each).
+        self._num_unagreed = 0
+        # This rank's reads that ended and wait for the others': key -> (slot, loaded).
+        self._ended: dict[str, tuple[int, bool]] = {}
         # Every pool tensor as bytes, block id on dim 0.
         self.pool = [t.view(torch.uint8).view(t.shape[0], -1) for t in pool]
         self.device = pool[0].device
@@ -52,7 +74,9 @@ class KVTierWorker:
         self._namespace: Path | None = None
         self._io: ThreadPoolExecutor | None = None
         if config.disk_dir is not None:
-            self._namespace = disk_layout.namespace_dir(config.disk_dir, config.identity)
+            self._namespace = disk_layout.rank_namespace(
+                config.disk_dir, config.identity, rank, world_size
+            )
             self._namespace.mkdir(parents=True, exist_ok=True)
             # One thread: writes and reads of the same key run in the order asked.
             self._io = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-kv-disk")
@@ -98,6 +122,7 @@ class KVTierWorker:
         if ops.loads:
             self._copy([b for _, b in ops.loads], [s for s, _ in ops.loads], to_host=False)
         assert self._io is not None or not ops.fetches
+        self._num_unagreed += len(ops.fetches)
         for fetch in ops.fetches:
             self._io.submit(self._fetch, fetch.key, fetch.slot, fetch.token_ids)
 
@@ -112,11 +137,32 @@ class KVTierWorker:
             self._send(send)
 
     def take_result(self) -> KVTransferResult | None:
+        """What ended since the last call (every rank calls this once a step)."""
         with self._lock:
-            result = KVTransferResult(self._fetched, self._sent)
+            fetched, sent = self._fetched, self._sent
             self._fetched, self._sent = [], []
             self._fetch_ended.clear()
+        if self._ranks is not None:
+            fetched = self._agree_on_fetches(fetched)
+        result = KVTransferResult(fetched, sent)
         return result if result else None
+
+    def _agree_on_fetches(self, ended: list[tuple[str, int, bool]]) -> list[tuple[str, int, bool]]:
+        """The disk reads that ended on every rank, loaded where every rank loaded its bytes
+        (one rank's bad or missing file makes the block a miss, recomputed on all). A
+        collective, called only while reads are outstanding: every rank gets the same ops
+        and agrees on the same reads, so all call it in the same steps."""
+        assert self._ranks is not None
+        self._ended.update((key, (slot, ok)) for key, slot, ok in ended)
+        if not self._num_unagreed:
+            return []
+        views = self._ranks.all_gather_object({k: ok for k, (_, ok) in self._ended.items()})
+        agreed = []
+        for key in sorted(set.intersection(*(set(view) for view in views))):
+            slot, _ = self._ended.pop(key)
+            agreed.append((key, slot, all(view[key] for view in views)))
+        self._num_unagreed -= len(agreed)
+        return agreed
 
     def wait_for_fetches(self, timeout_s: float) -> None:
         """A step with nothing to run waits (a little) for disk reads instead of spinning."""
@@ -165,7 +211,7 @@ class KVTierWorker:
     def _persist(self, key: str, token_ids: tuple[int, ...], data: bytes) -> None:
         assert self._namespace is not None
         try:
-            encoded = disk_layout.encode_block_file(self.config.identity, key, token_ids, data)
+            encoded = disk_layout.encode_block_file(self._file_identity, key, token_ids, data)
             disk_layout.write_block_file(disk_layout.block_path(self._namespace, key), encoded)
         except OSError as error:
             logger.warning("KV disk tier: could not write block %s: %s", key, error)
@@ -175,7 +221,7 @@ class KVTierWorker:
         regular file, the wrong size, a failed check) is a miss: the block is recomputed."""
         assert self._namespace is not None
         path = disk_layout.block_path(self._namespace, key)
-        identity, nbytes = self.config.identity, self.nbytes_per_block
+        identity, nbytes = self._file_identity, self.nbytes_per_block
         ok = False
         try:
             size = disk_layout.block_file_size(identity, key, token_ids, nbytes)
