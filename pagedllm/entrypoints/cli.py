@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagedllm.entrypoints.audit_cli import add_audit_log_parser
 from pagedllm.entrypoints.bench_cli import add_bench_parser
 from pagedllm.entrypoints.cli_clients import add_client_parsers
 from pagedllm.entrypoints.disagg_proxy import add_proxy_parser
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_parser(subparsers)
     add_run_batch_parser(subparsers)
     add_client_parsers(subparsers)
+    add_audit_log_parser(subparsers)
     return parser
 
 

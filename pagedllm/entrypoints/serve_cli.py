@@ -86,6 +86,34 @@ def add_serve_parser(subparsers) -> None:
         help="log each request's id, prompt lengths and sampling parameters",
     )
     observability.add_argument(
+        "--audit-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per HTTP request (time, tenant, request id, route, model "
+        "or adapter, prompt / cached / completion tokens, status, finish reasons, queue and "
+        "total time) and per admin action (adapter load and unload, key reload) to FILE; "
+        "never prompts or keys. A tenant's lines: `pagedllm audit-log FILE --tenant NAME`",
+    )
+    observability.add_argument(
+        "--audit-log-max-bytes",
+        type=int,
+        default=100 * 1024 * 1024,
+        metavar="BYTES",
+        help="rotate the audit log past this size (FILE.1 is the newest old file)",
+    )
+    observability.add_argument(
+        "--audit-log-backup-count",
+        type=int,
+        default=5,
+        metavar="N",
+        help="rotated audit log files kept",
+    )
+    observability.add_argument(
+        "--audit-log-prompts",
+        action="store_true",
+        help="also write each request's prompt text into its audit line",
+    )
+    observability.add_argument(
         "--disable-uvicorn-access-log",
         action="store_true",
         help="no uvicorn log line per HTTP request",
@@ -368,6 +396,10 @@ def run_serve(args: argparse.Namespace) -> int:
         "engine_iteration_timeout": args.engine_iteration_timeout,
         "restart_on_engine_failure": args.restart_on_engine_failure,
         "enable_log_requests": args.enable_log_requests,
+        "audit_log": args.audit_log,
+        "audit_log_max_bytes": args.audit_log_max_bytes,
+        "audit_log_backup_count": args.audit_log_backup_count,
+        "audit_log_prompts": args.audit_log_prompts,
         "disable_uvicorn_access_log": args.disable_uvicorn_access_log,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,

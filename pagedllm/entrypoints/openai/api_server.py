@@ -37,10 +37,11 @@ import uvicorn
 
 from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.app import build_app, lora_registry
+from pagedllm.entrypoints.openai.audit_log import AuditLog
 from pagedllm.entrypoints.openai.drain import DrainingServer, graceful_shutdown_timeout
 from pagedllm.entrypoints.openai.limits import uvicorn_limits
 from pagedllm.entrypoints.openai.server_config import ServerConfig
-from pagedllm.entrypoints.openai.tenants import redact_access_log
+from pagedllm.entrypoints.openai.tenants import TenantRegistry, redact_access_log
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 
@@ -61,6 +62,7 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
     """Run the server; returns the process exit status."""
     started = time.monotonic()
     engine = AsyncLLM(engine_args)
+    audit_log = None
     try:
         names = config_overrides.pop("served_model_names", None) or (
             default_served_model_name(engine_args, engine.model_config.model),
@@ -85,11 +87,14 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         engine.restart_on_failure = config.restart_on_engine_failure
         engine.on_stalled.append(metrics.on_engine_stalled)
         engine.on_restarted.append(metrics.on_engine_restarted)
-        app = build_app(engine, config, metrics, loras)
+        audit_log = open_audit_log(config)
+        app = build_app(engine, config, metrics, loras, audit_log)
         server = DrainingServer(_uvicorn_config(app, config), engine, config.shutdown_timeout)
         # After uvicorn set up its loggers: keys sent in a query string stay out of the log.
         redact_access_log()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.state.tenants.reload)
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, reload_keys, app.state.tenants, audit_log
+        )
         engine.on_dead.append(lambda: _exit_soon(server))
         # uvicorn re-raises the signal that stopped it once it is done; a handler of our own
         # keeps that from killing the process before it exits with its own status.
@@ -106,7 +111,27 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         await server.serve()
     finally:
         await engine.shutdown()
+        if audit_log is not None:
+            audit_log.close()
     return 1 if engine.dead_error is not None else 0
+
+
+def open_audit_log(config: ServerConfig) -> AuditLog | None:
+    if config.audit_log is None:
+        return None
+    return AuditLog(
+        config.audit_log,
+        config.audit_log_max_bytes,
+        config.audit_log_backup_count,
+        include_prompts=config.audit_log_prompts,
+    )
+
+
+def reload_keys(tenants: TenantRegistry, audit_log: AuditLog | None) -> None:
+    """SIGHUP: the keys file read again, an admin action in the audit log."""
+    reloaded = tenants.reload()
+    if audit_log is not None:
+        audit_log.admin("reload_api_keys", None, ok=reloaded, num_tenants=len(tenants.names))
 
 
 def _exit_soon(server: uvicorn.Server) -> None:

@@ -19,6 +19,12 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import pagedllm
+from pagedllm.entrypoints.openai.audit_log import (
+    AuditLog,
+    AuditMiddleware,
+    audit_record,
+    note_model,
+)
 from pagedllm.entrypoints.openai.dashboard import install_dashboard
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
@@ -49,7 +55,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.tenant_limits import Refusal
-from pagedllm.entrypoints.openai.tenants import TenantRegistry, current_tenant
+from pagedllm.entrypoints.openai.tenants import ActiveTenant, TenantRegistry, current_tenant
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.frontend.processor import check_token_ids
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
@@ -85,6 +91,7 @@ class GuardMiddleware:
         tenant = None
         if scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             tenant = self.tenants.authenticate(headers.get("authorization"))
+            note_caller(request_id, tenant)
             if tenant is None:
                 response = error_response(401, "Unauthorized: missing or wrong API key")
                 response.headers["X-Request-Id"] = request_id
@@ -116,6 +123,14 @@ class GuardMiddleware:
             current_tenant.reset(context)
             if limited:
                 tenant.limiter.release()
+
+
+def note_caller(request_id: str, tenant: ActiveTenant | None) -> None:
+    """The audit line's caller: the tenant the key named and the request's id."""
+    record = audit_record()
+    if record is not None:
+        record.request_id = request_id
+        record.tenant = None if tenant is None else tenant.name
 
 
 def _rate_limited(refusal: Refusal, request_id: str) -> Response:
@@ -163,8 +178,10 @@ def build_app(
     config: ServerConfig,
     metrics: PrometheusMetrics,
     loras: LoRARegistry | None = None,
+    audit_log: AuditLog | None = None,
 ) -> FastAPI:
-    """`loras`: the server's adapters (built from `config` when not given)."""
+    """`loras`: the server's adapters (built from `config` when not given); `audit_log`: where
+    each request's audit line goes (None: nowhere)."""
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     install_error_handlers(app)
     if loras is None:
@@ -221,6 +238,8 @@ def build_app(
         allow_headers=list(config.allowed_headers),
         allow_credentials=config.allow_credentials,
     )
+    if audit_log is not None:  # outermost: it sees every refusal and every last byte
+        app.add_middleware(AuditMiddleware, audit_log=audit_log)
     return app
 
 
@@ -231,6 +250,7 @@ def _add_lora_routes(app: FastAPI, loras: LoRARegistry, chat: OpenAIServingChat)
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
         chat.check_unknown(request)
+        note_model(request.lora_name)
         await loras.load(request.lora_name, request.lora_path)
         message = f"Success: LoRA adapter '{request.lora_name}' added successfully."
         return PlainTextResponse(message)
@@ -238,6 +258,7 @@ def _add_lora_routes(app: FastAPI, loras: LoRARegistry, chat: OpenAIServingChat)
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         chat.check_unknown(request)
+        note_model(request.lora_name)
         loras.unload(request.lora_name, request.lora_int_id)
         message = f"Success: LoRA adapter '{request.lora_name}' removed successfully."
         return PlainTextResponse(message)

@@ -44,6 +44,11 @@ class ServerConfig:
     engine_iteration_timeout: float = 60.0
     restart_on_engine_failure: bool = False
     enable_log_requests: bool = False
+    # `audit_log.py`: the file (None: no audit log), its rotation, prompts in its lines.
+    audit_log: str | None = None
+    audit_log_max_bytes: int = 100 * 1024 * 1024
+    audit_log_backup_count: int = 5
+    audit_log_prompts: bool = False
     disable_uvicorn_access_log: bool = False
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
@@ -103,6 +108,11 @@ class ServerConfig:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         if self.responses_store_size < 0:
             raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        if self.audit_log_max_bytes < 1 or self.audit_log_backup_count < 0:
+            raise ValueError(
+                "audit_log_max_bytes must be >= 1 and audit_log_backup_count >= 0, got "
+                f"{self.audit_log_max_bytes} and {self.audit_log_backup_count}"
+            )
         if any(not key for key in self.api_keys):
             raise ValueError("api_key: must not be empty")
         self._check_lora_modules()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from pagedllm.core.messages import EngineCoreRequest
+from pagedllm.entrypoints.openai.audit_log import audit_record, audited_outputs
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
 from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIModel, SamplingRequest
@@ -265,13 +266,26 @@ class OpenAIServing:
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
         reservation = self.admit(processed)
+        note_request(request_id, request.model, prompts)
         streams = [self.engine.generate(*each) for each in processed]
+        merged = audited_outputs(merge_streams(streams, reservation))
         if tenant is None:
-            return merge_streams(streams, reservation)
+            return merged
         tenant.limiter.charge_tokens(sum(len(r.prompt_token_ids) for _, r in processed))
         if pooling_params is not None:  # an embedding generates no tokens to charge
-            return merge_streams(streams, reservation)
-        return charge_generated_tokens(merge_streams(streams, reservation), tenant.limiter, params)
+            return merged
+        return charge_generated_tokens(merged, tenant.limiter, params)
+
+
+def note_request(request_id: str, model: str | None, prompts: list[Prompt]) -> None:
+    """What the audit log's line for this HTTP request names (nothing without one)."""
+    record = audit_record()
+    if record is None:
+        return
+    record.request_id = request_id
+    record.model = model
+    if record.prompts is not None:
+        record.prompts.extend(prompt.text or "" for prompt in prompts)
 
 
 def busy_error(error: QueueFullError) -> OpenAIError:
