@@ -297,3 +297,39 @@ def test_bench_serve_against_the_server(server, tmp_path, endpoint):
     assert result["completed"] == 8 and result["failed"] == 0
     assert result["total_output_tokens"] == 64
     assert result["median_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
+
+
+def test_prompt_logprobs_are_returned_as_the_offline_engine_scores_the_prompt(server, llm):
+    """vLLM's shape: per completion choice (chat: top level), one entry per prompt token, None
+    for the first, keyed by token id with logprob, rank and text."""
+    prompt = "The three primary colors are"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    choice = server.post("/v1/completions", body).json()["choices"][0]
+    expected = llm.generate(prompt, greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
+    positions = choice["prompt_logprobs"]
+    assert len(positions) == len(expected.prompt_token_ids) and positions[0] is None
+    for token_id, entry, offline in zip(
+        expected.prompt_token_ids[1:], positions[1:], expected.prompt_logprobs[1:], strict=True
+    ):
+        assert str(token_id) in entry and len(entry) in (2, 3)  # the prompt's token + top 2
+        assert set(entry) == {str(t) for t in offline}
+        for key, logprob in entry.items():
+            assert logprob["logprob"] == pytest.approx(offline[int(key)].logprob, abs=1e-4)
+            assert logprob["rank"] == offline[int(key)].rank
+    plain = server.post("/v1/completions", {**body, "prompt_logprobs": None}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]
+    chat = {"model": MODEL, "messages": QUESTION, "max_tokens": 1, "prompt_logprobs": 1}
+    answer = server.post("/v1/chat/completions", chat).json()
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert answer["prompt_logprobs"][0] is None
+
+
+def test_prompt_logprobs_with_stream_are_refused_by_name(server):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": QUESTION}),
+    ):
+        body = {"model": MODEL, "max_tokens": 1, "stream": True, "prompt_logprobs": 1, **body}
+        response = server.post(path, body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "prompt_logprobs"

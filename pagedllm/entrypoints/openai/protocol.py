@@ -135,6 +135,11 @@ class SamplingRequest(RequestBody):
             raise InvalidRequestError(
                 "stream_options: only allowed with stream=true", "stream_options"
             )
+        if self.stream and self.prompt_logprobs is not None:
+            # A stream has no place for them (vLLM refuses the pair as well).
+            raise InvalidRequestError(
+                "prompt_logprobs: not available with stream=true", "prompt_logprobs"
+            )
 
     def structured_output_sources(self) -> list[tuple[str, StructuredOutputsParams]]:
         """Every constraint the body asks for, with the field that asked (at most one

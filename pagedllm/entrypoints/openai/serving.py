@@ -29,7 +29,7 @@ from pagedllm.frontend.admission import Cost, QueueFullError, QueueLimits, Reser
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.frontend.processor import check_token_ids
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PositionLogprobs, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -49,6 +49,27 @@ class Prompt:
 
 def clamp_logprob(value: float) -> float:
     return value if value >= MIN_LOGPROB else MIN_LOGPROB  # NaN compares false
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> list | None:
+    """`prompt_logprobs` as vLLM answers it: per prompt token (None for the first), the
+    token ids asked for (the prompt's own and the top alternatives) with their logprob,
+    rank and text."""
+    if positions is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {
+                "logprob": clamp_logprob(logprob.logprob),
+                "rank": logprob.rank,
+                "decoded_token": logprob.decoded_token,
+            }
+            for token_id, logprob in entry.items()
+        }
+        for entry in positions
+    ]
 
 
 def sse(payload: dict) -> str:

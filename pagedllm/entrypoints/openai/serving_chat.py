@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.serving import (
     Prompt,
     clamp_logprob,
     now_s,
+    prompt_logprobs_json,
     sse,
     stream_with_errors,
     usage,
@@ -201,6 +202,11 @@ class OpenAIServingChat(OpenAIServing):
             "model": model_name,
             "choices": [self._message_choice(request, c, plan) for c in final.outputs],
             "usage": usage(len(prompt.token_ids), num_completion),
+            **(
+                {}
+                if final.prompt_logprobs is None
+                else {"prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs)}
+            ),
         }
 
     def _delta_choice(self, request, completion, streamer: ToolCallStreamer | None) -> dict:

@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.serving import (
     Prompt,
     clamp_logprob,
     now_s,
+    prompt_logprobs_json,
     sse,
     stream_with_errors,
     usage,
@@ -97,13 +98,16 @@ class OpenAIServingCompletion(OpenAIServing):
             positions = list(output.prompt_logprobs or [None] * len(prompt.token_ids)) + positions
         if request.logprobs is not None:
             logprobs = self._logprobs(token_ids, positions)
-        return {
+        choice = {
             "index": prompt_index * request.n + completion.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
+        if output.prompt_logprobs is not None:  # asked for (or for echo's logprobs), as vLLM
+            choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return choice
 
     def _logprobs(self, token_ids: list[int], positions: list[PositionLogprobs | None]) -> dict:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
