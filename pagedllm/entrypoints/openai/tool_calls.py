@@ -177,15 +177,39 @@ def _rebased(value: Any, names: dict[str, str]) -> Any:
 
 
 def _parse_required(text: str) -> list[ToolCall]:
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return []  # cut short by max_tokens: no complete call to return
+    """The calls of a `required` answer: every complete item of its JSON array, so an answer
+    cut short by max_tokens still returns the calls it finished."""
     return [
         ToolCall(item["name"], json.dumps(item["arguments"]), new_call_id())
-        for item in items
+        for item in _complete_array_items(text)
         if isinstance(item, dict) and "name" in item and "arguments" in item
     ]
+
+
+def _complete_array_items(text: str) -> list[Any]:
+    """The items of the JSON array `text` starts, up to the first one that is cut short."""
+    decoder = json.JSONDecoder()
+    position = _skip_space(text, 0)
+    if not text.startswith("[", position):
+        return []
+    items, position = [], position + 1
+    while True:
+        position = _skip_space(text, position)
+        if text.startswith(",", position):
+            position = _skip_space(text, position + 1)
+        if position >= len(text) or text.startswith("]", position):
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items  # the item max_tokens cut
+        items.append(item)
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\n\r":
+        position += 1
+    return position
 
 
 def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
