@@ -502,12 +502,6 @@ class EngineArgs:
             )
         if self.quantization is None:
             return
-        if self.quantization == "gguf" and self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"quantization='gguf' is not supported with tensor_parallel_size="
-                f"{self.tensor_parallel_size} (yet: GGUF blocks are not split over ranks); "
-                "use pipeline_parallel_size, or quantization='int8'"
-            )
         # The int8 kernels are fbgemm's CPU kernels, fed fp32 activations.
         if torch.device(self.device).type != "cpu":
             raise ValueError(

@@ -121,7 +121,6 @@ def test_engine_args_load_format_and_quantization_checks():
     assert EngineArgs().load_format == "auto"
     with pytest.raises(ValueError, match="load_format"):
         EngineArgs(load_format="safetensors")
-    with pytest.raises(ValueError, match="quantization='gguf' is not supported with tensor_"):
-        EngineArgs(quantization="gguf", tensor_parallel_size=2)
+    EngineArgs(quantization="gguf", tensor_parallel_size=2)  # blocks split by rows
     EngineArgs(quantization="gguf", pipeline_parallel_size=2)
     EngineArgs(quantization="int8", tensor_parallel_size=2, pipeline_parallel_size=2)

@@ -1,17 +1,23 @@
 """Tensor and pipeline parallelism with the features the scheduler and the sampling rank
 own, through the `mp` executor on a tiny Llama: three tenants under the fair policy, n > 1
 and structured output together, in a pool that preempts. Every sample's greedy tokens equal
-one rank's with the same requests (ties counted, as everywhere)."""
+one rank's with the same requests (ties counted, as everywhere). Quantized bases too: int8
+across ranks held to int8's bar, GGUF blocks over pipeline stages and tensor-parallel ranks
+equal to one rank's (over ranks bit for bit, on tiny GGUF files)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from gguf import GGMLQuantizationType as GGML
 from gguf_writer import tiny_model, write_model_gguf
 from lora_utils import make_peft_adapter
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
 from parallel_greedy import BLOCK_SIZE, MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+from tp_harness import run_ranks
 
+from benchmarks import random_gguf
+from benchmarks.parallel_memory import LlamaShape
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core import hashing
 from pagedllm.kv_transfer import disk_layout
@@ -321,3 +327,123 @@ def test_gguf_blocks_across_pipeline_stages_equal_one_rank(tmp_path, report_ties
         llm.llm_engine.engine_core.shutdown()
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
+
+
+# ---- GGUF blocks over tensor-parallel ranks ---------------------------------------------------
+# Each rank keeps whole rows of the blocks (model/layers/gguf_parallel.py); o and down compute
+# their output rows over the whole K after an all-gather, so the ranks' logits are one rank's
+# bit for bit. Both files' per-rank K slices are NOT whole blocks: the K-quant file's o_proj
+# slice is 2 heads x 64 = 128 and down_proj's 768 / 2 = 384 (blocks of 256); the Q4_0/Q8_0
+# file's 2 heads x 24 = 48 and 160 / 2 = 80 (blocks of 32). Vocabularies 49,216 and 320 pad
+# to 49,280 and 384: the second rank's head and embedding shards end in zero rows.
+# The exact comparison holds for the GGUF layers everywhere; the fp32 `cpu` attention kernel
+# groups its rows by the q heads sharing a KV head, so where that number changes with tp its
+# bits do too (1e-5 measured with one KV head of 4 q heads). The K-quant file keeps 2 q heads
+# a KV head on both layouts; the other file's head_dim 24 runs on the torch attention path.
+K_QUANT_SHAPE = LlamaShape("tiny", 256, 768, 4, 4, 2, 49152 + 64)
+
+
+def _q4_0_q8_0_type(name: str) -> GGML:
+    """A Q8_0 tied embedding and k (q/k/v of mixed types: three kernel layers), Q4_0 else."""
+    return GGML.Q8_0 if name.startswith("token_embd") or "attn_k" in name else GGML.Q4_0
+
+
+@pytest.fixture(scope="module")
+def gguf_tp_files(tmp_path_factory) -> dict[str, tuple[str, int]]:
+    """name -> (path, vocabulary): a Q4_K_M file (Q4_K and Q6_K, mixed q/k/v in layers 2 and
+    3, an untied Q6_K head) and a Q4_0/Q8_0 file (tied embedding, one KV head replicated)."""
+    directory = tmp_path_factory.mktemp("gguf-tp")
+    k_quant = directory / "tiny-q4_k_m.gguf"
+    random_gguf.write_random_gguf(k_quant, K_QUANT_SHAPE, random_gguf.FILE_TYPES["Q4_K_M"])
+    model = tiny_model(
+        "llama",
+        vocab_size=320,
+        hidden_size=96,
+        intermediate_size=160,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    legacy = directory / "tiny-q4_0-q8_0.gguf"
+    write_model_gguf(legacy, model, "llama", _q4_0_q8_0_type)
+    return {
+        "q4_k_m": (str(k_quant), K_QUANT_SHAPE.vocab_size),
+        "q4_0-q8_0": (str(legacy), 320),
+    }
+
+
+@pytest.mark.parametrize("name", ["q4_k_m", "q4_0-q8_0"])
+def test_gguf_blocks_over_tensor_parallel_ranks_equal_one_rank(gguf_tp_files, name, report_ties):
+    """Greedy tokens and every top-2 logprob equal one rank's exactly (no tie is needed)."""
+    path, vocab = gguf_tp_files[name]
+    common = dict(max_model_len=256, skip_tokenizer_init=True, quantization="gguf")
+    prompts = [[token % vocab for token in prompt] for prompt in SPEC_PROMPTS]
+    expected = greedy_with_logprobs(LLM(path, **common), prompts, MAX_TOKENS)
+    llm = LLM(path, tensor_parallel_size=2, **common)
+    try:
+        actual = greedy_with_logprobs(llm, prompts, MAX_TOKENS)
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, largest = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+    assert (ties, largest) == (0, 0.0)
+    for want, got in zip(expected, actual, strict=True):
+        assert [_logprobs(step) for step in got.logprobs] == [
+            _logprobs(step) for step in want.logprobs
+        ]
+
+
+def _logprobs(step: dict) -> dict[int, float]:
+    return {token: logprob.logprob for token, logprob in step.items()}
+
+
+def _gguf_rank_logits(rank, world_size, paths: list[str]) -> list:
+    """Per file: (every step's last-position logits on this rank, None off rank 0; the
+    bytes of the GGUF tables this rank holds)."""
+    from tp_harness import run_steps
+
+    from pagedllm.distributed.parallel_state import initialize_model_parallel
+    from pagedllm.model.gguf_loader import load_gguf_config
+    from pagedllm.model.layers.gguf_linear import distinct_bytes
+    from pagedllm.model.layers.gguf_parallel import GGUFRowParallelLinear
+    from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
+    from pagedllm.model.loader import ModelSource, load_weights
+    from pagedllm.model.models.llama import LlamaForCausalLM
+    from pagedllm.ops.attention_registry import get_attention_backend
+    from pagedllm.parallel_config import padded_vocab_size
+
+    initialize_model_parallel(world_size, 1)
+    results = []
+    for path in paths:
+        config = load_gguf_config(path)
+        backend = get_attention_backend("torch")
+        model = LlamaForCausalLM(config, backend, torch.float32, 256)
+        consumed = keep_gguf_blocks(model, path)
+        load_weights(model, ModelSource(path, is_gguf=True), config, skip=frozenset(consumed))
+        row_parallel = [m for m in model.modules() if isinstance(m, GGUFRowParallelLinear)]
+        assert len(row_parallel) == (2 * config.num_hidden_layers if world_size > 1 else 0)
+        # Ids on both sides of the vocabulary shards' boundary, and the last real one.
+        edge, last = padded_vocab_size(config.vocab_size, 2) // 2, config.vocab_size - 1
+        prompt = [5, 17, edge - 1, edge, edge + 1, last, 100, 3]
+        logits = run_steps(model, config, prompt, [0, last, edge])
+        held = distinct_bytes(b for n, b in model.named_buffers() if "rotary" not in n)
+        results.append((logits, held))
+    return results
+
+
+def test_gguf_tensor_parallel_logits_are_one_ranks_bit_for_bit(gguf_tp_files):
+    """The full logits of a prefill and three decode steps (torch attention), torch.equal
+    to one rank's; each rank holds about half of one rank's GGUF tables."""
+    paths = [path for path, _ in gguf_tp_files.values()]
+    (one_rank,) = run_ranks(_gguf_rank_logits, 1, paths, timeout_s=120)
+    tp_ranks = run_ranks(_gguf_rank_logits, 2, paths, timeout_s=120)
+    for (want, whole), (got, first), (others, second) in zip(one_rank, *tp_ranks, strict=True):
+        assert len(got) == len(want) == 4 and all(step is None for step in others)
+        for a, b in zip(want, got, strict=True):
+            assert a.shape == b.shape
+            assert torch.equal(a, b)
+        print(f"GGUF tables: one rank {whole} bytes, TP ranks {first} and {second}")
+        # Half, plus the padding a shard rounds up to: measured 50.1% on the K-quant file,
+        # 56% on the tiny one (its 320-token vocabulary pads to 384).
+        assert first <= 0.6 * whole and second <= 0.6 * whole

@@ -10,6 +10,8 @@ never written, so it never becomes resident, and the loader dequantizes only the
 file's size, not in fp32's 32 GB.
 A fused projection whose parts have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) gets
 one kernel layer per run of equal types, its outputs concatenated.
+With several tensor-parallel ranks each layer keeps only this rank's rows of the file's
+blocks (`gguf_parallel`: whole rows, so its outputs are one rank's bit for bit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pagedllm.model.layers.gguf_linear import (
     as_kernel_type,
     distinct_bytes,
 )
+from pagedllm.model.layers.gguf_parallel import gguf_embedding, parallel_gguf_layer, rank_rows
 from pagedllm.model.layers.linear import Linear, MergedLinear
 
 logger = logging.getLogger("pagedllm")
@@ -113,17 +116,18 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
     runs: list[tuple[Any, list[np.ndarray]]] = []
     for shard in order:  # consecutive shards of one type share a kernel call
         _, ggml_type, raw = parts[shard]
+        rows = rank_rows(module, shard, raw)  # all of them on one rank
         if runs and runs[-1][0] == ggml_type:
-            runs[-1][1].append(raw)
+            runs[-1][1].extend(rows)
         else:
-            runs.append((ggml_type, [raw]))
+            runs.append((ggml_type, rows))
     if len(runs) > 1:
         layers = [GGUFLinear(raws, ggml_type) for ggml_type, raws in runs]
         merged: nn.Module = GGUFConcatLinear(layers, module.output_sizes, module.bias)
     elif isinstance(module, MergedLinear):
         merged = GGUFMergedLinear(runs[0][1], runs[0][0], module.output_sizes, module.bias)
     else:
-        return GGUFLinear(runs[0][1][0], runs[0][0], module.bias)
+        return parallel_gguf_layer(module, runs[0][1], runs[0][0])
     merged.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
     return merged
 
@@ -139,12 +143,12 @@ def _gguf_embedding(
     _, ggml_type, raw = shard
     head = _find(model, "lm_head")
     if isinstance(head, GGUFLinear) and getattr(model, "tie_word_embeddings", False):
-        source = head
+        source = head  # the same rows: the head's vocabulary shard is the embedding's
     else:
-        source = GGUFLinear(raw, ggml_type)
+        source = GGUFLinear(rank_rows(embedding, None, raw), ggml_type)
     # Every name, duplicates too: a table stored under two (Q6_K's scale and min) stays one.
     tables = {n: t for n, t in source.named_buffers(remove_duplicate=False) if n != "bias"}
-    return GGUFEmbedding(tables, ggml_type, source.out_features, source.in_features)
+    return gguf_embedding(embedding, tables, ggml_type, source)
 
 
 def _find(model: nn.Module, name: str) -> nn.Module | None:
