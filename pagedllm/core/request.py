@@ -38,6 +38,8 @@ def family_id(request_id: str) -> str:
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    # Parked: waiting while a KV tier reads its blocks (from disk); admitted once they are in.
+    WAITING_FOR_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -202,7 +202,8 @@ class Scheduler:
         if step.num_seats + seats > self.config.max_num_seqs - reserved.seats:
             return Outcome.NO_ROOM
         lookup = self.kv_tiers.lookup(request) if self.lora.fits(request, step.loras) else None
-        if lookup is None or lookup.parked:  # no LoRA slot, or KV read from disk: skip it
+        parked = request.status is RequestStatus.WAITING_FOR_KV
+        if lookup is None or parked:  # no LoRA slot, or its KV read from disk: skip it
             step.skipped.append(self.waiting.take(request))
             return Outcome.SKIPPED
         num_known = lookup.num_hit_tokens + lookup.num_loaded_tokens

@@ -7,9 +7,9 @@ import pytest
 
 from pagedllm.core import hashing
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.kv_transfer.config import KVTierConfig, KVTransferConfig
-from pagedllm.kv_transfer.core.tier_manager import PARKED, KVTierManager, TierHit
+from pagedllm.kv_transfer.core.tier_manager import KVTierManager, TierHit
 from pagedllm.kv_transfer.ops import KVTransferResult, block_key
 from pagedllm.sampling_params import SamplingParams
 
@@ -97,21 +97,25 @@ def test_slot_reuse_waits_for_the_next_step():
     tiers.check_integrity()
 
 
+PARKED = RequestStatus.WAITING_FOR_KV
+
+
 def test_disk_blocks_park_the_request_until_read():
     keys = keys_of(list(range(100, 109)))
     tiers = KVTierManager(KVTierConfig("id", 3, disk_dir="/unused"), BLOCK, 1, keys)
     kv = KVCacheManager(7, BLOCK, stable_hashes=True)
     request = make_request("a", [*list(range(100, 109)), 5])
     kv.update_block_hashes(request)
-    assert tiers.find(request, 0) == PARKED
+    assert tiers.find(request, 0) is None and request.status is PARKED
     ops = tiers.take_ops()
     assert [(f.key, f.slot) for f in ops.fetches] == [(keys[0], 0), (keys[1], 1)]
-    assert tiers.find(request, 0) == PARKED  # still reading
+    assert tiers.find(request, 0) is None and request.status is PARKED  # still reading
     tiers.apply_result(KVTransferResult(fetched=[(keys[0], 0, True), (keys[1], 1, False)]))
     assert "a" not in tiers.parked
     assert keys[1] not in tiers.disk_keys  # a failed read is forgotten: recomputed
     hit = tiers.find(request, 0)
     assert hit.slots == [(0, 0)] and hit.num_tokens == 4
+    assert request.status is RequestStatus.WAITING
     tiers.check_integrity()
 
 
@@ -199,7 +203,7 @@ def test_a_parked_requests_blocks_stay_until_it_is_admitted():
     tiers.take_ops()
     request = make_request("a", prompt)
     kv.update_block_hashes(request)
-    assert tiers.find(request, 0) == PARKED
+    assert tiers.find(request, 0) is None and request.status is PARKED
     assert [(f.key, f.slot) for f in tiers.take_ops().fetches] == [(keys[1], 1), (keys[2], 2)]
     tiers.apply_result(KVTransferResult(fetched=[(keys[1], 1, True), (keys[2], 2, True)]))
     # Another request's evicted blocks find no slot: all three belong to the parked one.

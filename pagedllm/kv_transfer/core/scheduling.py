@@ -11,19 +11,19 @@ from dataclasses import dataclass
 from pagedllm.core.kv_block import KVCacheBlock
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.kv_transfer.core.tier_manager import PARKED, KVTierManager, TierHit
+from pagedllm.kv_transfer.core.tier_manager import KVTierManager, TierHit
 from pagedllm.kv_transfer.ops import KVTransferOps, KVTransferResult
 
 
 @dataclass
 class Lookup:
     """A waiting request's known blocks: prefix-cache hits, then what the tiers hold past
-    them (`tier_hit`), unless some are still read from disk (`parked`: admit it later)."""
+    them (`tier_hit`). While some are still read from disk the request's status is
+    WAITING_FOR_KV: it is admitted later."""
 
     hits: list[KVCacheBlock]
     num_hit_tokens: int
     tier_hit: TierHit | None = None
-    parked: bool = False
 
     @property
     def num_loaded_tokens(self) -> int:
@@ -73,11 +73,7 @@ class KVTierScheduling(NoKVTiers):
             return Lookup([], 0, swapped)
         hits, num_hit_tokens = kv.get_computed_blocks(request)
         kv.update_block_hashes(request)
-        found = self.tiers.find(request, num_hit_tokens)
-        if found == PARKED:
-            return Lookup(hits, num_hit_tokens, parked=True)
-        assert not isinstance(found, str)
-        return Lookup(hits, num_hit_tokens, found)
+        return Lookup(hits, num_hit_tokens, self.tiers.find(request, num_hit_tokens))
 
     def load(self, request: Request, lookup: Lookup) -> None:
         if lookup.tier_hit is not None:

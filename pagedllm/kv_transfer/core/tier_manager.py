@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core import hashing
 from pagedllm.core.kv_block import KVCacheBlock
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.kv_transfer.config import KVTierConfig
 from pagedllm.kv_transfer.ops import (
     BlockRecord,
@@ -84,10 +84,6 @@ class KVTierStats:
 
     def snapshot(self) -> dict[str, float]:
         return dict(vars(self))
-
-
-# What `find` answers for a request whose blocks are being read from disk.
-PARKED = "parked"
 
 
 class KVTierManager:
@@ -205,14 +201,17 @@ class KVTierManager:
         self.stats.persisted_blocks += 1
 
     # ---- blocks coming back -----------------------------------------------------------
-    def find(self, request: Request, num_hit_tokens: int) -> TierHit | str | None:
+    def find(self, request: Request, num_hit_tokens: int) -> TierHit | None:
         """The request's next blocks after its `num_hit_tokens` prefix-cache hits, from the
-        tiers: a `TierHit` in host slots, `PARKED` while some are read from disk (they are
-        asked for here), or None."""
+        tiers: a `TierHit` in host slots, or None. While some are read from disk (asked for
+        here) the request is parked: its status is WAITING_FOR_KV until they are in."""
         if request.sampling_params.prompt_logprobs is not None:
             return None
         if request.request_id in self.parked:
-            return PARKED
+            request.status = RequestStatus.WAITING_FOR_KV
+            return None
+        if request.status is RequestStatus.WAITING_FOR_KV:  # its reads ended
+            request.status = RequestStatus.WAITING
         slots: list[int] = []
         keys: list[str] = []
         on_disk: list[DiskFetch] = []
@@ -237,7 +236,8 @@ class KVTierManager:
                 num_tail_tokens = tail[1]
         if on_disk:
             in_host = [key for key, slot in zip(keys, slots, strict=True) if slot >= 0]
-            return self._park(request, on_disk, in_host)
+            self._park(request, on_disk, in_host)
+            return None
         num_loaded = (index - first) * bs + num_tail_tokens
         if num_loaded <= 0:
             self._unpin(request.request_id)
@@ -295,9 +295,10 @@ class KVTierManager:
             row.append((entry.slot, key))
         return row, len(tail) - 1
 
-    def _park(self, request: Request, on_disk: list[DiskFetch], host_keys: list[str]) -> str | None:
-        """Ask for the request's blocks on disk, in order, while host slots allow; what it
-        will load stays in the host tier until it is admitted."""
+    def _park(self, request: Request, on_disk: list[DiskFetch], host_keys: list[str]) -> None:
+        """Ask for the request's blocks on disk, in order, while host slots allow, and park
+        it (WAITING_FOR_KV) until they are read; what it will load stays in the host tier
+        until it is admitted. No slot free: it is not parked, and is computed."""
         self._pin(request.request_id, host_keys)  # before the reads take slots
         waiting = set()
         for fetch in on_disk:
@@ -314,11 +315,11 @@ class KVTierManager:
             waiting.add(fetch.key)
         if not waiting:
             self._unpin(request.request_id)
-            return None
+            return
         self._pin(request.request_id, waiting)
         self._fetched_for.add(request.request_id)
         self.parked[request.request_id] = waiting
-        return PARKED
+        request.status = RequestStatus.WAITING_FOR_KV
 
     def load(self, request_id: str, hit: TierHit, block_table: list[int]) -> None:
         """Load the hit's host slots into the request's fresh pool blocks (its table, just
