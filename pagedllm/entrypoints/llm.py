@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from pagedllm.runner.model_runner import ModelRunner
 
 Conversation = list[dict[str, Any]]
+# Told each request's final output as it finishes: (its position in the prompts, the output).
+OnFinished = Callable[[int, Any], None]
 
 
 class LLM:
@@ -57,8 +59,10 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
+        on_finished: OnFinished | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order (and, with
+        `on_finished`, are handed to it one by one as each request finishes).
 
         A prompt is a string or a dict with `prompt_token_ids` (or `prompt`) and an
         optional `cache_salt`; `lora_request` (one for all prompts, or one each, None for
@@ -94,7 +98,7 @@ class LLM:
         for prompt_text, request in processed:
             engine.add_processed_request(prompt_text, request)
         request_ids = [request.request_id for _, request in processed]
-        return self._run_engine(request_ids, use_tqdm)
+        return self._run_engine(request_ids, use_tqdm, on_finished)
 
     def embed(
         self,
@@ -102,9 +106,11 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        on_finished: OnFinished | None = None,
     ) -> list[PoolingRequestOutput]:
         """One embedding per prompt, in input order (needs runner="pooling"): the prompt's
-        final hidden states pooled as `pooler_config` says (`outputs.embedding`)."""
+        final hidden states pooled as `pooler_config` says (`outputs.embedding`); each also
+        handed to `on_finished` as it finishes, as `generate`'s."""
         engine = self.llm_engine
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         if prompt_list and isinstance(prompt_list[0], int):  # one prompt of token ids
@@ -126,7 +132,8 @@ class LLM:
         ]
         for prompt_text, request in processed:
             engine.add_processed_request(prompt_text, request)
-        return self._run_engine([request.request_id for _, request in processed], use_tqdm)
+        request_ids = [request.request_id for _, request in processed]
+        return self._run_engine(request_ids, use_tqdm, on_finished)
 
     def beam_search(
         self,
@@ -193,8 +200,11 @@ class LLM:
         # The template already holds any special tokens the model expects.
         return self.llm_engine.tokenizer.encode(text, add_special_tokens=False)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list:
+    def _run_engine(
+        self, request_ids: list[str], use_tqdm: bool, on_finished: OnFinished | None = None
+    ) -> list:
         outputs: dict[str, RequestOutput] = {}
+        position = {request_id: i for i, request_id in enumerate(request_ids)}
         pending = set(request_ids)
         started = time.perf_counter()
         num_tokens = 0
@@ -210,6 +220,8 @@ class LLM:
                     if output.finished and output.request_id in pending:
                         pending.discard(output.request_id)
                         outputs[output.request_id] = output
+                        if on_finished is not None:
+                            on_finished(position[output.request_id], output)
                         if isinstance(output, RequestOutput):
                             num_tokens += len(output.outputs[0].token_ids)
                         else:

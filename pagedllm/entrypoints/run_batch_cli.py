@@ -4,10 +4,16 @@ only when the command runs (it pulls in the server's request handling)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
+from typing import BinaryIO
 
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from, llm_from_args
+
+# As run_batch.DEFAULT_MAX_LINE_BYTES (not imported: this module loads with every command).
+DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
 
 
 def add_run_batch_parser(subparsers) -> None:
@@ -27,8 +33,23 @@ def add_run_batch_parser(subparsers) -> None:
         "-o",
         "--output-file",
         required=True,
-        help="where the results go, one record a line; an existing file is appended to, its "
-        "custom_ids skipped (required)",
+        help="where the results go, one record a line, written as each is ready; an existing "
+        "file is refused unless --resume is given (required)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an earlier run into the same output file: keep its records, skip the "
+        "lines they answer (by custom_id; lines without one by line number) and append the "
+        "rest; a last record cut short by a kill is dropped first (default: off)",
+    )
+    parser.add_argument(
+        "--max-line-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_LINE_BYTES,
+        metavar="BYTES",
+        help="a longer input line is answered with an error record, unread "
+        f"(default: {DEFAULT_MAX_LINE_BYTES})",
     )
     parser.add_argument(
         "--served-model-name",
@@ -80,9 +101,12 @@ def run_batch(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.server_config import ServerConfig
     from pagedllm.entrypoints.run_batch import (
         BatchRunner,
+        DoneSet,
+        RecordWriter,
+        item_line,
         read_done,
+        read_lines,
         read_requests,
-        write_records,
     )
     from pagedllm.frontend.chat_template import load_chat_template
 
@@ -98,13 +122,15 @@ def run_batch(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
     )
+    _check_output(args.output_file, args.resume)
+    skipped: list[int] = []
     try:
-        done = read_done(args.output_file)
-        lines = _input_lines(args.input_file)
+        done = read_done(args.output_file) if args.resume else DoneSet()
+        with _open_input(args.input_file) as file:
+            lines = read_lines(file, args.max_line_bytes)
+            items = list(read_requests(lines, done, skipped, args.max_line_bytes))
     except OSError as error:
         raise ValueError(f"{error.filename}: {error.strerror}") from None
-    skipped: list[int] = []
-    items = list(read_requests(lines, done, skipped))
     if not items:
         print(f"nothing to do: every request already has a record in {args.output_file}")
         return 0
@@ -115,19 +141,38 @@ def run_batch(args: argparse.Namespace) -> int:
     if chat_template is not None:  # as the server: it stands in for the model's everywhere
         llm.get_tokenizer().chat_template = chat_template
     runner = BatchRunner(llm, config, use_tqdm=not args.disable_progress_bar)
-    records = runner.run(items)
-    write_records(args.output_file, records)
-    num_ok = sum(1 for r in records if r["response"] and r["response"]["status_code"] == 200)
+    with open(args.output_file, "ab") as output:
+        writer = RecordWriter(output, [item_line(item) for item in items])
+        runner.run(items, writer)
+    written, answered = writer.num_written, writer.num_answered
     print(
-        f"{len(records)} requests: {num_ok} answered, {len(records) - num_ok} errors; "
+        f"{written} requests: {answered} answered, {written - answered} errors; "
         f"{len(skipped)} skipped (already in {args.output_file}); records appended to "
         f"{args.output_file}"
     )
     return 0
 
 
-def _input_lines(path: str) -> list[str]:
+def _check_output(path: str, resume: bool) -> None:
+    """Without --resume, records already in the output file would be appended to by a new
+    run (answered twice) or lost by overwriting: refuse before the model loads."""
+    if not resume and os.path.exists(path) and os.path.getsize(path) > 0:
+        raise ValueError(
+            f"output_file: {path} exists; pass --resume to keep its records and answer only "
+            "the lines they do not, or remove it"
+        )
+
+
+def _open_input(path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+    """The input as bytes: each line is decoded on its own, so one that is no UTF-8 is that
+    line's error, not the file's."""
     if path == "-":
-        return sys.stdin.read().splitlines()
-    with open(path, encoding="utf-8") as file:
-        return file.read().splitlines()
+        return contextlib.nullcontext(sys.stdin.buffer)  # standard input is not ours to close
+    return open(path, "rb")
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number

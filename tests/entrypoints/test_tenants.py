@@ -173,6 +173,32 @@ def test_prefix_cache_is_not_shared_between_tenants(server):
     assert hits_after(KEYS["bob"]) > other  # but has his own
 
 
+def test_request_ids_are_scoped_per_tenant(server):
+    # alice's stream stays in flight (as dave's above) while the others send her id.
+    url = server.base_url + "/v1/completions"
+    body = {"prompt": "Once", "max_tokens": 1000, "n": 6, "ignore_eos": True, "stream": True}
+    body["request_id"] = "shared-1"
+    with httpx.stream("POST", url, json=body, headers=auth(KEYS["alice"]), timeout=120) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # held: dropping the iterator would close the stream
+        assert next(lines).startswith("data: ")
+        by_body = complete(server, KEYS["bob"], request_id="shared-1")
+        by_header = httpx.post(
+            url,
+            json={"prompt": "Hello", "max_tokens": 2},
+            headers={**auth(KEYS["bob"]), "X-Request-Id": "shared-1"},
+            timeout=120,
+        )
+        for response in (by_body, by_header):  # another tenant's id: free, echoed unchanged
+            assert response.status_code == 200, response.text
+            assert response.headers["X-Request-Id"] == response.json()["id"] == "shared-1"
+        duplicate = complete(server, KEYS["alice"], request_id="shared-1")
+        assert duplicate.status_code == 400, duplicate.text
+        error = duplicate.json()["error"]
+        assert error["message"] == "request_id 'shared-1' is already running"
+        assert error["param"] == "request_id"
+
+
 def test_metrics_carry_the_tenant_label(server):
     text = server.get("/metrics").text
     tenants = set(re.findall(r'tenant="([^"]*)"', text))

@@ -21,10 +21,11 @@ from pagedllm.entrypoints.openai.audit_log import audit_record, audited_outputs
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
 from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIModel, SamplingRequest
+from pagedllm.entrypoints.openai.request_ids import client_error, engine_request_id
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
 from pagedllm.entrypoints.openai.tenants import current_tenant
-from pagedllm.errors import InvalidRequestError
+from pagedllm.errors import InvalidRequestError, RequestFailedError
 from pagedllm.frontend.admission import Cost, QueueFullError, QueueLimits, Reservation
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.frontend.processor import check_token_ids
@@ -270,9 +271,11 @@ class OpenAIServing:
         adapter if one is given; with `pooling_params`, as embedding requests."""
         tenant = current_tenant.get()
         salt = request.cache_salt if tenant is None else tenant.cache_salt(request.cache_salt)
+        # The engine's id is scoped to the tenant; errors and bodies name the client's id.
+        engine_id = engine_request_id(None if tenant is None else tenant.name, request_id)
         processed = [
             self.engine.process_inputs(
-                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                engine_id if len(prompts) == 1 else f"{engine_id}-{i}",
                 {
                     "prompt_token_ids": prompt.token_ids,
                     "prompt": prompt.text,
@@ -286,9 +289,14 @@ class OpenAIServing:
             )
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
-        reservation = self.admit(processed)
+        try:
+            reservation = self.admit(processed)
+        except InvalidRequestError as error:  # an id already running: this tenant's own
+            raise client_error(error, engine_id, request_id) from None
         note_request(request_id, request.model, prompts)
         streams = [self.engine.generate(*each) for each in processed]
+        if engine_id != request_id:
+            streams = [with_client_id(stream, engine_id, request_id) for stream in streams]
         merged = audited_outputs(merge_streams(streams, reservation))
         if tenant is None:
             return merged
@@ -307,6 +315,19 @@ def note_request(request_id: str, model: str | None, prompts: list[Prompt]) -> N
     record.model = model
     if record.prompts is not None:
         record.prompts.extend(prompt.text or "" for prompt in prompts)
+
+
+async def with_client_id(
+    outputs: AsyncGenerator[RequestOutput, None], engine_id: str, request_id: str
+) -> AsyncIterator[RequestOutput]:
+    """`outputs`, with errors that name the tenant-scoped `engine_id` renamed to the client's
+    `request_id`. Closing this closes `outputs` at once (which aborts the request)."""
+    async with contextlib.aclosing(outputs):
+        try:
+            async for output in outputs:
+                yield output
+        except (RequestFailedError, InvalidRequestError) as error:
+            raise client_error(error, engine_id, request_id) from None
 
 
 def busy_error(error: QueueFullError) -> OpenAIError:
