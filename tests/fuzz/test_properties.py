@@ -11,6 +11,8 @@
   `EngineCoreRequest` (token ids within the vocabulary, every integer within 64 bits) or a
   ValueError naming a field.
 - The offline `LLM` on a tiny model: random valid requests all finish, the KV cache empties.
+- `pagedllm run-batch` lines: any bytes give a request or an error record naming the line,
+  written as one UTF-8 JSON line.
 
 Settings are derandomized with a fixed example budget, so every run tries the same inputs.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import re
 from typing import Any
@@ -42,6 +45,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from pagedllm.entrypoints.openai.tool_calls import plan_tools
+from pagedllm.entrypoints.run_batch import DoneSet, item_line, read_requests, record_bytes
 from pagedllm.errors import InvalidRequestError
 from pagedllm.frontend.processor import InputProcessor
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -543,3 +547,45 @@ def test_offline_requests_all_finish_and_free_the_cache(tiny_llm, requests):
     kv.check_integrity()
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
     assert tiny_llm.get_stats().kv_cache_usage == 0
+
+
+# ---- run-batch lines ------------------------------------------------------------------------
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+_BATCH_LINES = st.one_of(
+    st.binary(max_size=120),  # anything, invalid UTF-8 included
+    _JSON_VALUES.map(lambda value: json_line(value)),
+    st.builds(
+        lambda custom_id, url, body: json_line(
+            {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+        ),
+        st.text(max_size=12),
+        st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/x"]),
+        _JSON_VALUES,
+    ),
+    st.integers(1, 3000).map(lambda depth: b"[" * depth),
+    st.integers(1, 3000).map(lambda digits: b'{"custom_id": "a", "n": ' + b"9" * digits + b"}"),
+)
+
+
+def json_line(value: Any) -> bytes:
+    return json.dumps(value).encode("utf-8", "surrogatepass")
+
+
+@fuzz_settings(400)
+@given(st.lists(_BATCH_LINES.filter(lambda line: b"\n" not in line), max_size=6))
+def test_every_run_batch_line_is_a_request_or_an_error_record_written_as_utf8_json(lines):
+    """Each non-blank line of a batch file is read on its own: a request, or a record that
+    names the line, and that record is one valid UTF-8 JSON line (nothing raises)."""
+    items = list(read_requests(lines, DoneSet()))
+    assert len(items) == sum(1 for line in lines if line.strip())
+    for item in items:
+        if isinstance(item, dict):
+            written = record_bytes(item, item_line(item))
+            assert written.endswith(b"\n") and b"\n" not in written[:-1]
+            assert isinstance(json.loads(written.decode("utf-8")), dict)
