@@ -4,8 +4,10 @@ Each step asks the engine for one more token of every live beam, with the top
 `2 * beam_width` logprobs; the best `beam_width` extensions by cumulative logprob live on.
 Beams are sent as prompts that extend each other, so prefix caching lets them share their
 full KV blocks by reference count; only a beam's partial last block is recomputed.
-Finished beams (EOS unless `ignore_eos`, or `max_tokens`) are ranked by
-`cumulative_logprob / num_generated_tokens ** length_penalty`.
+Finished beams (EOS unless `ignore_eos`, or `max_tokens`) are ranked as vLLM ranks them:
+`cum_logprob / len(tokens) ** length_penalty`, `tokens` being the prompt's and the beam's
+(a final EOS not counted). A sequence is what vLLM's `LLM.beam_search` returns: its tokens
+and text start with the prompt's, `logprobs` holds each generated token's candidates.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.frontend.llm_engine import LLMEngine
-    from pagedllm.outputs import RequestOutput
+    from pagedllm.outputs import PositionLogprobs, RequestOutput
 
 # `LLM.generate`: the beams of a step go through the engine as ordinary requests.
 Generate = Callable[..., list["RequestOutput"]]
@@ -50,13 +52,18 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    tokens: list[int]  # generated tokens only
-    cumulative_logprob: float = 0.0
+    """One beam: `tokens` (the prompt's, then the beam's), each generated token's candidate
+    logprobs, their sum `cum_logprob`, and `text`, the decoded `tokens`."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cum_logprob: float = 0.0
     text: str | None = None
     finished: bool = False
 
-    def score(self, length_penalty: float) -> float:
-        return self.cumulative_logprob / max(1, len(self.tokens)) ** length_penalty
+    def score(self, length_penalty: float, eos_ids: frozenset[int]) -> float:
+        length = len(self.tokens) - (1 if self.finished and self.tokens[-1] in eos_ids else 0)
+        return self.cum_logprob / max(1, length) ** length_penalty
 
 
 @dataclass
@@ -84,7 +91,7 @@ def beam_search(
             f"{engine.model_config.max_logprobs} (an engine argument)"
         )
     prompt_ids = [engine.input_processor.process_prompt(prompt)[1] for prompt in prompts]
-    live = [[BeamSearchSequence([])] for _ in prompts]
+    live = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     step_params = SamplingParams(
         temperature=params.temperature,
@@ -99,31 +106,39 @@ def beam_search(
         beams = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not beams:
             break
-        requests = [{"prompt_token_ids": prompt_ids[i] + beam.tokens} for i, beam in beams]
+        requests = [{"prompt_token_ids": beam.tokens} for _, beam in beams]
         outputs = generate(
             requests, step_params, use_tqdm=False, lora_request=[loras[i] for i, _ in beams]
         )
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), output in zip(beams, outputs, strict=True):
-            for token_id, logprob in output.outputs[0].logprobs[0].items():
+            candidates_here = output.outputs[0].logprobs[0]
+            for token_id, logprob in candidates_here.items():
                 extended = BeamSearchSequence(
-                    [*beam.tokens, token_id], beam.cumulative_logprob + logprob.logprob
+                    [*beam.tokens, token_id],
+                    [*beam.logprobs, candidates_here],
+                    beam.cum_logprob + logprob.logprob,
                 )
                 if token_id in eos_ids and not params.ignore_eos:
                     extended.finished = True
                     done[i].append(extended)
                 else:
                     candidates[i].append(extended)
-        live = [sorted(c, key=lambda b: -b.cumulative_logprob)[:width] for c in candidates]
+        live = [sorted(c, key=lambda b: -b.cum_logprob)[:width] for c in candidates]
     return [
-        _best(prompt_ids[i], done[i] + live[i], params, engine.tokenizer)
+        _best(prompt_ids[i], done[i] + live[i], params, engine.tokenizer, eos_ids)
         for i in range(len(prompts))
     ]
 
 
-def _best(prompt_token_ids, sequences, params: BeamSearchParams, tokenizer) -> BeamSearchOutput:
-    ranked = sorted(sequences, key=lambda b: -b.score(params.length_penalty))[: params.beam_width]
+def _best(
+    prompt_token_ids, sequences, params: BeamSearchParams, tokenizer, eos_ids
+) -> BeamSearchOutput:
+    def score(beam: BeamSearchSequence) -> float:
+        return beam.score(params.length_penalty, eos_ids)
+
+    ranked = sorted(sequences, key=score, reverse=True)[: params.beam_width]
     for sequence in ranked:
         if tokenizer is not None:
-            sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
+            sequence.text = tokenizer.decode(sequence.tokens)
     return BeamSearchOutput(prompt_token_ids, ranked)

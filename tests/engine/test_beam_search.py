@@ -1,4 +1,5 @@
-"""Beam search equals a brute-force beam search written plainly on Transformers' logits."""
+"""Beam search equals a brute-force beam search written plainly on Transformers' logits,
+ranked and returned as vLLM's `LLM.beam_search` does (prompt included)."""
 
 import pytest
 import torch
@@ -21,8 +22,12 @@ def plain_beam_search(model, prompt, width, max_tokens, eos_ids, length_penalty)
                 beam = ([*tokens, token], score + value)
                 (done if token in eos_ids else candidates).append(beam)
         live = sorted(candidates, key=lambda b: -b[1])[:width]
-    ranked = sorted(done + live, key=lambda b: -b[1] / len(b[0]) ** length_penalty)
-    return ranked[:width]
+    def score(beam):  # vLLM's: over the prompt's tokens too, a final EOS not counted
+        tokens, cum_logprob = beam
+        length = len(prompt) + len(tokens) - (1 if tokens[-1] in eos_ids else 0)
+        return cum_logprob / length**length_penalty
+
+    return sorted(done + live, key=score, reverse=True)[:width]
 
 
 @pytest.mark.parametrize(("width", "length_penalty", "eos"), [(3, 1.0, None), (2, 0.5, "top")])
@@ -40,9 +45,12 @@ def test_beams_and_scores_match_a_plain_search(tiny_llama, width, length_penalty
     params = BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=length_penalty)
     (output,) = llm.beam_search([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     expected = plain_beam_search(hf_model, prompt, width, 6, eos_ids, length_penalty)
-    assert [s.tokens for s in output.sequences] == [tokens for tokens, _ in expected]
-    for sequence, (_, score) in zip(output.sequences, expected, strict=True):
-        assert sequence.cumulative_logprob == pytest.approx(score, abs=1e-4)
+    assert [s.tokens for s in output.sequences] == [prompt + tokens for tokens, _ in expected]
+    for sequence, (tokens, score) in zip(output.sequences, expected, strict=True):
+        assert sequence.cum_logprob == pytest.approx(score, abs=1e-4)
+        assert len(sequence.logprobs) == len(tokens)
+        assert all(token in step for token, step in zip(tokens, sequence.logprobs, strict=True))
+        assert sequence.text == llm.get_tokenizer().decode(prompt + tokens)
     if eos == "top":
         assert any(s.tokens[-1] in eos_ids for s in output.sequences)
     llm.llm_engine.engine_core.check_integrity()
