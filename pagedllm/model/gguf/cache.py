@@ -34,6 +34,9 @@ def save_atomically(cache_dir: str, save: Callable[[str], Any]) -> None:
         save(staging)
         os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
         os.replace(staging, cache_dir)
-    except OSError as error:  # a read-only home only costs the next start some seconds
-        logger.warning("could not write the cache %s: %s", cache_dir, error)
+    except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if os.path.isdir(cache_dir):  # a process starting beside this one wrote it first
+            return
+        # A read-only home only costs the next start some seconds.
+        logger.warning("could not write the cache %s: %s", cache_dir, error)
