@@ -66,6 +66,13 @@ CASES = {
     "token-id prompt": (COMPLETIONS, f'{{"prompt": [1, {VOCAB}], "max_tokens": 2}}', "prompt"),
     "token-id prompts": (COMPLETIONS, '{"prompt": [[1, 2], [3, -1]], "max_tokens": 2}', "prompt"),
     "detokenize": ("/detokenize", f'{{"tokens": [1, {VOCAB}]}}', "tokens"),
+    # A part this server cannot read is named by its type (not pydantic's union message).
+    "image content part": (
+        CHAT,
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, '
+        '{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}], "max_tokens": 2}',
+        "messages",
+    ),
     # Integers within the engine's types.
     **{
         f"huge {field}": (CHAT, chat(f'"{field}": {HUGE}'), field)
@@ -283,3 +290,9 @@ def test_values_at_the_limits_are_served(server):
     for body in bodies:
         response = post_raw(server, CHAT, body)
         assert response.status_code == 200, response.text
+
+
+def test_an_image_part_is_refused_by_its_type(server):
+    error = assert_refused(post_raw(server, CHAT, CASES["image content part"][1]), "messages")
+    assert error["param"] == "messages"
+    assert "'image_url' part" in error["message"] and "text parts only" in error["message"]

@@ -61,3 +61,6 @@ def test_first_chunk_arrives_no_earlier_than_the_first_token(server, path, body)
     assert elapsed >= engine_ttft, (elapsed, engine_ttft)
     if path == "/v1/chat/completions":
         assert first["choices"][0]["delta"]["role"] == "assistant"
+        # vLLM's fields on every chunk's choice, the first included.
+        assert first["choices"][0]["stop_reason"] is None
+        assert first["choices"][0]["finish_reason"] is None

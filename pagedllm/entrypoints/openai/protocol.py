@@ -243,6 +243,22 @@ class ChatMessage(OpenAIModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """An image or audio part is refused by its type, not with pydantic's message about
+        every member of the union it failed."""
+        if isinstance(value, list):
+            for index, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise InvalidRequestError(
+                        f"messages: content[{index}] is a {kind[:40]!r} part; this server "
+                        "reads text parts only (type 'text')",
+                        "messages",
+                    )
+        return value
+
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string."""
         message = self.model_dump(exclude_none=True, exclude={"content"})

@@ -237,6 +237,7 @@ class OpenAIServingChat(OpenAIServing):
                 for index in range(request.n):
                     role = {"index": index, "delta": {"role": "assistant", "content": ""}}
                     choice = {**role, "logprobs": None, "finish_reason": None}
+                    choice["stop_reason"] = None  # every chunk's choice has vLLM's fields
                     yield sse({**base, "choices": [choice]})
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
