@@ -333,3 +333,23 @@ def test_prompt_logprobs_with_stream_are_refused_by_name(server):
         response = server.post(path, body)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(server, llm):
+    """lm-eval's loglikelihood request: the prompt back with its logprobs, nothing generated."""
+    prompt = "The three primary colors are"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    answer = server.post("/v1/completions", body)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["text"] == prompt
+    assert answer.json()["usage"]["completion_tokens"] == 0
+    expected = llm.generate(prompt, greedy(1, prompt_logprobs=1), use_tqdm=False)[0]
+    token_logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(token_logprobs) == len(expected.prompt_token_ids) and token_logprobs[0] is None
+    for token_id, value, offline in zip(
+        expected.prompt_token_ids[1:], token_logprobs[1:], expected.prompt_logprobs[1:], strict=True
+    ):
+        assert value == pytest.approx(offline[token_id].logprob, abs=1e-4)
+    refused = server.post("/v1/completions", {**body, "echo": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

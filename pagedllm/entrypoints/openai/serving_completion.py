@@ -69,6 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _params(self, request: CompletionRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens(request.max_tokens, num_prompt_tokens, DEFAULT_MAX_TOKENS)
+        if scores_prompt_only(request):  # one token is generated and dropped, as vLLM does
+            max_tokens = self.max_tokens(1, num_prompt_tokens, None)
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, request.logprobs)
@@ -92,6 +94,8 @@ class OpenAIServingCompletion(OpenAIServing):
         text, logprobs = completion.text, None
         token_ids = list(completion.token_ids)
         positions: list[PositionLogprobs | None] = list(completion.logprobs or [])
+        if scores_prompt_only(request):
+            text, token_ids, positions = "", [], []
         if echo_prompt:
             text = self._prompt_text(prompt) + text
             token_ids = prompt.token_ids + token_ids
@@ -141,7 +145,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for index, output in sorted(finals.items())
             for completion in output.outputs
         ]
-        num_completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        num_completion = sum(
+            num_completion_tokens(request, c) for o in finals.values() for c in o.outputs
+        )
         return {
             "id": request_id,
             "object": "text_completion",
@@ -161,7 +167,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoed: set[int] = set()
         async for prompt_index, output in results:
             for completion in output.outputs:
-                num_completion += len(completion.token_ids)
+                num_completion += num_completion_tokens(request, completion)
                 index = prompt_index * request.n + completion.index
                 echo = request.echo and index not in echoed
                 echoed.add(index)
@@ -189,3 +195,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     "usage": usage(num_prompt, num_completion),
                 }
             )
+
+
+def scores_prompt_only(request: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt comes back (with its logprobs if asked for)
+    and nothing is generated, as vLLM answers it (lm-eval scores prompts this way)."""
+    return request.echo and request.max_tokens == 0
+
+
+def num_completion_tokens(request: CompletionRequest, completion: CompletionOutput) -> int:
+    return 0 if scores_prompt_only(request) else len(completion.token_ids)
