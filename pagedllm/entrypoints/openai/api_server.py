@@ -13,8 +13,10 @@ requests fail with a 500 (an error event in a stream), /health and new requests 
 and the server exits with status 1 shortly after. With `--restart-on-engine-failure`, a core
 that exits or stalls is killed and replaced instead: in-flight requests fail, new requests
 are answered 503 while the new core loads and served after, and
-`pagedllm:engine_restarts_total` counts the restarts. SIGHUP reloads
-`--api-keys-file` (a file that fails to load keeps the old keys).
+`pagedllm:engine_restarts_total` counts the restarts. A new core not ready within
+`--engine-startup-timeout` is killed and started again, `--engine-restart-attempts` times in
+all; then the server logs why and exits 1. SIGHUP reloads `--api-keys-file` in a worker
+thread (a file that fails to load keeps the old keys).
 
 LoRA (`--enable-lora`): the adapters of `--lora-modules` are read and checked while the core
 loads the model, and a bad one stops the server with the reason before it serves.
@@ -68,6 +70,8 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
         # Read while the core loads the model: a bad adapter stops the server before it serves.
         loras = lora_registry(engine, config)
+        engine.startup_timeout_s = config.engine_startup_timeout
+        engine.restart_attempts = config.engine_restart_attempts
         await engine.start()
         if config.chat_template is not None:
             # The server's template stands in for the model's everywhere one is rendered
@@ -89,7 +93,9 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         server = DrainingServer(_uvicorn_config(app, config), engine, config.shutdown_timeout)
         # After uvicorn set up its loggers: keys sent in a query string stay out of the log.
         redact_access_log()
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.state.tenants.reload)
+        asyncio.get_running_loop().add_signal_handler(
+            signal.SIGHUP, app.state.tenants.reload_in_background
+        )
         engine.on_dead.append(lambda: _exit_soon(server))
         # uvicorn re-raises the signal that stopped it once it is done; a handler of our own
         # keeps that from killing the process before it exits with its own status.
