@@ -79,6 +79,24 @@ def add_serve_parser(subparsers) -> None:
         help="when the engine core exits or stalls, end the requests in flight with an error, "
         "start a new core and go on serving (default: the server exits 1)",
     )
+    frontend.add_argument(
+        "--engine-startup-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds an engine core may take to load and be ready; a restarted core that is "
+        "not ready by then (stopped, or too slow) is killed and started again (default: 600 "
+        "for the first start, as vLLM's VLLM_ENGINE_READY_TIMEOUT_S; a restart loads the same "
+        "model on the same host, so it gets 3 times the first start's time, at least 60)",
+    )
+    frontend.add_argument(
+        "--engine-restart-attempts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="with --restart-on-engine-failure: start attempts per restart, 1 s apart, then "
+        "2 s, 4 s, ... (at most 30 s); when all fail the server logs why and exits 1",
+    )
     observability = section(parser, "observability")
     observability.add_argument(
         "--enable-log-requests",
@@ -395,6 +413,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "shutdown_timeout": args.shutdown_timeout,
         "engine_iteration_timeout": args.engine_iteration_timeout,
         "restart_on_engine_failure": args.restart_on_engine_failure,
+        "engine_startup_timeout": args.engine_startup_timeout,
+        "engine_restart_attempts": args.engine_restart_attempts,
         "enable_log_requests": args.enable_log_requests,
         "audit_log": args.audit_log,
         "audit_log_max_bytes": args.audit_log_max_bytes,

@@ -15,7 +15,10 @@ Supervision, per core: a watchdog task reports a core that owes outputs (request
 finished) and sends none for `iteration_timeout_s` as stalled (`unavailable_reason`,
 `on_stalled`); a core that exits, or stalls, ends the requests in flight on it with
 `EngineDeadError`. With `restart_on_failure` it is then killed and replaced by a new core (a
-new `MPClient`) and new requests are served again; without it the engine stays dead
+new `MPClient`) and new requests are served again; a new core that is not ready within the
+start-up deadline (`startup_timeout_s`, else one derived from the first start's time), stopped
+or too slow, is killed and started again, up to `restart_attempts` times with a growing pause
+between them, and then the engine is dead. Without `restart_on_failure` the engine stays dead
 (`on_dead`: every request fails, whichever core it ran on), and a stalled core stays
 reported until it sends something again. While any core is stalled or restarting the engine
 is unavailable (/health 503). `fail_all_requests` ends what is running with an error of the
@@ -57,6 +60,18 @@ logger = logging.getLogger("pagedllm")
 
 # How often the watchdog looks for a stalled core.
 WATCHDOG_INTERVAL_S = 0.5
+# The first start's deadline when none is given: vLLM's VLLM_ENGINE_READY_TIMEOUT_S.
+FIRST_START_TIMEOUT_S = 600.0
+# A restart loads the same model on the same host as the first start did: without a deadline
+# of its own it gets this many times the first start's time (a busy host, a cold page cache),
+# and never less than the floor (a first start of a few seconds says little).
+RESTART_TIMEOUT_FACTOR = 3.0
+MIN_RESTART_TIMEOUT_S = 60.0
+DEFAULT_RESTART_ATTEMPTS = 3
+# The pause before a restart's second start attempt, doubled before each further one (a
+# host short of memory or a device still being released gets time), up to the cap.
+RESTART_BACKOFF_S = 1.0
+MAX_RESTART_BACKOFF_S = 30.0
 
 
 class StepObserver(Protocol):
@@ -88,6 +103,11 @@ class _Core:
         self.restart_task: asyncio.Task[None] | None = None
         self.last_progress = time.monotonic()
         self.stalled_since: float | None = None  # time.monotonic() of its last output
+        self.start_attempt = 0  # while restarting: which attempt at starting a new core
+
+
+class CoreStartFailed(Exception):
+    """Every attempt at starting a core in place of a failed one failed."""
 
 
 class AsyncLLM:
@@ -95,6 +115,8 @@ class AsyncLLM:
         # The core processes load their own config and the model while this one loads the
         # same config and the tokenizer: the start-ups overlap.
         self.args = args  # kept to start a new core after a failure
+        self._created = time.monotonic()
+        self.first_start_s: float | None = None  # how long the first start took
         self.cores: list[_Core] = []
         try:
             for index in range(args.data_parallel_size):
@@ -126,6 +148,10 @@ class AsyncLLM:
         self.iteration_timeout_s: float | None = None
         self.restart_on_failure = False
         self.num_restarts = 0
+        # Seconds a core may take to be ready (None: FIRST_START_TIMEOUT_S for the first start,
+        # `restart_timeout_s` for a restart), and start attempts per restart.
+        self.startup_timeout_s: float | None = None
+        self.restart_attempts = DEFAULT_RESTART_ATTEMPTS
         # (core index, True when stalled / False after) and (core index) after a restart.
         self.on_stalled: list[Callable[[int, bool], None]] = []
         self.on_restarted: list[Callable[[int], None]] = []
@@ -135,7 +161,14 @@ class AsyncLLM:
 
     async def start(self) -> None:
         """Wait for the engine cores to load the model, then start reading their outputs."""
-        await asyncio.gather(*(core.client.wait_ready() for core in self.cores))
+        timeout = self.startup_timeout_s or FIRST_START_TIMEOUT_S
+        try:
+            await asyncio.gather(*(core.client.wait_ready(timeout) for core in self.cores))
+        except TimeoutError:  # the caller's shutdown kills the cores
+            raise TimeoutError(
+                f"the engine core was not ready within {timeout:.0f} s (--engine-startup-timeout)"
+            ) from None
+        self.first_start_s = time.monotonic() - self._created
         for core in self.cores:
             self._start_reading(core)
         self._watchdog_task = asyncio.create_task(self._watch())
@@ -143,6 +176,16 @@ class AsyncLLM:
     def _start_reading(self, core: _Core) -> None:
         core.last_progress = time.monotonic()
         core.output_task = asyncio.create_task(self._handle_events(core))
+
+    @property
+    def restart_timeout_s(self) -> float:
+        """The deadline of a restarted core's start: the one given, else derived from the
+        first start's time."""
+        if self.startup_timeout_s is not None:
+            return self.startup_timeout_s
+        if self.first_start_s is None:
+            return FIRST_START_TIMEOUT_S
+        return max(MIN_RESTART_TIMEOUT_S, RESTART_TIMEOUT_FACTOR * self.first_start_s)
 
     @property
     def client(self) -> MPClient:
@@ -190,7 +233,8 @@ class AsyncLLM:
         for core in self.cores:  # data parallel: the reason names the core
             which = f" (engine core {core.index})" if self.router is not None else ""
             if core.restart_task is not None:
-                return f"the engine is restarting after a failure{which}"
+                attempt = f"start attempt {core.start_attempt} of {self.restart_attempts}"
+                return f"the engine is restarting after a failure ({attempt}){which}"
             if core.stalled_since is not None:
                 stalled_for = time.monotonic() - core.stalled_since
                 return f"the engine has made no progress for {stalled_for:.0f} s{which}"
@@ -433,14 +477,8 @@ class AsyncLLM:
             core.output_task.cancel()
         await old.kill_now()
         try:
-            core.client = MPClient(self.args, core.index)
-            await core.client.wait_ready()
-        except asyncio.CancelledError:  # shutdown while the new core loads
-            core.client.kill()
-            raise
-        except Exception as start_error:
-            logger.exception("Restarting the engine core failed")
-            core.client.kill()
+            await self._start_new_core(core)
+        except CoreStartFailed as start_error:
             core.restart_task = None
             self._fail_all(EngineDeadError(f"restarting the engine failed: {start_error}"))
             return
@@ -458,6 +496,58 @@ class AsyncLLM:
         )
         for callback in self.on_restarted:
             callback(core.index)
+
+    async def _start_new_core(self, core: _Core) -> None:
+        """Start a core in place of a failed one: `restart_attempts` tries, each killed if not
+        ready within `restart_timeout_s` (a stopped core never is), with a growing pause
+        between them; `CoreStartFailed` (logged for the operator) when all failed."""
+        timeout, attempts = self.restart_timeout_s, self.restart_attempts
+        for attempt in range(1, attempts + 1):
+            core.start_attempt = attempt
+            try:
+                await self._start_core_once(core, timeout)
+                return
+            except Exception as error:
+                reason = _start_failure(error, timeout)
+            if attempt == attempts:
+                self._log_giving_up(core, attempts, reason, timeout)
+                raise CoreStartFailed(f"{attempts} start attempt(s) failed, the last: {reason}")
+            pause = min(MAX_RESTART_BACKOFF_S, RESTART_BACKOFF_S * 2 ** (attempt - 1))
+            logger.error(
+                "Engine core%s start attempt %d of %d failed: %s; trying again in %.0f s",
+                self._which(core),
+                attempt,
+                attempts,
+                reason,
+                pause,
+            )
+            await asyncio.sleep(pause)
+
+    def _log_giving_up(self, core: _Core, attempts: int, reason: str, timeout_s: float) -> None:
+        # The line an operator reads when the server has exited: what failed, and what to do.
+        logger.error(
+            "Engine core%s start attempt %d of %d failed: %s. Giving up: the server exits. "
+            "The engine core's log above says why it did not start; if it was only slow, "
+            "raise --engine-startup-timeout (now %.0f s).",
+            self._which(core),
+            attempts,
+            attempts,
+            reason,
+            timeout_s,
+        )
+
+    async def _start_core_once(self, core: _Core, timeout_s: float) -> None:
+        """One new core, ready within `timeout_s`; one that is not is killed before this
+        raises (SIGKILL ends a stopped process too), so no attempt leaves a process behind."""
+        try:
+            core.client = MPClient(self.args, core.index)
+            await core.client.wait_ready(timeout_s)
+        except asyncio.CancelledError:  # shutdown while the new core loads
+            core.client.kill()
+            raise
+        except Exception:
+            await core.client.kill_now()
+            raise
 
     def fail_all_requests(self, error: Exception) -> int:
         """End every running request with `error` and refuse new ones with it (a drain that
@@ -495,6 +585,13 @@ class AsyncLLM:
                 with contextlib.suppress(asyncio.CancelledError):
                     await core.restart_task
         await asyncio.gather(*(core.client.shutdown() for core in self.cores))
+
+
+def _start_failure(error: Exception, timeout_s: float) -> str:
+    """Why a start attempt failed, in words for the log and the error requests get."""
+    if isinstance(error, TimeoutError):
+        return f"the new core was not ready within {timeout_s:.0f} s (stopped or too slow)"
+    return str(error) or type(error).__name__
 
 
 def _cost(request: EngineCoreRequest) -> Cost:

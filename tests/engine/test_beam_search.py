@@ -22,6 +22,7 @@ def plain_beam_search(model, prompt, width, max_tokens, eos_ids, length_penalty)
                 beam = ([*tokens, token], score + value)
                 (done if token in eos_ids else candidates).append(beam)
         live = sorted(candidates, key=lambda b: -b[1])[:width]
+
     def score(beam):  # vLLM's: over the prompt's tokens too, a final EOS not counted
         tokens, cum_logprob = beam
         length = len(prompt) + len(tokens) - (1 if tokens[-1] in eos_ids else 0)

@@ -4,10 +4,14 @@ reload, cache salts, token charging of a generation and the access-log redaction
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import threading
 
 import pytest
 
+from pagedllm.entrypoints.openai import tenants
+from pagedllm.entrypoints.openai.key_index import KeyIndex, key_digest
 from pagedllm.entrypoints.openai.serving import charge_generated_tokens
 from pagedllm.entrypoints.openai.tenant_limits import (
     Refusal,
@@ -27,6 +31,8 @@ from pagedllm.entrypoints.openai.tenants import (
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+WAIT_S = 60.0  # bound on what a test waits for (the machine may be busy)
 
 
 class FakeClock:
@@ -273,6 +279,82 @@ def test_reload_adds_and_removes_keys_and_a_bad_file_keeps_the_old(tmp_path, cap
     path.write_text("")  # an emptied file must not open the server to everyone
     assert not registry.reload() and registry.requires_key
     assert "sk-" not in caplog.text
+
+
+def test_a_key_is_found_by_its_digest_without_comparing_it_to_every_key(tmp_path, monkeypatch):
+    # 100,000 tenants, as the issue measured: a request (a wrong key too) used to compare its
+    # key's digest with every one of them on the event loop.
+    path = tmp_path / "keys"
+    path.write_text("".join(f"t{i} sk-{i:08d}\n" for i in range(100_000)))
+    registry = TenantRegistry([], str(path), clock=FakeClock())
+    comparisons = []
+
+    def counted(a: bytes, b: bytes) -> bool:
+        comparisons.append(1)
+        return a == b
+
+    monkeypatch.setattr(hmac, "compare_digest", counted)
+    assert registry.authenticate("Bearer sk-00099999").name == "t99999"
+    assert registry.authenticate("Bearer sk-00000000").name == "t0"
+    assert registry.authenticate("Bearer sk-wrong") is None
+    assert comparisons == []
+    index = registry._index  # the lookup structure: one entry per key, by its digest
+    assert isinstance(index, KeyIndex) and len(index) == 100_000
+    assert index.digests() == {key_digest(f"sk-{i:08d}") for i in range(100_000)}
+
+
+def test_key_index_keeps_digests_never_keys():
+    index = KeyIndex([(key_digest("sk-a"), "a"), (key_digest("sk-b"), "b")])
+    assert index.find("sk-a") == "a" and index.find("sk-b") == "b"
+    assert index.find("sk-") is None and index.find("") is None
+    assert list(index) == ["a", "b"] and len(index) == 2
+    assert all(len(digest) == 32 for digest in index.digests())
+    assert "sk-a" not in repr(vars(index))
+
+
+def test_a_reload_parses_in_a_worker_thread_while_the_loop_serves(tmp_path, monkeypatch):
+    path = tmp_path / "keys"
+    path.write_text("alice sk-alice\n")
+    registry = TenantRegistry([], str(path), clock=FakeClock())
+    path.write_text("bob sk-bob\n")
+    parsing, release = threading.Event(), threading.Event()
+    parsed_in: list[threading.Thread] = []
+    real_load = tenants.load_tenants
+
+    def slow_load(*args):
+        parsed_in.append(threading.current_thread())
+        parsing.set()
+        # Let go by the test's coroutine on the event loop: a parse that ran on the loop
+        # would wait here in vain.
+        assert release.wait(WAIT_S), "the event loop was blocked while the file was parsed"
+        return real_load(*args)
+
+    monkeypatch.setattr(tenants, "load_tenants", slow_load)
+
+    async def run() -> None:
+        reload = asyncio.create_task(registry.reload_off_loop())
+        assert await asyncio.to_thread(parsing.wait, WAIT_S), "the reload never started"
+        # The loop serves meanwhile, with the old keys only: the swap is all or nothing.
+        assert registry.authenticate("Bearer sk-alice").name == "alice"
+        assert registry.authenticate("Bearer sk-bob") is None
+        release.set()
+        assert await reload
+        assert registry.authenticate("Bearer sk-alice") is None
+        assert registry.authenticate("Bearer sk-bob").name == "bob"
+
+    asyncio.run(run())
+    assert parsed_in and parsed_in[0] is not threading.main_thread()
+
+
+def test_a_bad_file_reloaded_off_the_loop_keeps_the_old_keys(tmp_path, caplog):
+    path = tmp_path / "keys"
+    path.write_text("alice sk-alice\n")
+    registry = TenantRegistry([], str(path), clock=FakeClock())
+    path.write_text("alice sk-alice\nbob\n")
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        assert not asyncio.run(registry.reload_off_loop())
+    assert "Keeping the old API keys" in caplog.text and "line 2" in caplog.text
+    assert registry.authenticate("Bearer sk-alice").name == "alice"
 
 
 # ---- token charging of one generation -------------------------------------------------------

@@ -1,16 +1,20 @@
 """Engine supervision and shutdown on a tiny model: a frozen core (SIGSTOP) is reported and
 recovers; with --restart-on-engine-failure a frozen or killed core is replaced, in-flight
-requests end with an OpenAI error and the next one is served; a drain that times out ends
-every request in OpenAI's shape; SIGTERM to the whole process group drains and exits 0."""
+requests end with an OpenAI error and the next one is served; a core stopped while it
+restarts is killed at --engine-startup-timeout and another started, and when every attempt
+fails the server says why and exits 1; a drain that times out ends every request in OpenAI's
+shape; SIGTERM to the whole process group drains and exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import threading
 from functools import partial
+from pathlib import Path
 
 import httpx2 as httpx
 import psutil
@@ -18,6 +22,12 @@ import pytest
 from server_utils import RunningServer, health, queue_is_full, wait_until
 
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.frontend.async_llm import (
+    FIRST_START_TIMEOUT_S,
+    MIN_RESTART_TIMEOUT_S,
+    RESTART_TIMEOUT_FACTOR,
+    AsyncLLM,
+)
 
 WAIT_S = 120.0  # bound on anything a test waits for (the machine may be busy)
 # Small enough to see a freeze quickly, large enough that a busy machine's step is no stall.
@@ -204,6 +214,141 @@ def test_restart_replaces_a_failed_core_and_serves_again(failure, tiny_llama, tm
         assert server.stop() == 0, server.log()
 
 
+# Written into a folder on the server's PYTHONPATH: Python imports `sitecustomize` in every
+# process it starts, so an engine core (multiprocessing's spawn_main) that finds a claim file
+# left by the test takes it and stops itself (SIGSTOP) before anything else, as a core
+# stopped while it starts up: exactly one core per file, none before the test asks.
+STOP_HOOK = """
+import os, signal
+claims = os.environ.get("PAGEDLLM_TEST_STOP_CORES")
+with open("/proc/self/cmdline", "rb") as cmdline:
+    is_core = b"spawn_main" in cmdline.read()
+if claims and is_core:
+    for name in sorted(os.listdir(claims)):
+        try:
+            os.unlink(os.path.join(claims, name))
+        except FileNotFoundError:  # another core took it
+            continue
+        open(os.path.join(claims + ".stopped", str(os.getpid())), "w").close()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        break
+"""
+
+
+def stop_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """Install STOP_HOOK for servers started next: (the folder where each file makes one
+    core stop, the folder where each stopped core leaves its pid)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STOP_HOOK)
+    claims, stopped = tmp_path / "claims", tmp_path / "claims.stopped"
+    claims.mkdir()
+    stopped.mkdir()
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("PAGEDLLM_TEST_STOP_CORES", str(claims))
+    return claims, stopped
+
+
+def stop_next_cores(claims: Path, count: int) -> None:
+    for number in range(count):
+        (claims / str(number)).touch()
+
+
+def stopped_cores(stopped: Path) -> list[psutil.Process]:
+    """The cores the hook stopped that still exist (not yet killed and reaped)."""
+    alive = []
+    for entry in stopped.iterdir():
+        try:
+            process = psutil.Process(int(entry.name))
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def kill_stopped_cores(stopped: Path) -> None:
+    """A failed assertion must not leave a core of the test's stopped forever."""
+    for process in stopped_cores(stopped):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
+# The start-up deadline of the tests below (the first start's too): a stopped core is killed
+# this long after it was started, and an unhindered tiny core starts well within it even on a
+# busy machine.
+STARTUP_TIMEOUT = "20"
+
+
+@pytest.mark.slow  # a server
+def test_a_core_stopped_while_it_restarts_is_killed_and_another_serves(
+    tiny_llama, tmp_path, monkeypatch
+):
+    claims, stopped = stop_hook(tmp_path, monkeypatch)
+    args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
+    args += ["--engine-startup-timeout", STARTUP_TIMEOUT, "--engine-restart-attempts", "3"]
+    server = RunningServer(args, tmp_path / "log")
+    try:
+        old_core = core_process(server)
+        stop_next_cores(claims, 1)  # the first core started in its place stops at once
+        old_core.kill()
+        wait_until(lambda: bool(stopped_cores(stopped)), "the new core to stop")
+        # While the stopped core is waited for, the server says so and refuses new requests.
+        assert health(server) == 503
+        refused = server.post("/v1/completions", body(max_tokens=2))
+        assert_openai_error(refused, 503, "restarting after a failure (start attempt 1 of 3)")
+
+        wait_until(lambda: health(server) == 200, "a core that serves", WAIT_S)
+        answer = server.post("/v1/completions", body(max_tokens=8))
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 8
+        log = server.log()
+        assert "start attempt 1 of 3 failed: the new core was not ready within 20 s" in log
+        assert "Engine core restarted" in log and "Giving up" not in log
+        assert server.metric("engine_restarts_total") == 1
+        # The stopped core was killed and reaped; only the serving core is left.
+        assert stopped_cores(stopped) == []
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        cores = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert [c.pid for c in cores] == [core_process(server).pid]
+        assert cores[0].status() != psutil.STATUS_STOPPED
+    finally:
+        kill_stopped_cores(stopped)
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.slow  # a server
+def test_a_core_that_never_comes_up_ends_the_server_with_the_reason(
+    tiny_llama, tmp_path, monkeypatch
+):
+    claims, stopped = stop_hook(tmp_path, monkeypatch)
+    args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
+    args += ["--engine-startup-timeout", STARTUP_TIMEOUT, "--engine-restart-attempts", "2"]
+    server = RunningServer(args, tmp_path / "log")
+    try:
+        old_core = core_process(server)
+        stop_next_cores(claims, 2)  # every attempt stops
+        old_core.kill()
+        wait_until(lambda: bool(stopped_cores(stopped)), "the first new core to stop")
+        refused = server.post("/v1/completions", body(max_tokens=2))
+        assert_openai_error(refused, 503, "restarting after a failure")
+
+        assert server.process.wait(WAIT_S) == 1, server.log()
+        log = server.log()
+        assert "start attempt 1 of 2 failed: the new core was not ready within 20 s" in log
+        assert "trying again in 1 s" in log
+        assert "start attempt 2 of 2 failed: the new core was not ready within 20 s" in log
+        assert "Giving up: the server exits" in log and "--engine-startup-timeout" in log
+        assert "Engine core restarted" not in log
+        assert len(list(stopped.iterdir())) == 2 and not list(claims.iterdir())
+        # Both stopped cores were killed: the server left nothing behind.
+        wait_until(lambda: stopped_cores(stopped) == [], "the stopped cores to be gone")
+    finally:
+        kill_stopped_cores(stopped)
+        server.stop()
+
+
 @pytest.mark.slow  # a server
 def test_drain_timeout_ends_requests_with_openai_errors(tiny_llama, tmp_path):
     args = [str(tiny_llama), "--shutdown-timeout", "1", "--max-num-queued-requests", "2"]
@@ -280,3 +425,26 @@ def test_sigterm_to_the_process_group_drains_and_exits_zero(run, tiny_llama, tmp
 def test_engine_iteration_timeout_must_be_positive_and_finite(value):
     with pytest.raises(ValueError, match="engine_iteration_timeout"):
         ServerConfig(served_model_names=("m",), engine_iteration_timeout=value)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
+def test_engine_startup_timeout_must_be_positive_and_finite(value):
+    with pytest.raises(ValueError, match="engine_startup_timeout"):
+        ServerConfig(served_model_names=("m",), engine_startup_timeout=value)
+
+
+def test_engine_restart_attempts_must_be_at_least_one():
+    with pytest.raises(ValueError, match="engine_restart_attempts must be >= 1"):
+        ServerConfig(served_model_names=("m",), engine_restart_attempts=0)
+
+
+def test_a_restart_deadline_is_the_one_given_or_follows_the_first_start():
+    engine = AsyncLLM.__new__(AsyncLLM)  # the deadline's arithmetic alone: no core started
+    engine.startup_timeout_s, engine.first_start_s = None, None
+    assert engine.restart_timeout_s == FIRST_START_TIMEOUT_S  # no first start to go by
+    engine.first_start_s = 5.0  # a few seconds say little: the floor
+    assert engine.restart_timeout_s == MIN_RESTART_TIMEOUT_S
+    engine.first_start_s = 100.0
+    assert engine.restart_timeout_s == RESTART_TIMEOUT_FACTOR * 100.0
+    engine.startup_timeout_s = 7.0
+    assert engine.restart_timeout_s == 7.0

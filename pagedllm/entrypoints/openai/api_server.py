@@ -13,8 +13,10 @@ requests fail with a 500 (an error event in a stream), /health and new requests 
 and the server exits with status 1 shortly after. With `--restart-on-engine-failure`, a core
 that exits or stalls is killed and replaced instead: in-flight requests fail, new requests
 are answered 503 while the new core loads and served after, and
-`pagedllm:engine_restarts_total` counts the restarts. SIGHUP reloads
-`--api-keys-file` (a file that fails to load keeps the old keys).
+`pagedllm:engine_restarts_total` counts the restarts. A new core not ready within
+`--engine-startup-timeout` is killed and started again, `--engine-restart-attempts` times in
+all; then the server logs why and exits 1. SIGHUP reloads `--api-keys-file` in a worker
+thread (a file that fails to load keeps the old keys).
 
 LoRA (`--enable-lora`): the adapters of `--lora-modules` are read and checked while the core
 loads the model, and a bad one stops the server with the reason before it serves.
@@ -70,6 +72,8 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         config = ServerConfig(served_model_names=tuple(names), **config_overrides)
         # Read while the core loads the model: a bad adapter stops the server before it serves.
         loras = lora_registry(engine, config)
+        engine.startup_timeout_s = config.engine_startup_timeout
+        engine.restart_attempts = config.engine_restart_attempts
         await engine.start()
         if config.chat_template is not None:
             # The server's template stands in for the model's everywhere one is rendered
@@ -128,10 +132,14 @@ def open_audit_log(config: ServerConfig) -> AuditLog | None:
 
 
 def reload_keys(tenants: TenantRegistry, audit_log: AuditLog | None) -> None:
-    """SIGHUP: the keys file read again, an admin action in the audit log."""
-    reloaded = tenants.reload()
-    if audit_log is not None:
-        audit_log.admin("reload_api_keys", None, ok=reloaded, num_tenants=len(tenants.names))
+    """SIGHUP: the keys file read again off the event loop; once done, an admin action in
+    the audit log."""
+
+    def audited(reloaded: bool) -> None:
+        if audit_log is not None:
+            audit_log.admin("reload_api_keys", None, ok=reloaded, num_tenants=len(tenants.names))
+
+    tenants.reload_in_background(audited)
 
 
 def _exit_soon(server: uvicorn.Server) -> None:

@@ -40,9 +40,13 @@ class ServerConfig:
     allow_unknown_fields: bool = False
     shutdown_timeout: float = 30.0
     # Engine supervision: seconds a core with unfinished requests may send nothing before it
-    # counts as stalled, and whether a failed (exited or stalled) core is replaced.
+    # counts as stalled, and whether a failed (exited or stalled) core is replaced; seconds a
+    # core may take to start (None: 600 for the first start, a restart 3 x the first start's
+    # time, at least 60), and start attempts per restart before the server gives up.
     engine_iteration_timeout: float = 60.0
     restart_on_engine_failure: bool = False
+    engine_startup_timeout: float | None = None
+    engine_restart_attempts: int = 3
     enable_log_requests: bool = False
     # `audit_log.py`: the file (None: no audit log), its rotation, prompts in its lines.
     audit_log: str | None = None
@@ -86,6 +90,17 @@ class ServerConfig:
             raise ValueError(
                 "engine_iteration_timeout must be a finite number of seconds > 0, got "
                 f"{self.engine_iteration_timeout}"
+            )
+        if self.engine_startup_timeout is not None and not (
+            0 < self.engine_startup_timeout < float("inf")
+        ):
+            raise ValueError(
+                "engine_startup_timeout must be a finite number of seconds > 0, got "
+                f"{self.engine_startup_timeout}"
+            )
+        if self.engine_restart_attempts < 1:
+            raise ValueError(
+                f"engine_restart_attempts must be >= 1, got {self.engine_restart_attempts}"
             )
         for name in ("max_num_queued_tokens", "max_request_body_bytes"):
             value = getattr(self, name)

@@ -144,8 +144,8 @@ class OpenAIServing:
     def check_capacity(self) -> None:
         """Refuse early, before tokenizing, when not even the cheapest request (one prompt of
         one token) would be admitted; `admit` checks the request's real cost."""
-        if self.engine.is_dead:
-            raise OpenAIError(503, "the engine is not running")
+        if self.engine.is_dead:  # why, as /health says it: stalled, restarting or gone
+            raise OpenAIError(503, self.engine.unavailable_reason or "the engine is not running")
         try:
             self.engine.admission.check(Cost(1, 1), self.queue_limits)
         except QueueFullError as error:

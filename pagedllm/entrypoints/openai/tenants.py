@@ -5,7 +5,9 @@ One API key is one tenant. Keys come from `--api-key` (repeatable; its tenants a
 whose lines are `name key [limit=N ...]` (limits from `TenantLimits`, `none` for no limit;
 `#` starts a comment), reloaded on SIGHUP. This module owns reading and checking those,
 finding the tenant of the key a request presents (in constant time), each tenant's cache
-salt, and the access-log filter that hides keys sent in a query string.
+salt, and the access-log filter that hides keys sent in a query string. Keys are found by
+their digest in a dictionary (`key_index.py`), and a reload parses the file in a worker
+thread, so neither costs the event loop time that grows with the number of tenants.
 
 The server's middleware puts the request's tenant in `current_tenant`; the serving code reads
 it from there and runs the request as that tenant (`EngineCoreRequest.tenant`), which is how
@@ -14,19 +16,19 @@ the metrics below learn it (`AsyncLLM`'s observer calls carry it).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import asyncio
 import logging
 import re
 import time
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 # DEFAULT_TENANT: the tenant of requests on a server that has no API keys.
 from pagedllm.core.messages import DEFAULT_TENANT
+from pagedllm.entrypoints.openai.key_index import KeyIndex, key_digest
 from pagedllm.entrypoints.openai.tenant_limits import Clock, TenantLimiter, TenantLimits
 from pagedllm.value_checks import INT64_MAX
 
@@ -43,12 +45,6 @@ class TenantSpec:
     name: str
     key_digest: bytes = field(repr=False)
     limits: TenantLimits
-
-
-def key_digest(key: str) -> bytes:
-    # Comparing fixed-length digests keeps the comparison's time independent of the key's
-    # length as well as its content.
-    return hashlib.sha256(key.encode()).digest()
 
 
 # ---- reading keys --------------------------------------------------------------------------
@@ -174,11 +170,25 @@ def current_tenant_name() -> str:
     return DEFAULT_TENANT if tenant is None else tenant.name
 
 
+@dataclass(frozen=True)
+class _Reload:
+    """A keys file read and matched against the tenants in use, ready to swap in; built in a
+    worker thread, so that the event loop only applies it."""
+
+    index: KeyIndex[ActiveTenant]
+    # Tenants that stay with other limits: updated on the loop, where their limiters are used.
+    changed: tuple[tuple[TenantLimiter, TenantLimits], ...]
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
 class TenantRegistry:
     """The configured tenants; `authenticate` finds a request's, `reload` re-reads the file.
 
-    With no keys at all every request runs as `DEFAULT_TENANT`. Used from the event loop
-    only (requests and the SIGHUP handler alike), so the swap on reload needs no lock.
+    With no keys at all every request runs as `DEFAULT_TENANT`. Requests and the swap of a
+    reload run on the event loop, so the swap (one assignment of a new index) needs no lock;
+    the file is read and the new index built in a worker thread (`reload_in_background`),
+    which only reads the index in use: only the loop replaces it, one reload at a time.
     """
 
     def __init__(
@@ -195,68 +205,100 @@ class TenantRegistry:
         self.share_prefix_cache = share_prefix_cache
         self.clock = clock
         self.default = ActiveTenant(DEFAULT_TENANT, TenantLimiter(self.defaults, clock), False)
-        self._tenants: tuple[tuple[bytes, ActiveTenant], ...] = ()
-        self._install(load_tenants(self.api_keys, api_keys_file, self.defaults))
+        self._index: KeyIndex[ActiveTenant] = KeyIndex()
+        self._install(self._plan(load_tenants(self.api_keys, api_keys_file, self.defaults)))
+        self._reload_lock = asyncio.Lock()  # one background reload at a time
+        self._reload_tasks: set[asyncio.Task[bool]] = set()
 
     @property
     def requires_key(self) -> bool:
-        return bool(self._tenants)
+        return bool(self._index)
 
     @property
     def names(self) -> list[str]:
-        return [tenant.name for _, tenant in self._tenants]
+        return [tenant.name for tenant in self._index]
 
     def authenticate(self, authorization: str | None) -> ActiveTenant | None:
         """The tenant whose key `Authorization: Bearer KEY` carries, else None."""
-        if not self._tenants:
+        if not self._index:
             return self.default
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             return None
-        digest = key_digest(key)
-        found = None
-        # Every key is compared, whichever matches: the time taken says nothing about which.
-        for tenant_digest, tenant in self._tenants:
-            if hmac.compare_digest(tenant_digest, digest):
-                found = tenant
-        return found
+        return self._index.find(key)  # by digest: constant time, whatever the number of keys
 
     def reload(self) -> bool:
-        """Re-read the keys file (SIGHUP). A file that fails to load keeps the old keys."""
+        """Re-read the keys file in the caller's thread. A file that fails to load keeps the
+        old keys. The server reloads with `reload_in_background` instead."""
+        plan = self._read_and_plan()
+        return plan is not None and self._apply(plan)
+
+    def reload_in_background(self, on_done: Callable[[bool], None] | None = None) -> None:
+        """SIGHUP's handler (on the event loop): reload without blocking the loop, then call
+        `on_done` with whether the new keys are in."""
+        task = asyncio.get_running_loop().create_task(self.reload_off_loop())
+        self._reload_tasks.add(task)  # a task nothing refers to may be collected mid-run
+        task.add_done_callback(self._reload_tasks.discard)
+        if on_done is not None:
+            task.add_done_callback(lambda done: on_done(_reloaded(done)))
+
+    async def reload_off_loop(self) -> bool:
+        """Read and parse the keys file in a worker thread, then swap the new keys in on the
+        loop at once; requests go on being served with the old keys meanwhile."""
+        async with self._reload_lock:  # a second SIGHUP re-reads after this one, not beside
+            try:
+                plan = await asyncio.to_thread(self._read_and_plan)
+            except Exception:  # a bug must not go unseen in a task nobody awaits
+                logger.exception("Keeping the old API keys: the reload failed")
+                return False
+            return plan is not None and self._apply(plan)
+
+    def _read_and_plan(self) -> _Reload | None:
+        """The keys file, ready to swap in; None (logged) if there is none or it is bad."""
         if self.api_keys_file is None:
             logger.warning("SIGHUP: no --api-keys-file to reload; keys unchanged")
-            return False
+            return None
         try:
             specs = load_tenants(self.api_keys, self.api_keys_file, self.defaults)
         except ValueError as error:
             logger.error("Keeping the old API keys: %s", error)
-            return False
-        before = set(self.names)
-        self._install(specs)
-        after = set(self.names)
-        logger.info(
-            "Reloaded API keys from %s: %d tenants (added: %s; removed: %s)",
-            self.api_keys_file,
-            len(after),
-            ", ".join(sorted(after - before)) or "none",
-            ", ".join(sorted(before - after)) or "none",
-        )
-        return True
+            return None
+        return self._plan(specs)
 
-    def _install(self, specs: list[TenantSpec]) -> None:
+    def _plan(self, specs: list[TenantSpec]) -> _Reload:
         # A tenant that stays keeps its limiter: a reload neither refills its budget nor
         # forgets its requests in flight.
-        previous = {tenant.name: tenant for _, tenant in self._tenants}
-        tenants = []
+        previous = {tenant.name: tenant for tenant in self._index}
+        entries, changed = [], []
         for spec in specs:
             tenant = previous.get(spec.name)
             if tenant is None:
                 limiter = TenantLimiter(spec.limits, self.clock)
                 tenant = ActiveTenant(spec.name, limiter, not self.share_prefix_cache)
-            else:
-                tenant.limiter.update(spec.limits)
-            tenants.append((spec.key_digest, tenant))
-        self._tenants = tuple(tenants)
+            elif tenant.limiter.limits != spec.limits:
+                changed.append((tenant.limiter, spec.limits))
+            entries.append((spec.key_digest, tenant))
+        names = {spec.name for spec in specs}
+        added = tuple(sorted(names - previous.keys()))
+        removed = tuple(sorted(previous.keys() - names))
+        return _Reload(KeyIndex(entries), tuple(changed), added, removed)
+
+    def _apply(self, plan: _Reload) -> bool:
+        self._install(plan)
+        logger.info(
+            "Reloaded API keys from %s: %d tenants (added: %s; removed: %s)",
+            self.api_keys_file,
+            len(plan.index),
+            ", ".join(plan.added) or "none",
+            ", ".join(plan.removed) or "none",
+        )
+        return True
+
+    def _install(self, plan: _Reload) -> None:
+        """On the loop: only the tenants whose limits changed are touched, then one swap."""
+        for limiter, limits in plan.changed:
+            limiter.update(limits)
+        self._index = plan.index
 
 
 # ---- logs ----------------------------------------------------------------------------------
@@ -296,3 +338,7 @@ def redact_access_log(logger_name: str = "uvicorn.access") -> None:
     access = logging.getLogger(logger_name)
     if not any(isinstance(f, RedactQuerySecrets) for f in access.filters):
         access.addFilter(RedactQuerySecrets())
+
+
+def _reloaded(task: asyncio.Task[bool]) -> bool:
+    return not task.cancelled() and task.exception() is None and task.result()
