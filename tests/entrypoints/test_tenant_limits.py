@@ -473,7 +473,7 @@ def test_generations_run_as_the_tenant_with_its_salt_and_budget(tmp_path):
     alice = TenantRegistry([], str(path), clock=clock).authenticate("Bearer sk-alice")
     prompts = [Prompt(None, [1, 2, 3]), Prompt(None, [4])]
     params = [SamplingParams(max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)] * 2
-    request = SimpleNamespace(cache_salt="mine", priority=0)
+    request = SimpleNamespace(cache_salt="mine", priority=0, model="m")
 
     async def run():
         context = current_tenant.set(alice)
