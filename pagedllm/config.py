@@ -392,6 +392,10 @@ class EngineArgs:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int | str | None = None
+    # vLLM's --gpu-memory-utilization, read as its CPU backend reads VLLM_CPU_KVCACHE_SPACE:
+    # the default-sized KV cache may take this fraction of the memory available at start-up
+    # instead of at most DEFAULT_KV_CACHE_MEMORY (kv_cache_memory, when set, wins).
+    gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
@@ -483,6 +487,25 @@ class EngineArgs:
                 "compile and enforce_eager exclude each other: compile runs decode steps "
                 "through torch.compile, enforce_eager keeps every step eager"
             )
+        # Read once, here: the engine cores get these arguments pickled (not rebuilt), so
+        # every process sizes the same pool whatever the free memory is when it starts.
+        self.default_kv_cache_cap = self._default_kv_cache_cap()
+
+    def _default_kv_cache_cap(self) -> int:
+        """Most bytes of each rank's KV cache when kv_cache_memory is unset: 4 GiB, or
+        gpu_memory_utilization of the memory available now, shared by every rank of every
+        engine core (each holds a pool)."""
+        fraction = self.gpu_memory_utilization
+        if fraction is None:
+            return DEFAULT_KV_CACHE_MEMORY
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {fraction!r}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+        import psutil  # here: only this option reads the machine's memory
+
+        pools = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+        return max(1, int(fraction * psutil.virtual_memory().available) // pools)
 
     def _check_quantization(self) -> None:
         verify_quantization(self.quantization)

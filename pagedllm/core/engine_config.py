@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from pagedllm.config import (
-    DEFAULT_KV_CACHE_MEMORY,
     KV_CACHE_DTYPES,
     CacheConfig,
     EngineArgs,
@@ -322,9 +321,10 @@ def _cache_config(
         bytes_per_block += kv_bytes_per_block(draft_model_config, block_size, cache_dtype)
     blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
     if args.kv_cache_memory is None:
-        # Enough for every sequence at full length, capped: most traffic is far shorter.
+        # Enough for every sequence at full length, capped (4 GiB, or the share of memory
+        # --gpu-memory-utilization gives): most traffic is far shorter.
         blocks_wanted = args.max_num_seqs * blocks_per_request + 1
-        memory = min(DEFAULT_KV_CACHE_MEMORY, blocks_wanted * bytes_per_block)
+        memory = min(args.default_kv_cache_cap, blocks_wanted * bytes_per_block)
     else:
         memory = parse_memory_size(args.kv_cache_memory)
     num_blocks = memory // bytes_per_block

@@ -1,5 +1,6 @@
 """Engine arguments as command-line flags: one `--flag-name` per `EngineArgs` field, each in
-its help section (model, cache, scheduler, ...), each help line saying its default and units."""
+its help section (model, cache, scheduler, ...), each help line saying its default and units;
+and vLLM's engine flags that have no field here (`vllm_flags`), warned about when given."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import dataclasses
 from pagedllm.config import EXECUTOR_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineArgs
 from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.flag_help import FlagParser, section
+from pagedllm.entrypoints.vllm_flags import (
+    ENGINE_FLAGS,
+    add_vllm_engine_flags,
+    compat_warnings,
+    swap_space_bytes,
+    warn_once,
+)
 
 # One line of help per EngineArgs field (tests/test_cli.py checks every field has one). A
 # default that is not None or False is appended by flag_help; a None default is said here in
@@ -22,7 +30,13 @@ ENGINE_ARG_HELP = {
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "bytes for the paged KV cache, a number or with a unit: 512MiB, 4GiB "
     "(default: enough for "
-    "max_num_seqs sequences at max_model_len, at most 4 GiB)",
+    "max_num_seqs sequences at max_model_len, at most 4 GiB or --gpu-memory-utilization's "
+    "share)",
+    "gpu_memory_utilization": "vLLM's fraction of device memory, read here as vLLM's CPU "
+    "backend reads VLLM_CPU_KVCACHE_SPACE: the KV cache may take up to this fraction of the "
+    "memory available at start-up, split between the ranks and engine cores, instead of "
+    "at most 4 GiB; it still takes no more than max_num_seqs sequences at max_model_len "
+    "need, and --kv-cache-memory wins (default: none: at most 4 GiB)",
     "max_num_batched_tokens": "tokens one engine step may compute (prefill chunks and "
     "decodes together)",
     "max_num_seqs": "most sequences (requests) running at once in an engine step",
@@ -101,6 +115,8 @@ _SHORT_FLAGS = {
     "pipeline_parallel_size": "-pp",
     "data_parallel_size": "-dp",
 }
+# vLLM's other names of a field: its exact KV cache size in bytes.
+_ALIASES = {"kv_cache_memory": "--kv-cache-memory-bytes"}
 
 
 # Each field's help section (vLLM's config groups); a field not listed goes to "engine".
@@ -108,7 +124,8 @@ _SECTIONS = {
     "model": ("model", "tokenizer", "skip_tokenizer_init", "dtype", "max_model_len",
               "quantization", "gguf_activation_bits", "load_format", "seed", "max_logprobs",
               "runner", "pooler_config"),
-    "cache": ("block_size", "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching"),
+    "cache": ("block_size", "kv_cache_memory", "gpu_memory_utilization", "kv_cache_dtype",
+              "enable_prefix_caching"),
     "scheduler": ("max_num_batched_tokens", "max_num_seqs", "scheduling_policy",
                   "tenant_weights", "preemption_mode"),
     "parallel": ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
@@ -133,6 +150,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = ["--" + field.name.replace("_", "-")]
         if field.name in _SHORT_FLAGS:
             flags.insert(0, _SHORT_FLAGS[field.name])
+        if field.name in _ALIASES:
+            flags.append(_ALIASES[field.name])
         help_text = ENGINE_ARG_HELP[field.name]
         if field.type in ("bool", bool):
             group.add_argument(
@@ -143,12 +162,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
         elif field.type in ("int", int, "int | None"):
             group.add_argument(*flags, type=int, default=field.default, help=help_text)
+        elif field.type in ("float", float, "float | None"):
+            group.add_argument(*flags, type=float, default=field.default, help=help_text)
         else:
             group.add_argument(*flags, default=field.default, help=help_text)
+    add_vllm_engine_flags(parser)
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    """The engine arguments the flags give; vLLM's flags without a field here are mapped
+    (`--swap-space` in swap mode) or warned about, once, before anything loads."""
     values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(EngineArgs)}
+    warn_once(compat_warnings(namespace, ENGINE_FLAGS, values))
+    swap_bytes = swap_space_bytes(namespace, values)
+    if swap_bytes is not None:
+        values["kv_offload_memory"] = swap_bytes
     return EngineArgs(**values)
 
 

@@ -1,4 +1,5 @@
-"""`pagedllm serve` flags: the server's own (vLLM's names) plus every engine argument."""
+"""`pagedllm serve` flags: the server's own (vLLM's names) plus every engine argument, and
+vLLM's serve flags that have no effect here (`vllm_flags`), accepted with a warning."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import os
 
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.entrypoints.flag_help import section
+from pagedllm.entrypoints.vllm_flags import (
+    SERVE_FLAGS,
+    add_vllm_serve_flags,
+    compat_warnings,
+    warn_once,
+)
+
+# uvicorn's log levels (vLLM's --uvicorn-log-level choices).
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _json_list(value: str) -> list[str]:
@@ -53,11 +63,7 @@ def add_serve_parser(subparsers) -> None:
     )
     _add_cors_args(frontend)
     _add_admission_args(section(parser, "admission"))
-    frontend.add_argument(
-        "--allow-unknown-fields",
-        action="store_true",
-        help="log unknown request fields instead of refusing the request",
-    )
+    _add_request_field_args(frontend)
     frontend.add_argument(
         "--shutdown-timeout",
         type=float,
@@ -102,6 +108,12 @@ def add_serve_parser(subparsers) -> None:
         "--enable-log-requests",
         action="store_true",
         help="log each request's id, prompt lengths and sampling parameters",
+    )
+    observability.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older switch: do not log requests (the default here: the inverse of "
+        "--enable-log-requests, and wins over it)",
     )
     observability.add_argument(
         "--audit-log",
@@ -157,10 +169,46 @@ def add_serve_parser(subparsers) -> None:
         "/v1/responses' previous_response_id and store (default: 0, none kept: "
         "those fields are refused)",
     )
+    _add_uvicorn_args(frontend, observability)
     _add_template_and_tls_args(parser)
     _add_lora_args(section(parser, "lora"))
     add_engine_args(parser)
+    add_vllm_serve_flags(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def _add_request_field_args(frontend: argparse._ArgumentGroup) -> None:
+    frontend.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse a request with a field the server does not know, at any depth, with a "
+        "400 naming its path (by default such fields are logged and ignored, as vLLM does)",
+    )
+    frontend.add_argument(
+        "--allow-unknown-fields",
+        action="store_true",
+        help="log and ignore unknown request fields: the default now, kept for launch "
+        "lines that pass it (--strict-request-fields refuses them)",
+    )
+
+
+def _add_uvicorn_args(
+    frontend: argparse._ArgumentGroup, observability: argparse._ArgumentGroup
+) -> None:
+    observability.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default="info",
+        help="vLLM's: log level of uvicorn, the HTTP server (its start-up and access lines)",
+    )
+    frontend.add_argument(
+        "--root-path",
+        default=None,
+        metavar="PATH",
+        help="vLLM's: FastAPI root_path when the server sits behind a path-based routing "
+        "proxy, e.g. /api: routes answer under PATH/v1/... as well as /v1/... (default: "
+        "none)",
+    )
 
 
 def _add_cors_args(frontend: argparse._ArgumentGroup) -> None:
@@ -388,6 +436,21 @@ def _lora_overrides(args: argparse.Namespace) -> dict:
     return {"lora_modules": modules, "allow_runtime_lora_updating": allow_updating}
 
 
+def _vllm_overrides(args: argparse.Namespace) -> dict:
+    """What vLLM's serve flags mean here: the unknown-fields policy, request logging,
+    uvicorn's log level and root path; the rest are warned about (once, before the model
+    loads)."""
+    if args.strict_request_fields and args.allow_unknown_fields:
+        raise ValueError("--strict-request-fields and --allow-unknown-fields exclude each other")
+    warn_once(compat_warnings(args, SERVE_FLAGS))
+    return {
+        "allow_unknown_fields": not args.strict_request_fields,
+        "enable_log_requests": args.enable_log_requests and not args.disable_log_requests,
+        "uvicorn_log_level": args.uvicorn_log_level,
+        "root_path": args.root_path,
+    }
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
 
@@ -409,13 +472,11 @@ def run_serve(args: argparse.Namespace) -> int:
         "request_header_timeout": args.request_header_timeout,
         "request_body_timeout": args.request_body_timeout,
         "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
-        "allow_unknown_fields": args.allow_unknown_fields,
         "shutdown_timeout": args.shutdown_timeout,
         "engine_iteration_timeout": args.engine_iteration_timeout,
         "restart_on_engine_failure": args.restart_on_engine_failure,
         "engine_startup_timeout": args.engine_startup_timeout,
         "engine_restart_attempts": args.engine_restart_attempts,
-        "enable_log_requests": args.enable_log_requests,
         "audit_log": args.audit_log,
         "audit_log_max_bytes": args.audit_log_max_bytes,
         "audit_log_backup_count": args.audit_log_backup_count,
@@ -426,5 +487,6 @@ def run_serve(args: argparse.Namespace) -> int:
         "responses_store_size": args.responses_store_size,
         **_template_and_tls_overrides(args),
         **_lora_overrides(args),
+        **_vllm_overrides(args),
     }
     return run_server(engine_args, overrides)

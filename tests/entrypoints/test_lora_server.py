@@ -92,6 +92,7 @@ def lora_server(tiny_llama, adapters, tmp_path_factory):
         f"sql={adapters['sql']}",
         json.dumps(json_module),
         "--allow-runtime-lora-updating",
+        "--strict-request-fields",  # an unknown field of a load request is a 400
     ]
     log = tmp_path_factory.mktemp("lora-server") / "server.log"
     running = RunningServer(args, log, api_key=API_KEY)

@@ -53,8 +53,9 @@ SERVER_ARGS = [
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",
-    # Unknown fields would otherwise refuse most generated bodies before they reach the
-    # engine; logged instead, the rest of the body is exercised.
+    # Unknown fields are logged and ignored (the default; the old switch is kept here so
+    # launch lines that pass it stay exercised): the rest of each generated body reaches the
+    # engine rather than being refused whole.
     "--allow-unknown-fields",
     # LoRA on, with the runtime adapter routes, so their bodies are fuzzed like the others'
     # (no adapter directory exists for what is generated: loads are refused, unloads 404).

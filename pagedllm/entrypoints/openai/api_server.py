@@ -25,6 +25,9 @@ Data parallelism (`-dp N`): N engine-core processes behind this one; each is sup
 above on its own (a restart replaces that core alone and fails only its requests), /health
 is 503 while any of them is stalled or restarting, and the engine metrics carry its index in
 their `engine` label.
+
+`--root-path PREFIX` (vLLM's): behind a routing proxy every route answers both under PREFIX
+(a proxy that keeps it) and without it (one that strips it).
 """
 
 from __future__ import annotations
@@ -93,7 +96,8 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         engine.on_restarted.append(metrics.on_engine_restarted)
         audit_log = open_audit_log(config)
         app = build_app(engine, config, metrics, loras, audit_log)
-        server = DrainingServer(_uvicorn_config(app, config), engine, config.shutdown_timeout)
+        asgi_app = app if config.root_path is None else RootPath(app, config.root_path)
+        server = DrainingServer(_uvicorn_config(asgi_app, config), engine, config.shutdown_timeout)
         # After uvicorn set up its loggers: keys sent in a query string stay out of the log.
         redact_access_log()
         asyncio.get_running_loop().add_signal_handler(
@@ -154,7 +158,7 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
         app,
         host=config.host,
         port=config.port,
-        log_level="info",
+        log_level=config.uvicorn_log_level,
         access_log=not config.disable_uvicorn_access_log,
         # A backstop only: DrainingServer ends what is left at shutdown_timeout itself.
         timeout_graceful_shutdown=graceful_shutdown_timeout(config.shutdown_timeout),
@@ -162,6 +166,33 @@ def _uvicorn_config(app, config: ServerConfig) -> uvicorn.Config:
         **uvicorn_limits(config),  # header/body read deadlines, header block size
         **_tls_options(config),
     )
+
+
+class RootPath:
+    """ASGI wrapper for `--root-path`: a request under the prefix has it taken off its path
+    (and set as the scope's root_path, so URLs the app builds keep it). Done before the app
+    rather than by FastAPI's root_path, so the key check, tenant limits and audit log, which
+    read the path, see the route's own path either way."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app = app
+        self.prefix = root_path.rstrip("/")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] in ("http", "websocket") and self.prefix:
+            scope = self._strip(scope)
+        await self.app(scope, receive, send)
+
+    def _strip(self, scope: dict) -> dict:
+        path = scope["path"]
+        scope = {**scope, "root_path": scope.get("root_path", "") + self.prefix}
+        if path != self.prefix and not path.startswith(self.prefix + "/"):
+            return scope
+        scope["path"] = path[len(self.prefix) :] or "/"
+        raw_path, raw_prefix = scope.get("raw_path"), self.prefix.encode()
+        if isinstance(raw_path, bytes) and raw_path.startswith(raw_prefix):
+            scope["raw_path"] = raw_path[len(raw_prefix) :] or b"/"
+        return scope
 
 
 def _tls_options(config: ServerConfig) -> dict:

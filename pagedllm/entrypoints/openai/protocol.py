@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their mapping to SamplingParams.
 
-Every model keeps unknown fields (`extra="allow"`) so the server can refuse them by name
-(or, with `--allow-unknown-fields`, log them): nothing a client sends is silently dropped.
+Every model keeps unknown fields (`extra="allow"`) so the server can name them, at any depth,
+by path (`response_format.schema`): by default it logs and ignores them, as vLLM does (a client
+sending a newer or another vendor's field still works); with `--strict-request-fields` they
+are a 400 naming the path. Nothing a client sends is dropped without a word.
 
 Every body is checked whole before its fields are read (`RequestBody`): nesting at most
 `MAX_REQUEST_DEPTH` levels, strings valid Unicode (no lone surrogates), integers within 64
@@ -49,16 +51,51 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 RequestId = Annotated[str, AfterValidator(lambda value: check_request_id(value, "request_id"))]
 
 
+# What an unknown field a client is known to send means, said with the warning (or 400).
+# instructor's JSON_SCHEMA mode sends {"type": "json_object", "schema": ...}: vLLM, like
+# OpenAI, reads json_object as "any JSON object" and ignores the schema, and so does this
+# server, but not silently.
+UNKNOWN_FIELD_NOTES = {
+    "response_format.schema": 'response_format {"type": "json_object"} asks for any JSON '
+    "object and its schema is not enforced (as in vLLM); to enforce a schema send "
+    '{"type": "json_schema", "json_schema": {"name": ..., "schema": ...}}',
+}
+
+
 class OpenAIModel(BaseModel):
     # No NaN or Infinity in any float field (JSON has neither; Python's json reads both).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def unknown_fields(self) -> list[str]:
-        return self.unknown_fields_here()
+        """Unknown fields at any depth, by path (`messages[0].foo`, `response_format.schema`)."""
+        return unknown_field_paths(self)
 
     def unknown_fields_here(self) -> list[str]:
         """This model's own unknown fields (not those of the models it holds)."""
         return sorted(self.model_extra or {})
+
+
+def unknown_field_paths(model: OpenAIModel, prefix: str = "") -> list[str]:
+    """The unknown fields of `model` and of the models it holds, by path."""
+    found = [f"{prefix}{name}" for name in model.unknown_fields_here()]
+    for name in type(model).model_fields:
+        found += _unknown_in(getattr(model, name), f"{prefix}{name}")
+    return found
+
+
+def _unknown_in(value: Any, path: str) -> list[str]:
+    if isinstance(value, OpenAIModel):
+        return unknown_field_paths(value, f"{path}.")
+    if isinstance(value, list):
+        return [
+            found for i, item in enumerate(value) for found in _unknown_in(item, f"{path}[{i}]")
+        ]
+    return []
+
+
+def unknown_field_notes(paths: list[str]) -> list[str]:
+    """What the known-to-be-sent ones among `paths` mean (UNKNOWN_FIELD_NOTES)."""
+    return [UNKNOWN_FIELD_NOTES[path] for path in paths if path in UNKNOWN_FIELD_NOTES]
 
 
 class StreamOptions(OpenAIModel):

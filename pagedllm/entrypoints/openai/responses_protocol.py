@@ -3,10 +3,10 @@ into what the chat pipeline takes: chat messages, chat-format tools and tool_cho
 structured-output spec for `text.format`.
 
 Only what this server does is accepted; every other field OpenAI defines (`background`,
-`reasoning`, built-in tools, `include` values, ...) is refused naming it, as are unknown
-fields (unless `--allow-unknown-fields`). Input items are checked before pydantic reads
-them, so a wrong item names its place (`input[2].content[0].type`) rather than every
-member of a union.
+`reasoning`, built-in tools, `include` values, ...) is refused naming it; unknown fields, at
+any depth, are logged by path and ignored (refused with `--strict-request-fields`). Input
+items are checked before pydantic reads them, so a wrong item names its place
+(`input[2].content[0].type`) rather than every member of a union.
 """
 
 from __future__ import annotations
@@ -242,10 +242,6 @@ class ResponsesRequest(RequestBody):
             names.add(name)
         return value
 
-    def unknown_fields(self) -> list[str]:
-        """Unknown fields at any depth, by path (`input[0].content[1].foo`)."""
-        return unknown_field_paths(self)
-
     def check_call_outputs(self, earlier_call_ids: set[str]) -> None:
         """Each function_call_output answers a function_call made before it: in `input`, or
         in the conversation `previous_response_id` continues (`earlier_call_ids`)."""
@@ -295,24 +291,6 @@ class ResponsesRequest(RequestBody):
         if self.text is None or self.text.format is None:
             return None
         return self.text.format.for_chat()
-
-
-def unknown_field_paths(model: OpenAIModel, prefix: str = "") -> list[str]:
-    """The unknown fields of `model` and of the models it holds, by path."""
-    found = [f"{prefix}{name}" for name in model.unknown_fields_here()]
-    for name in type(model).model_fields:
-        found += _unknown_in(getattr(model, name), f"{prefix}{name}")
-    return found
-
-
-def _unknown_in(value: Any, path: str) -> list[str]:
-    if isinstance(value, OpenAIModel):
-        return unknown_field_paths(value, f"{path}.")
-    if isinstance(value, list):
-        return [
-            found for i, item in enumerate(value) for found in _unknown_in(item, f"{path}[{i}]")
-        ]
-    return []
 
 
 def _is_bool_like(value: Any, allowed: tuple) -> bool:

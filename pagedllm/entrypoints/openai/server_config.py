@@ -37,7 +37,9 @@ class ServerConfig:
     request_header_timeout: float = 30.0
     request_body_timeout: float = 60.0
     h11_max_incomplete_event_size: int | None = None
-    allow_unknown_fields: bool = False
+    # Unknown request fields, at any depth: logged and ignored (vLLM's behaviour), or, with
+    # --strict-request-fields (False here), a 400 naming the field's path.
+    allow_unknown_fields: bool = True
     shutdown_timeout: float = 30.0
     # Engine supervision: seconds a core with unfinished requests may send nothing before it
     # counts as stalled, and whether a failed (exited or stalled) core is replaced; seconds a
@@ -54,6 +56,10 @@ class ServerConfig:
     audit_log_backup_count: int = 5
     audit_log_prompts: bool = False
     disable_uvicorn_access_log: bool = False
+    # uvicorn's log level, and the path prefix a routing proxy may put in front of every
+    # route (vLLM's --uvicorn-log-level and --root-path; None: no prefix).
+    uvicorn_log_level: str = "info"
+    root_path: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     # The chat template rendered in place of the model's (`--chat-template`); None: the model's.
@@ -130,6 +136,8 @@ class ServerConfig:
             )
         if any(not key for key in self.api_keys):
             raise ValueError("api_key: must not be empty")
+        if self.root_path is not None and not self.root_path.startswith("/"):
+            raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
         self._check_lora_modules()
 
     def _check_lora_modules(self) -> None:

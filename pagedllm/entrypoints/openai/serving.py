@@ -20,7 +20,12 @@ from pagedllm.core.messages import EngineCoreRequest
 from pagedllm.entrypoints.openai.audit_log import audit_record, audited_outputs
 from pagedllm.entrypoints.openai.errors import OpenAIError, as_openai_error, error_body
 from pagedllm.entrypoints.openai.lora_registry import LoRARegistry
-from pagedllm.entrypoints.openai.protocol import EmbeddingRequest, OpenAIModel, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import (
+    EmbeddingRequest,
+    OpenAIModel,
+    SamplingRequest,
+    unknown_field_notes,
+)
 from pagedllm.entrypoints.openai.request_ids import client_error, engine_request_id
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimiter
@@ -130,16 +135,20 @@ class OpenAIServing:
         return self.model_name if lora_request is None else lora_request.lora_name
 
     def check_unknown(self, request: OpenAIModel) -> None:
+        """Unknown fields, at any depth: logged and ignored (vLLM's behaviour), or a 400
+        naming the first one's path under --strict-request-fields."""
         unknown = request.unknown_fields()
-        if unknown and not self.config.allow_unknown_fields:
+        if not unknown:
+            return
+        notes = "".join(f"; {note}" for note in unknown_field_notes(unknown))
+        if not self.config.allow_unknown_fields:
             raise OpenAIError(
                 400,
-                f"unknown field(s): {', '.join(unknown)} (start the server with "
-                "--allow-unknown-fields to ignore fields it does not know)",
+                f"unknown field(s): {', '.join(unknown)} (this server runs with "
+                f"--strict-request-fields){notes}",
                 unknown[0],
             )
-        if unknown:
-            logger.warning("Ignoring unknown request field(s): %s", ", ".join(unknown))
+        logger.warning("Ignoring unknown request field(s): %s%s", ", ".join(unknown), notes)
 
     def check_capacity(self) -> None:
         """Refuse early, before tokenizing, when not even the cheapest request (one prompt of
