@@ -40,6 +40,8 @@ from benchmarks.peers.servers import Server
 from benchmarks.tenant_server import start_tenant_server
 
 KEYS = {"tenant-a": "sk-soak-a", "tenant-b": "sk-soak-b"}
+# /metrics shows a tenant only its own series: the engine-wide ones are read as the admin.
+ADMIN_KEY = "sk-soak-admin"
 WARMUP_REQUESTS = 2
 # After the run: how long the server may take to go idle (blocks back, queues empty).
 SETTLE_S = 10.0
@@ -258,7 +260,7 @@ def scrape(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
     import urllib.request
 
     request = urllib.request.Request(
-        base_url + "/metrics", headers={"Authorization": f"Bearer {KEYS['tenant-a']}"}
+        base_url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
     )
     with urllib.request.urlopen(request, timeout=10) as reply:
         text = reply.read().decode()
@@ -307,7 +309,7 @@ def main() -> int:
     flags = [
         "--scheduling-policy", "fair", "--restart-on-engine-failure",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--kv-cache-memory", args.kv_cache_memory,
+        "--kv-cache-memory", args.kv_cache_memory, "--admin-api-key", ADMIN_KEY,
     ]  # fmt: skip
     server = start_tenant_server("soak", KEYS, Path(args.out_dir), flags)
     try:

@@ -52,6 +52,16 @@ def add_serve_parser(subparsers) -> None:
         help="require 'Authorization: Bearer KEY' on every route but /health; repeat for "
         "several keys, each its own tenant (key-1, key-2, ...) (default: $PAGEDLLM_API_KEY)",
     )
+    section(parser, "tenants").add_argument(
+        "--admin-api-key",
+        default=None,
+        metavar="KEY",
+        help="an admin's key (its tenant is 'admin'; the keys file's 'admin' column makes "
+        "more): only admins may load and unload LoRA adapters at runtime and see every "
+        "tenant's figures in /metrics and /dashboard/data, other keys see their own. Without "
+        "a keys file, this flag or a second --api-key, the one key (or, without keys, "
+        "everybody) is the admin (default: $PAGEDLLM_ADMIN_API_KEY)",
+    )
     _add_tenant_args(section(parser, "tenants"))
     frontend.add_argument(
         "--served-model-name",
@@ -242,9 +252,20 @@ def _add_lora_args(parser: argparse._ActionsContainer) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and "
-        "unload LoRA adapters while the server runs (needs --enable-lora; an adapter is read "
-        "from the server's file system) (default: $PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or "
-        "true, vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+        "unload LoRA adapters while the server runs, for admin keys only (needs "
+        "--enable-lora; an adapter is read from under --lora-path-root; --lora-modules "
+        "adapters are never unloaded or replaced) (default: "
+        "$PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true, vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+    parser.add_argument(
+        "--lora-path-root",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory runtime loads may read adapters under (the path's real path, "
+        "links followed, must lie inside it); repeatable (default: the directories holding "
+        "the --lora-modules adapters; without those, runtime loads are refused)",
     )
 
 
@@ -338,6 +359,7 @@ def _tenant_overrides(args: argparse.Namespace) -> dict:
 
     env_key = os.environ.get("PAGEDLLM_API_KEY")
     api_keys = tuple(args.api_key or ([env_key] if env_key else []))
+    admin_api_key = args.admin_api_key or os.environ.get("PAGEDLLM_ADMIN_API_KEY") or None
     limits = TenantLimits(
         max_requests_per_minute=args.tenant_max_requests_per_minute,
         max_tokens_per_minute=args.tenant_max_tokens_per_minute,
@@ -345,10 +367,11 @@ def _tenant_overrides(args: argparse.Namespace) -> dict:
     )
     # Read once here so a bad keys file fails before the model loads (the server reads it
     # again when it starts, and on SIGHUP).
-    load_tenants(api_keys, args.api_keys_file, limits)
+    load_tenants(api_keys, args.api_keys_file, limits, admin_api_key)
     return {
         "api_keys": api_keys,
         "api_keys_file": args.api_keys_file,
+        "admin_api_key": admin_api_key,
         "tenant_limits": limits,
         "share_prefix_cache_across_tenants": args.share_prefix_cache_across_tenants,
     }
@@ -421,7 +444,7 @@ def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
 def _lora_overrides(args: argparse.Namespace) -> dict:
     """--lora-modules parsed (a bad value fails here, before the model loads; the adapters
     themselves are read once the model's shapes are known) and the runtime-update switch."""
-    from pagedllm.entrypoints.openai.lora_registry import parse_lora_module
+    from pagedllm.entrypoints.openai.lora_registry import parse_lora_module, resolved_root
     from pagedllm.entrypoints.openai.server_config import runtime_lora_updating_from_env
 
     modules = tuple(parse_lora_module(value) for value in args.lora_modules or ())
@@ -433,7 +456,14 @@ def _lora_overrides(args: argparse.Namespace) -> dict:
     if allow_updating is None:
         # From the environment, which may be set for every server: off without LoRA.
         allow_updating = args.enable_lora and runtime_lora_updating_from_env()
-    return {"lora_modules": modules, "allow_runtime_lora_updating": allow_updating}
+    roots = tuple(args.lora_path_root or ())
+    for root in roots:  # a typo fails now, not at the first load
+        resolved_root(root, "--lora-path-root")
+    return {
+        "lora_modules": modules,
+        "allow_runtime_lora_updating": allow_updating,
+        "lora_path_roots": roots,
+    }
 
 
 def _vllm_overrides(args: argparse.Namespace) -> dict:

@@ -55,6 +55,12 @@ class LoRAAdapterError(ValueError):
     """The adapter cannot be served; the message names the problem."""
 
 
+class LoRAAdapterFileError(LoRAAdapterError):
+    """The adapter's directory or files are missing or unreadable. Kept apart from problems
+    with what the files hold: the server answers a runtime load that fails this way with one
+    message for every cause, so that its answers cannot map the server's files."""
+
+
 @dataclass(frozen=True)
 class LoRAModuleWeights:
     """One projection's adapter: delta(x) = x A^T B^T, the scaling folded into B."""
@@ -115,7 +121,7 @@ def read_adapter(
     """The adapter at `request.lora_path`, checked against the model's projection shapes."""
     path = request.lora_path
     if not os.path.isdir(path):
-        raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: no directory at {path!r}")
+        raise LoRAAdapterFileError(f"LoRA adapter {request.lora_name!r}: no directory at {path!r}")
     settings = _read_config(request)
     rank, alpha = _rank_and_alpha(request, settings, max_rank)
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
@@ -124,20 +130,24 @@ def read_adapter(
     return LoRAAdapter(request, rank, scaling, modules)
 
 
-def _fail(request: LoRARequest, problem: str) -> LoRAAdapterError:
-    return LoRAAdapterError(f"LoRA adapter {request.lora_name!r}: {problem}")
+def _fail(request: LoRARequest, problem: str, files: bool = False) -> LoRAAdapterError:
+    """`files`: the problem is a missing or unreadable file (`LoRAAdapterFileError`)."""
+    error_class = LoRAAdapterFileError if files else LoRAAdapterError
+    return error_class(f"LoRA adapter {request.lora_name!r}: {problem}")
 
 
 def _read_config(request: LoRARequest) -> dict:
     config_path = os.path.join(request.lora_path, CONFIG_FILE)
     if not os.path.isfile(config_path):
-        raise _fail(request, f"{CONFIG_FILE} is missing from {request.lora_path!r}")
+        raise _fail(request, f"{CONFIG_FILE} is missing from {request.lora_path!r}", files=True)
     if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
         raise _fail(request, f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         with open(config_path, encoding="utf-8") as file:
             settings = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+    except OSError as error:
+        raise _fail(request, f"cannot read {CONFIG_FILE} ({error.strerror})", files=True) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise _fail(request, f"{CONFIG_FILE} is not valid JSON ({error})") from None
     if not isinstance(settings, dict):
         raise _fail(request, f"{CONFIG_FILE} must hold a JSON object")
@@ -171,7 +181,7 @@ def _read_weights(request: LoRARequest, max_bytes: int) -> dict[str, torch.Tenso
         if os.path.isfile(file_path):
             break
     else:
-        raise _fail(request, f"no weights: expected one of {list(WEIGHT_FILES)}")
+        raise _fail(request, f"no weights: expected one of {list(WEIGHT_FILES)}", files=True)
     size = os.path.getsize(file_path)
     if size > max_bytes:
         raise _fail(
@@ -186,6 +196,8 @@ def _read_weights(request: LoRARequest, max_bytes: int) -> dict[str, torch.Tenso
             tensors = load_file(file_path)
         else:
             tensors = torch.load(file_path, map_location="cpu", weights_only=True)
+    except OSError as error:  # unreadable, not truncated
+        raise _fail(request, f"cannot read {name} ({error.strerror})", files=True) from None
     except Exception as error:  # a truncated or foreign file: the adapter's problem alone
         raise _fail(request, f"cannot read {name}: {type(error).__name__}: {error}") from None
     if not isinstance(tensors, dict) or not all(

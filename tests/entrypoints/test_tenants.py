@@ -20,6 +20,7 @@ from server_utils import RunningServer, free_port
 from tiers import slow_fixture
 
 FLAG_KEY = "sk-flag-key-000"
+ADMIN_KEY = "sk-admin-key-999"  # /metrics across tenants (test_tenant_admin.py has the rest)
 KEYS = {
     "alice": "sk-alice-111",
     "bob": "sk-bob-222",
@@ -71,11 +72,12 @@ def keys_file(tmp_path_factory):
 def server(tiny_llama, keys_file, tmp_path_factory):
     log = tmp_path_factory.mktemp("tenants-log") / "server.log"
     args = [str(tiny_llama), "--api-keys-file", str(keys_file)]
-    args += ["--tenant-max-requests-per-minute", "2"]
+    args += ["--tenant-max-requests-per-minute", "2", "--admin-api-key", ADMIN_KEY]
     running = AccessLoggedServer(args, log, api_key=FLAG_KEY)
+    running.api_key = ADMIN_KEY  # server.get and server.metric read every tenant's series
     yield running
     assert running.stop() == 0, running.log()
-    for key in [FLAG_KEY, NEW_KEY, *KEYS.values()]:
+    for key in [FLAG_KEY, ADMIN_KEY, NEW_KEY, *KEYS.values()]:
         assert key not in running.log(), "a key reached the log"
 
 
@@ -203,7 +205,7 @@ def test_metrics_carry_the_tenant_label(server):
     text = server.get("/metrics").text
     tenants = set(re.findall(r'tenant="([^"]*)"', text))
     assert {"alice", "bob", "key-1"} <= tenants
-    assert tenants <= {"key-1", *KEYS}  # bounded by the configured tenants
+    assert tenants <= {"key-1", "admin", *KEYS}  # bounded by the configured tenants
     assert re.search(r'pagedllm:generation_tokens_total\{[^}]*tenant="erin"[^}]*\} 100\.0', text)
     assert re.search(r'pagedllm:time_to_first_token_seconds_count\{[^}]*tenant="bob"', text)
     assert 'finished_reason="abort"' in text  # dave's stream

@@ -197,3 +197,35 @@ def test_a_parallel_request_aborted_before_its_samples_start():
     clock.now = 11.0
     (sample,) = series.snapshot()["samples"]
     assert sample["aborted"] == 1 and not series.timelines.open
+
+
+def test_a_tenant_sees_its_own_figures_alone(run):
+    """`snapshot(tenant=...)`: the tenant's counts in place of everyone's, the fields that sum
+    every tenant's work None, no other tenant anywhere."""
+    series, _ = run
+    everyone = series.snapshot()
+    snapshot = series.snapshot(tenant="t2")
+    busy, ending, _quiet = snapshot["samples"]
+    assert set(busy) == set(everyone["samples"][0])  # the page draws either
+    t2_ttft = {"p50": 0.75, "p90": 0.75, "p99": 0.75}
+    assert busy["tenants"] == {"t2": tenant_sample(3, 1, ttft=t2_ttft)}
+    assert (busy["prompt_tokens_per_s"], busy["generation_tokens_per_s"]) == (3, 1)
+    assert busy["ttft"] == t2_ttft
+    shared = ("running", "waiting", "kv_cache_usage", "prompt_tokens_computed_per_s",
+              "prefix_cache_hit_rate", "preemptions", "tpot")  # fmt: skip
+    assert all(sample[name] is None for sample in snapshot["samples"] for name in shared)
+    counts = [ending[k] for k in ("finished", "failed", "aborted", "rejected")]
+    assert counts == [0, 1, 0, 1]
+    assert snapshot["totals"] == {
+        "prompt_tokens": 3,
+        "generation_tokens": 1,
+        "finished": 0,
+        "failed": 1,
+        "aborted": 0,
+        "rejected": 1,
+        "preemptions": None,
+    }
+    assert "t1" not in str(snapshot)
+    nobody = series.snapshot(tenant="t9")
+    assert nobody["totals"]["finished"] == 0
+    assert all(set(sample["tenants"]) == {"t9"} for sample in nobody["samples"])

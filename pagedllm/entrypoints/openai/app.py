@@ -3,12 +3,18 @@
 With LoRA on, /v1/models lists the adapters and a generation request's `model` may name
 one (`lora_registry.py`); with runtime updating allowed, /v1/load_lora_adapter and
 /v1/unload_lora_adapter exist (without it they are unknown routes: 404).
+
+Roles (`tenants.py`): the adapter routes change what every tenant is served, so they need an
+admin key (403 otherwise, before the body is read); /metrics, /dashboard/data and
+/v1/models answer every key, but a tenant that is no admin sees only its own series and
+figures, and adapters by name, never their paths on the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable
 
 from fastapi import FastAPI, Request
@@ -55,13 +61,23 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.tenant_limits import Refusal
-from pagedllm.entrypoints.openai.tenants import ActiveTenant, TenantRegistry, current_tenant
+from pagedllm.entrypoints.openai.tenants import (
+    ActiveTenant,
+    TenantRegistry,
+    current_tenant,
+    current_tenant_is_admin,
+    current_tenant_name,
+)
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.frontend.processor import check_token_ids
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 
+logger = logging.getLogger("pagedllm")
+
 # Routes anyone may call without the API key (load balancers probe it).
 OPEN_PATHS = frozenset({"/health"})
+# Routes only an admin key may call: they change what every tenant is served.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # Routes that start engine requests: the tenant limits apply to these.
 LIMITED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"}
@@ -72,15 +88,19 @@ CLIENT_CLOSED_REQUEST = 499
 
 class GuardMiddleware:
     """API-key check on every route but /health (the key names the request's tenant), the
-    tenant's limits on the generation routes, and an `X-Request-Id` on every response.
+    admin role on `admin_paths`, the tenant's limits on the generation routes, and an
+    `X-Request-Id` on every response.
 
     Plain ASGI rather than BaseHTTPMiddleware, which would buffer streams and hide
     disconnects from the routes.
     """
 
-    def __init__(self, app: ASGIApp, tenants: TenantRegistry) -> None:
+    def __init__(
+        self, app: ASGIApp, tenants: TenantRegistry, admin_paths: frozenset[str] = frozenset()
+    ) -> None:
         self.app = app
         self.tenants = tenants
+        self.admin_paths = admin_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,6 +114,12 @@ class GuardMiddleware:
             note_caller(request_id, tenant)
             if tenant is None:
                 response = error_response(401, "Unauthorized: missing or wrong API key")
+                response.headers["X-Request-Id"] = request_id
+                await response(scope, receive, send)
+                return
+            if scope["path"] in self.admin_paths and not tenant.admin:
+                # One answer whatever the body names: it tells nothing about adapters.
+                response = error_response(403, "Forbidden: this route needs an admin API key")
                 response.headers["X-Request-Id"] = request_id
                 await response(scope, receive, send)
                 return
@@ -168,7 +194,8 @@ def lora_registry(engine: AsyncLLM, config: ServerConfig) -> LoRARegistry | None
         if config.lora_modules:
             raise ValueError("lora_modules: the engine was started without enable_lora")
         return None
-    registry = LoRARegistry(config.served_model_names, adapter_checker(engine))
+    checker = adapter_checker(engine)
+    registry = LoRARegistry(config.served_model_names, checker, config.lora_path_roots)
     registry.add_static(config.lora_modules)
     return registry
 
@@ -190,7 +217,8 @@ def build_app(
     chat = OpenAIServingChat(engine, config, loras)
     embeddings = OpenAIServingEmbedding(engine, config, loras)
     _add_info_routes(app, engine, config, metrics, chat)
-    if loras is not None and config.allow_runtime_lora_updating:
+    runtime_loras = loras is not None and config.allow_runtime_lora_updating
+    if runtime_loras:
         _add_lora_routes(app, loras, chat)
 
     @app.post("/v1/completions")
@@ -217,7 +245,10 @@ def build_app(
         config.api_keys_file,
         config.tenant_limits,
         share_prefix_cache=config.share_prefix_cache_across_tenants,
+        admin_api_key=config.admin_api_key,
     )
+    if runtime_loras:
+        _warn_about_runtime_loras(app.state.tenants, loras)
     # Added before the guard, so it runs after it: no body is read for a refused key.
     max_body_bytes = config.max_request_body_bytes or default_max_request_body_bytes(
         engine.model_config.max_model_len
@@ -227,7 +258,8 @@ def build_app(
         max_body_bytes=max_body_bytes,
         body_timeout_s=config.request_body_timeout,
     )
-    app.add_middleware(GuardMiddleware, tenants=app.state.tenants)
+    admin_paths = ADMIN_PATHS if runtime_loras else frozenset()
+    app.add_middleware(GuardMiddleware, tenants=app.state.tenants, admin_paths=admin_paths)
     # Its middleware runs before the guard: it sees the guard's refusals, hands it `?key=`.
     install_dashboard(app, metrics, app.state.tenants, LIMITED_PATHS)
     # Added last, so it runs first: preflight requests never need the API key.
@@ -264,9 +296,27 @@ def _add_lora_routes(app: FastAPI, loras: LoRARegistry, chat: OpenAIServingChat)
         return PlainTextResponse(message)
 
 
-def _model_cards(engine: AsyncLLM, config: ServerConfig, loras: LoRARegistry | None) -> list:
+def _warn_about_runtime_loras(tenants: TenantRegistry, loras: LoRARegistry) -> None:
+    """Say at start-up why the runtime adapter routes would refuse everything."""
+    if not tenants.has_admin:
+        logger.warning(
+            "--allow-runtime-lora-updating: no admin key (--admin-api-key or 'admin' in the "
+            "keys file): every load and unload will be refused"
+        )
+    if not loras.path_roots:
+        logger.warning(
+            "--allow-runtime-lora-updating: no --lora-path-root and no --lora-modules: "
+            "every load will be refused"
+        )
+
+
+def _model_cards(
+    engine: AsyncLLM, config: ServerConfig, loras: LoRARegistry | None, show_paths: bool
+) -> list:
     """The base model under each served name, then every adapter (vLLM's fields: `root` is
-    the adapter's directory, `parent` the model it applies to)."""
+    the model's or adapter's path, `parent` the model an adapter applies to). Without
+    `show_paths` (a tenant that is no admin) `root` is the card's name: paths on the
+    server are the operator's business."""
 
     def card(name: str, root: str, parent: str | None) -> dict:
         return {
@@ -274,7 +324,7 @@ def _model_cards(engine: AsyncLLM, config: ServerConfig, loras: LoRARegistry | N
             "object": "model",
             "created": 0,
             "owned_by": "pagedllm",
-            "root": root,
+            "root": root if show_paths else name,
             "parent": parent,
             "max_model_len": engine.model_config.max_model_len,
         }
@@ -302,11 +352,14 @@ def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServing
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": _model_cards(engine, config, chat.loras)}
+        cards = _model_cards(engine, config, chat.loras, current_tenant_is_admin())
+        return {"object": "list", "data": cards}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # An admin sees every series; a tenant its own per-tenant ones alone.
+        tenant = None if current_tenant_is_admin() else current_tenant_name()
+        return Response(metrics.render(tenant), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> JSONResponse:

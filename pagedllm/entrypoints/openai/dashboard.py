@@ -6,7 +6,8 @@ when it opens a page, so these two routes alone also take the key as `?key=KEY`
 (`DashboardMiddleware` moves it into the Authorization header the guard reads; the access
 log redacts it); the page then sends it as a header. The samples come from a
 `TimeSeries` that the Prometheus metrics feed (`PrometheusMetrics.follow`), plus the
-requests this middleware sees refused (429, 503) on the generation routes.
+requests this middleware sees refused (429, 503) on the generation routes. An admin key
+reads every tenant's figures; any other key its own (`TimeSeries.snapshot(tenant=...)`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.tenants import DEFAULT_TENANT, TenantRegistry
+from pagedllm.entrypoints.openai.tenants import (
+    DEFAULT_TENANT,
+    TenantRegistry,
+    current_tenant_is_admin,
+    current_tenant_name,
+)
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
 from pagedllm.metrics.frontend.timeseries import TimeSeries
 
@@ -60,7 +66,9 @@ def install_dashboard(
     @app.get("/dashboard/data")
     async def dashboard_data(since: str | None = None) -> JSONResponse:
         """The samples after wall time `since` (Unix seconds; all kept ones without it)."""
-        return JSONResponse(series.snapshot(_since(since)), headers={"Cache-Control": "no-store"})
+        tenant = None if current_tenant_is_admin() else current_tenant_name()
+        data = series.snapshot(_since(since), tenant)
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
     app.add_middleware(
         DashboardMiddleware, series=series, tenants=tenants, generation_paths=generation_paths

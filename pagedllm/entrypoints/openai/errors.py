@@ -21,6 +21,7 @@ logger = logging.getLogger("pagedllm")
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     429: "RateLimitError",

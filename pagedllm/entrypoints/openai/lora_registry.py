@@ -8,6 +8,15 @@ engine (its resident weights, its prefix-cache entries), so a name unloaded and 
 perhaps from another directory, can never run on the old weights. Loading touches only this
 registry: the engine core reads an adapter when the first request that names it arrives, and
 requests already running keep the adapter they started with even if it is unloaded.
+
+Who may load and unload is the server's business (an admin key, `app.py`); this registry
+keeps the rest safe for whoever calls: a `--lora-modules` adapter is never unloaded nor
+replaced (requests that name it get the operator's weights), and a runtime load reads only
+under the path roots (`--lora-path-root`, by default the directories holding the
+`--lora-modules` adapters), checked on the resolved path so `..` and symlinks cannot leave
+them. Every failure to find or read an adapter there (outside the roots, missing, not a
+directory, unreadable) is answered with one message, `UNLOADABLE_PATH`, so the answers cannot
+tell which paths exist on the server; the log keeps the reason for the operator.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.errors import InvalidRequestError
-from pagedllm.lora.peft import LoRAAdapterError
+from pagedllm.lora.peft import LoRAAdapterError, LoRAAdapterFileError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.value_checks import json_object
 
@@ -34,6 +44,15 @@ logger = logging.getLogger("pagedllm")
 # Adapter names are model names: shown in /v1/models, responses and metric labels.
 MAX_LORA_NAME_CHARS = 256
 MAX_LORA_PATH_CHARS = 4096
+# The one answer to a runtime load whose path cannot be used, whatever the reason.
+UNLOADABLE_PATH = (
+    "lora_path: no LoRA adapter can be loaded from this path (it must be an adapter "
+    "directory under the server's LoRA path root)"
+)
+NO_PATH_ROOT = (
+    "lora_path: this server loads no adapters at runtime: start it with --lora-path-root "
+    "(or --lora-modules, whose directories are then the roots)"
+)
 
 
 @dataclass(frozen=True)
@@ -111,15 +130,37 @@ def adapter_checker(engine: AsyncLLM) -> Callable[[LoRARequest], None]:
     return engine.input_processor.check_lora_adapter
 
 
+def resolved_root(path: str, param: str = "lora_path_root") -> str:
+    """`path` as a root runtime loads may read under: its real path, a directory."""
+    resolved = os.path.realpath(path)
+    if not os.path.isdir(resolved):
+        raise ValueError(f"{param}: {path!r} is not a directory")
+    return resolved
+
+
+def is_under(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether the real path `path` is one of `roots` (real paths) or inside one."""
+    return any(os.path.commonpath((path, root)) == root for root in roots)
+
+
 class LoRARegistry:
-    """The adapters requests may name, by name; `served_model_names` name the base model."""
+    """The adapters requests may name, by name; `served_model_names` name the base model.
+
+    `path_roots`: the directories runtime loads may read under (each a real path); empty,
+    the directories holding the `--lora-modules` adapters are (see `add_static`)."""
 
     def __init__(
-        self, served_model_names: tuple[str, ...], check: Callable[[LoRARequest], None]
+        self,
+        served_model_names: tuple[str, ...],
+        check: Callable[[LoRARequest], None],
+        path_roots: tuple[str, ...] = (),
     ) -> None:
         self.served_model_names = served_model_names
         self._check = check
         self._adapters: dict[str, LoRARequest] = {}
+        self._static: set[str] = set()  # --lora-modules names: never unloaded or replaced
+        self._roots = tuple(resolved_root(root) for root in path_roots)
+        self._default_roots = not path_roots
         self._loading: set[str] = set()  # names whose load is being checked
         self._ids = itertools.count(1)
 
@@ -136,6 +177,10 @@ class LoRARegistry:
     def adapters(self) -> list[LoRARequest]:
         return list(self._adapters.values())
 
+    @property
+    def path_roots(self) -> tuple[str, ...]:
+        return self._roots
+
     # ---- changes ------------------------------------------------------------------------
     def add_static(self, modules: tuple[LoRAModulePath, ...]) -> None:
         """`--lora-modules`, read and checked now: a bad one raises ValueError (start-up
@@ -147,20 +192,28 @@ class LoRARegistry:
             except LoRAAdapterError as error:
                 raise ValueError(f"lora_modules: {error}") from None
             self._adapters[module.name] = lora_request
+            self._static.add(module.name)
+            if self._default_roots:
+                parent = os.path.dirname(os.path.realpath(module.path))
+                if parent not in self._roots:
+                    self._roots += (parent,)
             logger.info("LoRA adapter %r served from %s", module.name, module.path)
 
     async def load(self, name: str, path: str) -> LoRARequest:
         """Check the adapter off the event loop, then serve it under `name`. 400 when the
-        name is taken or the adapter cannot be served (the reason in the message)."""
-        if name in self._adapters or name in self._loading:
-            raise OpenAIError(
-                400, f"The lora adapter '{name}' has already been loaded.", "lora_name"
-            )
-        lora_request = self._new_request(name, path, None)
+        name is taken, when the path cannot be read (`UNLOADABLE_PATH`, whatever the cause)
+        or the adapter there cannot be served (the reason in the message)."""
+        self._check_name_free(name)
+        check_lora_path(path, "lora_path")
+        resolved = self._resolve(name, path)
+        lora_request = self._new_request(name, resolved, None)
         started = time.monotonic()
         self._loading.add(name)
         try:
             await asyncio.to_thread(self._check, lora_request)
+        except LoRAAdapterFileError as error:
+            logger.warning("Refused to load LoRA adapter %r: %s", name, error)
+            raise OpenAIError(400, UNLOADABLE_PATH, "lora_path") from None
         except LoRAAdapterError as error:
             raise OpenAIError(400, str(error), "lora_path") from None
         finally:
@@ -180,6 +233,12 @@ class LoRARegistry:
         lora_request = self._adapters.get(name)
         if lora_request is None:
             raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name")
+        if name in self._static:
+            raise OpenAIError(
+                400,
+                f"The lora adapter '{name}' is served from --lora-modules and cannot be unloaded.",
+                "lora_name",
+            )
         if lora_int_id is not None and lora_int_id != lora_request.lora_int_id:
             raise OpenAIError(
                 404,
@@ -191,12 +250,44 @@ class LoRARegistry:
         logger.info("Unloaded LoRA adapter %r (id %d)", name, lora_request.lora_int_id)
         return lora_request
 
-    def _new_request(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+    def _check_name_free(self, name: str) -> None:
+        """400 naming `lora_name` unless a runtime load may take `name`."""
+        self._check_name(name)
+        if name in self._static:
+            raise OpenAIError(
+                400,
+                f"The lora adapter '{name}' is served from --lora-modules and cannot be replaced.",
+                "lora_name",
+            )
+        if name in self._adapters or name in self._loading:
+            raise OpenAIError(
+                400, f"The lora adapter '{name}' has already been loaded.", "lora_name"
+            )
+
+    def _resolve(self, name: str, path: str) -> str:
+        """`path`'s real path if it lies under a root; `UNLOADABLE_PATH` (400) otherwise.
+        The real path is what is read from then on: a link under a root that points out of
+        it is refused, not followed."""
+        if not self._roots:
+            raise OpenAIError(400, NO_PATH_ROOT, "lora_path")
+        try:
+            resolved = os.path.realpath(path)
+        except (OSError, ValueError):  # a NUL byte, a loop of links
+            resolved = None
+        if resolved is None or not is_under(resolved, self._roots):
+            logger.warning("Refused to load LoRA adapter %r: %r is outside the roots", name, path)
+            raise OpenAIError(400, UNLOADABLE_PATH, "lora_path")
+        return resolved
+
+    def _check_name(self, name: str) -> None:
         check_lora_name(name, "lora_name")
-        check_lora_path(path, "lora_path")
         if name in self.served_model_names:
             raise InvalidRequestError(
                 f"lora_name: {name!r} is the base model's served name", "lora_name"
             )
+
+    def _new_request(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
+        self._check_name(name)
+        check_lora_path(path, "lora_path")
         # Taken even if the check then fails: an id is never handed out twice.
         return LoRARequest(name, next(self._ids), path, base_model_name)

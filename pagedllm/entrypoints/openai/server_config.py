@@ -21,6 +21,9 @@ class ServerConfig:
     # Each key is a tenant (`tenants.py`); repr=False keeps keys out of any printed config.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: str | None = None
+    # The `admin` tenant's key (`--admin-api-key`): runtime LoRA updates and every tenant's
+    # figures. Without tenants (no keys file, at most one key) the one key is the admin.
+    admin_api_key: str | None = field(default=None, repr=False)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)
     share_prefix_cache_across_tenants: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
@@ -77,6 +80,9 @@ class ServerConfig:
     # and whether /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
+    # Directories a runtime load may read adapters under (`--lora-path-root`); empty: the
+    # directories holding the `--lora-modules` adapters (none of those: no runtime loads).
+    lora_path_roots: tuple[str, ...] = ()
     # Responses kept per API key for `previous_response_id` (/v1/responses; 0: none kept).
     responses_store_size: int = 0
 
@@ -138,6 +144,8 @@ class ServerConfig:
             raise ValueError("api_key: must not be empty")
         if self.root_path is not None and not self.root_path.startswith("/"):
             raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
+        if self.admin_api_key is not None and not self.admin_api_key:
+            raise ValueError("admin_api_key: must not be empty")
         self._check_lora_modules()
 
     def _check_lora_modules(self) -> None:

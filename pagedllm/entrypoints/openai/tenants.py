@@ -1,9 +1,14 @@
 """Tenants: who may call the server and under which name; keys never reach a log.
 
 One API key is one tenant. Keys come from `--api-key` (repeatable; its tenants are named
-`key-1`, `key-2`, ... in the order given, never after the key) and from `--api-keys-file`,
-whose lines are `name key [limit=N ...]` (limits from `TenantLimits`, `none` for no limit;
-`#` starts a comment), reloaded on SIGHUP. This module owns reading and checking those,
+`key-1`, `key-2`, ... in the order given, never after the key), from `--admin-api-key` (the
+tenant `admin`) and from `--api-keys-file`, whose lines are `name key [admin] [limit=N ...]`
+(limits from `TenantLimits`, `none` for no limit; `#` starts a comment), reloaded on SIGHUP.
+
+An admin tenant may change what every tenant is served (runtime LoRA loads) and see every
+tenant's figures (/metrics, /dashboard/data); the others see only their own. A server
+without tenants (no keys file, no admin key, at most one `--api-key`) has one user, who is
+the admin, as before there were roles. This module owns reading and checking those,
 finding the tenant of the key a request presents (in constant time), each tenant's cache
 salt, and the access-log filter that hides keys sent in a query string. Keys are found by
 their digest in a dictionary (`key_index.py`), and a reload parses the file in a worker
@@ -23,7 +28,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # DEFAULT_TENANT: the tenant of requests on a server that has no API keys.
@@ -36,6 +41,9 @@ logger = logging.getLogger("pagedllm")
 
 # Names become metric labels and log fields: short, plain, and never a key.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# The keys-file column that makes a tenant an admin, and the tenant of `--admin-api-key`.
+ADMIN_OPTION = "admin"
+ADMIN_TENANT = "admin"
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,7 @@ class TenantSpec:
     name: str
     key_digest: bytes = field(repr=False)
     limits: TenantLimits
+    admin: bool = False
 
 
 # ---- reading keys --------------------------------------------------------------------------
@@ -72,15 +81,17 @@ def parse_keys_file(text: str, defaults: TenantLimits, source: str) -> list[Tena
             continue
         where = f"api_keys_file: {source}, line {number}"
         if len(columns) < 2:
-            raise ValueError(f"{where}: expected 'name key [limit=N ...]'")
+            raise ValueError(f"{where}: expected 'name key [admin] [limit=N ...]'")
         name, key, *options = columns
         if not _NAME.fullmatch(name):
             raise ValueError(
                 f"{where}: the name must be 1-64 letters, digits, '.', '_' or '-' "
                 "(starting with a letter or digit)"
             )
+        admin = ADMIN_OPTION in options
+        options = [option for option in options if option != ADMIN_OPTION]
         limits = defaults.with_overrides(_parse_limits(options, where))
-        specs.append(TenantSpec(name, key_digest(key), limits))
+        specs.append(TenantSpec(name, key_digest(key), limits, admin))
     return specs
 
 
@@ -122,10 +133,18 @@ def check_unique(specs: list[TenantSpec]) -> None:
 
 
 def load_tenants(
-    api_keys: Iterable[str], api_keys_file: str | None, defaults: TenantLimits
+    api_keys: Iterable[str],
+    api_keys_file: str | None,
+    defaults: TenantLimits,
+    admin_api_key: str | None = None,
 ) -> list[TenantSpec]:
-    """Every configured tenant: `--api-key` ones first, then the keys file's, checked."""
+    """Every configured tenant: `--api-key` ones first, then `--admin-api-key`'s, then the
+    keys file's, checked."""
     specs = tenants_from_api_keys(api_keys, defaults)
+    if admin_api_key is not None:
+        if not admin_api_key or admin_api_key != admin_api_key.strip():
+            raise ValueError("admin_api_key: the key is empty or has surrounding spaces")
+        specs.append(TenantSpec(ADMIN_TENANT, key_digest(admin_api_key), defaults, admin=True))
     if api_keys_file is not None:
         try:
             text = Path(api_keys_file).read_text()
@@ -144,12 +163,13 @@ def load_tenants(
 # ---- the registry --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ActiveTenant:
-    """The tenant a request runs as: its name, its limiter, and whether its prefix-cache
-    entries are kept apart from other tenants'."""
+    """The tenant a request runs as: its name, its limiter, whether its prefix-cache
+    entries are kept apart from other tenants', and whether it is an admin."""
 
     name: str
     limiter: TenantLimiter
     isolate_cache: bool
+    admin: bool = False
 
     def cache_salt(self, client_salt: str | None) -> str | None:
         """The salt of this tenant's requests: a request shares cached KV only with requests
@@ -182,13 +202,20 @@ class _Reload:
     removed: tuple[str, ...]
 
 
+def current_tenant_is_admin() -> bool:
+    """Whether the request being served comes from an admin (False on the open routes)."""
+    tenant = current_tenant.get()
+    return tenant is not None and tenant.admin
+
+
 class TenantRegistry:
     """The configured tenants; `authenticate` finds a request's, `reload` re-reads the file.
 
-    With no keys at all every request runs as `DEFAULT_TENANT`. Requests and the swap of a
-    reload run on the event loop, so the swap (one assignment of a new index) needs no lock;
-    the file is read and the new index built in a worker thread (`reload_in_background`),
-    which only reads the index in use: only the loop replaces it, one reload at a time.
+    With no keys at all every request runs as `DEFAULT_TENANT`, an admin. Requests and the
+    swap of a reload run on the event loop, so the swap (one assignment of a new index) needs
+    no lock; the file is read and the new index built in a worker thread
+    (`reload_in_background`), which only reads the index in use: only the loop replaces it,
+    one reload at a time.
     """
 
     def __init__(
@@ -198,15 +225,24 @@ class TenantRegistry:
         defaults: TenantLimits | None = None,
         share_prefix_cache: bool = False,
         clock: Clock = time.monotonic,
+        admin_api_key: str | None = None,
     ) -> None:
         self.api_keys = tuple(api_keys)
         self.api_keys_file = api_keys_file
         self.defaults = defaults or TenantLimits()
         self.share_prefix_cache = share_prefix_cache
         self.clock = clock
-        self.default = ActiveTenant(DEFAULT_TENANT, TenantLimiter(self.defaults, clock), False)
+        self.admin_api_key = admin_api_key
+        # Without tenants, the one key (or everybody, without keys) is the operator: an admin,
+        # as before roles existed. A keys file, an admin key or a second key make tenants,
+        # and then only a designated admin is one.
+        self.implicit_admin = (
+            api_keys_file is None and admin_api_key is None and len(self.api_keys) <= 1
+        )
+        limiter = TenantLimiter(self.defaults, clock)
+        self.default = ActiveTenant(DEFAULT_TENANT, limiter, False, admin=True)
         self._index: KeyIndex[ActiveTenant] = KeyIndex()
-        self._install(self._plan(load_tenants(self.api_keys, api_keys_file, self.defaults)))
+        self._install(self._plan(self._load()))
         self._reload_lock = asyncio.Lock()  # one background reload at a time
         self._reload_tasks: set[asyncio.Task[bool]] = set()
 
@@ -217,6 +253,13 @@ class TenantRegistry:
     @property
     def names(self) -> list[str]:
         return [tenant.name for tenant in self._index]
+
+    @property
+    def has_admin(self) -> bool:
+        return not self._index or any(tenant.admin for tenant in self._index)
+
+    def _load(self) -> list[TenantSpec]:
+        return load_tenants(self.api_keys, self.api_keys_file, self.defaults, self.admin_api_key)
 
     def authenticate(self, authorization: str | None) -> ActiveTenant | None:
         """The tenant whose key `Authorization: Bearer KEY` carries, else None."""
@@ -259,7 +302,7 @@ class TenantRegistry:
             logger.warning("SIGHUP: no --api-keys-file to reload; keys unchanged")
             return None
         try:
-            specs = load_tenants(self.api_keys, self.api_keys_file, self.defaults)
+            specs = self._load()
         except ValueError as error:
             logger.error("Keeping the old API keys: %s", error)
             return None
@@ -271,12 +314,16 @@ class TenantRegistry:
         previous = {tenant.name: tenant for tenant in self._index}
         entries, changed = [], []
         for spec in specs:
+            admin = spec.admin or self.implicit_admin
             tenant = previous.get(spec.name)
             if tenant is None:
                 limiter = TenantLimiter(spec.limits, self.clock)
-                tenant = ActiveTenant(spec.name, limiter, not self.share_prefix_cache)
-            elif tenant.limiter.limits != spec.limits:
-                changed.append((tenant.limiter, spec.limits))
+                tenant = ActiveTenant(spec.name, limiter, not self.share_prefix_cache, admin)
+            else:
+                if tenant.limiter.limits != spec.limits:
+                    changed.append((tenant.limiter, spec.limits))
+                if tenant.admin != admin:  # the file's `admin` column changed
+                    tenant = replace(tenant, admin=admin)
             entries.append((spec.key_digest, tenant))
         names = {spec.name for spec in specs}
         added = tuple(sorted(names - previous.keys()))

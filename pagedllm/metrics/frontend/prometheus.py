@@ -17,11 +17,15 @@ With LoRA on, `lora_requests_info` (vLLM's) tells which adapters have requests: 
 order), `max_lora` is the engine's max_loras, and its value is when that was last seen (Unix
 time). vLLM keeps a series for every combination ever seen; here each engine keeps only its
 current one, so adapters loaded and unloaded at runtime cannot grow the output without bound.
+
+`render(tenant)` is one tenant's view: its own per-tenant series and nothing else (engine
+series, which sum every tenant's work, and the adapter series would tell it about the others).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -32,6 +36,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from pagedllm.metrics.frontend.timeline import RequestTimeline, TimelineSink
 from pagedllm.metrics.stats import EngineStats
@@ -267,8 +272,11 @@ class PrometheusMetrics(TimelineSink):
         # A new core counts from zero: its first snapshot is no delta of the old core's last.
         series.last_stats = None
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant: str | None = None) -> bytes:
+        """Every series (None), or only `tenant`'s own ones."""
+        if tenant is None:
+            return generate_latest(self.registry)
+        return generate_latest(_TenantView(self.registry, tenant))  # type: ignore[arg-type]
 
     # ---- internals --------------------------------------------------------------------------
     @staticmethod
@@ -341,6 +349,23 @@ class PrometheusMetrics(TimelineSink):
             }
             series = self._by_tenant[tenant] = _TenantSeries(**children)
         return series
+
+
+class _TenantView:
+    """A collector of `registry`'s samples labelled with `tenant` (for `generate_latest`,
+    which needs only `collect`); a metric with none of them is left out whole."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if s.labels.get("tenant") == self.tenant]
+            if samples:
+                own = Metric(family.name, family.documentation, family.type, family.unit)
+                own.samples = samples
+                yield own
 
 
 def _adapter_names(counts: dict[str, int] | None) -> str:

@@ -21,6 +21,11 @@ dict) in a deque of fixed length. Each sample holds:
   (TTFT) or finish (TPOT) fell in the last `latency_window_s` seconds (None: none did);
 - `tenants`: per tenant, its tokens/s, requests and TTFT percentiles (tenants seen so far);
 - `lora_adapters`: per adapter, the highest running and waiting requests (LoRA on only).
+
+`snapshot(tenant=name)` is one tenant's view: each sample's counts, tokens and TTFT are the
+tenant's own, `tenants` holds it alone, and what sums every tenant's work (engine gauges,
+computed prompt tokens, prefix-cache hit rate, preemptions, TPOT, adapters) is None or left
+out, so that no tenant learns from it how busy the others are.
 """
 
 from __future__ import annotations
@@ -138,6 +143,7 @@ class TimeSeries(TimelineSink):
         self._wall_offset = wall_clock() - clock()
         self.samples: deque[dict] = deque(maxlen=window_s)
         self.totals = _Counts()
+        self._tenant_totals: dict[str, _Counts] = {}
         self.total_preemptions = 0
         self._engines: dict[int, EngineStats] = {}
         self._ttft: dict[str | None, _Latencies] = {None: _Latencies()}  # None: everyone
@@ -162,17 +168,20 @@ class TimeSeries(TimelineSink):
             return
         tenant = self._tenant_counts(second, timeline.tenant)
         tenant.generation_tokens += num_new
+        tenant_totals = self._totals_of(timeline.tenant)
+        tenant_totals.generation_tokens += num_new
         if gap is None:  # the first tokens
             ttft = timeline.time_to_first_token
             self._ttft[None].add(now, ttft)
             self._ttft.setdefault(timeline.tenant, _Latencies()).add(now, ttft)
-            for counts in (second.total, tenant, self.totals):
+            for counts in (second.total, tenant, self.totals, tenant_totals):
                 counts.prompt_tokens += timeline.num_prompt_tokens
 
     def on_finished(self, timeline: RequestTimeline, reason: str, now: float) -> None:
         second = self._advance(now)
         outcome = {"error": "failed", "abort": "aborted"}.get(reason, "finished")
-        for counts in (second.total, self._tenant_counts(second, timeline.tenant), self.totals):
+        tenant = self._tenant_counts(second, timeline.tenant)
+        for counts in (second.total, tenant, self.totals, self._totals_of(timeline.tenant)):
             setattr(counts, outcome, getattr(counts, outcome) + 1)
         time_per_output_token = timeline.time_per_output_token
         if time_per_output_token is not None:
@@ -183,22 +192,28 @@ class TimeSeries(TimelineSink):
         """A generation request refused before it ran (a 429 or a 503)."""
         second = self._advance(self._clock())
         self._tenants.add(tenant)
-        for counts in (second.total, self._tenant_counts(second, tenant), self.totals):
+        own = self._tenant_counts(second, tenant)
+        for counts in (second.total, own, self.totals, self._totals_of(tenant)):
             counts.rejected += 1
 
     # ---- reading --------------------------------------------------------------------------
-    def snapshot(self, since: float | None = None) -> dict:
+    def snapshot(self, since: float | None = None, tenant: str | None = None) -> dict:
         """Every closed second after wall time `since` (all kept ones for None), oldest first,
-        with the totals since start-up."""
+        with the totals since start-up: everyone's, or `tenant`'s own view of them."""
         self._advance(self._clock())
         samples = [s for s in self.samples if since is None or s["t"] > since]
+        totals = {**asdict(self.totals), "preemptions": self.total_preemptions}
+        if tenant is not None:
+            samples = [_tenant_view(sample, tenant) for sample in samples]
+            own = self._tenant_totals.get(tenant, _Counts())
+            totals = {**asdict(own), "preemptions": None}
         return {
             "interval_s": 1,
             "window_s": self.window_s,
             "latency_window_s": self.latency_window_s,
             "percentiles": [f"p{p}" for p in PERCENTILES],
             "now": self._clock() + self._wall_offset,
-            "totals": {**asdict(self.totals), "preemptions": self.total_preemptions},
+            "totals": totals,
             "samples": samples,
         }
 
@@ -304,3 +319,38 @@ class TimeSeries(TimelineSink):
 
     def _tenant_counts(self, second: _Second, tenant: str) -> _Counts:
         return second.tenants.setdefault(tenant, _Counts())
+
+    def _totals_of(self, tenant: str) -> _Counts:
+        return self._tenant_totals.setdefault(tenant, _Counts())
+
+
+# A sample's fields that sum every tenant's work: shown to admins only.
+_SHARED_FIELDS = (
+    "running",
+    "waiting",
+    "kv_cache_usage",
+    "prompt_tokens_computed_per_s",
+    "prefix_cache_hit_rate",
+    "preemptions",
+    "tpot",
+)
+
+
+def _tenant_view(sample: dict, tenant: str) -> dict:
+    """`sample` as `tenant` may see it: the same fields (the page draws either), its own
+    figures in place of everyone's, the shared ones None, no other tenant, no adapters."""
+    own = sample["tenants"].get(tenant) or {
+        "prompt_tokens_per_s": 0,
+        "generation_tokens_per_s": 0,
+        "finished": 0,
+        "failed": 0,
+        "aborted": 0,
+        "rejected": 0,
+        "ttft": None,
+    }
+    return {
+        "t": sample["t"],
+        **dict.fromkeys(_SHARED_FIELDS),
+        **own,
+        "tenants": {tenant: own},
+    }
