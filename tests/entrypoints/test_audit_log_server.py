@@ -58,10 +58,15 @@ def test_each_request_gets_a_line_with_its_tenant_tokens_and_outcome(server):
     assert wrong_key.status_code == 401
     bad = post(server, "/v1/completions", {**body, "max_tokens": -1}, as_tenant("bob"))
     assert bad.status_code == 400
-    wait_until(lambda: len(_requests(server)) >= 4, "four request lines")
-    by_path_and_tenant = {
-        (line["path"], line["tenant"], line["status"]): line for line in _requests(server)
+    expected = {
+        ("/v1/completions", "alice", 200),
+        ("/v1/chat/completions", "bob", 200),
+        ("/v1/completions", None, 401),
+        ("/v1/completions", "bob", 400),
     }
+    # A line is written after its response's last byte, by the log's own thread.
+    wait_until(lambda: expected <= set(_by_outcome(server)), "the four requests' lines")
+    by_path_and_tenant = _by_outcome(server)
     completion = by_path_and_tenant[("/v1/completions", "alice", 200)]
     usage = alice.json()["usage"]
     assert completion["prompt_tokens"] == usage["prompt_tokens"]
@@ -98,6 +103,10 @@ def test_one_tenants_lines_are_printed_by_the_cli(server):
     printed = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     tenants = {json.loads(line)["tenant"] for line in printed.stdout.splitlines()}
     assert tenants == {"bob"}
+
+
+def _by_outcome(server) -> dict[tuple, dict]:
+    return {(line["path"], line["tenant"], line["status"]): line for line in _requests(server)}
 
 
 def _requests(server) -> list[dict]:

@@ -42,6 +42,8 @@ ADMIN_ACTIONS = {
     "/v1/load_lora_adapter": "load_lora_adapter",
     "/v1/unload_lora_adapter": "unload_lora_adapter",
 }
+# Load balancers' probes: open to all, asking nothing, every few seconds.
+UNAUDITED_PATHS = frozenset({"/health"})
 # A request whose client went away before its answer ended (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
 # Lines waiting for the writer; past this the newest are dropped and counted (a stuck disk
@@ -215,7 +217,7 @@ class AuditMiddleware:
         self.audit_log = audit_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNAUDITED_PATHS:
             await self.app(scope, receive, send)
             return
         record = AuditRecord(scope["method"], scope["path"])
