@@ -112,7 +112,7 @@ def _app(log: AuditLog) -> Starlette:
         Route("/refused", refused),
         Route("/broken", broken),
         Route("/v1/load_lora_adapter", load, methods=["POST"]),
-        Route("/health", plain),
+        Route("/health", refused),
     ]
     app = Starlette(routes=routes)
     app.add_middleware(AuditMiddleware, audit_log=log)
@@ -127,7 +127,7 @@ def test_the_middleware_writes_one_line_per_request_with_its_outcome(tmp_path):
     assert client.get("/refused").status_code == 401
     assert client.get("/broken").status_code == 500
     assert client.post("/v1/load_lora_adapter").status_code == 200
-    assert client.get("/health").status_code == 200  # a probe: not audited
+    assert client.get("/health").status_code == 401  # a probe: not audited
     log.close()
     lines = {line["path"]: line for line in read_lines(tmp_path / "audit.jsonl")}
     assert set(lines) == {"/plain", "/streamed", "/refused", "/broken", "/v1/load_lora_adapter"}
