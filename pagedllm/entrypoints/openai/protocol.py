@@ -364,6 +364,9 @@ class EmbeddingRequest(RequestBody):
     """`POST /v1/embeddings`: OpenAI's fields, then vLLM's extras (`normalize`, priority,
     salt, id). Token-id inputs are checked against the vocabulary when read."""
 
+    # Shown in /docs, and sent by schema-driven clients and fuzzers as a body that works.
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "Say hello."}]})
+
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
