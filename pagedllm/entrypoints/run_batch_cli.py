@@ -11,6 +11,7 @@ import sys
 from typing import BinaryIO
 
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from, llm_from_args
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 # As run_batch.DEFAULT_MAX_LINE_BYTES (not imported: this module loads with every command).
 DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -71,7 +72,7 @@ def add_run_batch_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
+        choices=TOOL_CALL_PARSERS,
         default=None,
         help="how tool calls are read from generated text (default: none)",
     )

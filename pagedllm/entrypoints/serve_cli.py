@@ -9,6 +9,8 @@ import os
 
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.entrypoints.flag_help import section
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.vllm_flags import (
     SERVE_FLAGS,
     add_vllm_serve_flags,
@@ -165,10 +167,20 @@ def add_serve_parser(subparsers) -> None:
     )
     frontend.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
+        choices=TOOL_CALL_PARSERS,
         default=None,
-        help="how tool calls are parsed from the model's text for tool_choice=auto "
-        "(default: none: auto tool choice is off)",
+        help="how tool calls are parsed from the model's text for tool_choice=auto, by model "
+        "family: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3), mistral, "
+        "pythonic (Llama 3.2/4, ToolACE), qwen3_coder (Qwen3-Coder) (default: none: auto "
+        "tool choice is off)",
+    )
+    frontend.add_argument(
+        "--reasoning-parser",
+        choices=tuple(REASONING_PARSERS),
+        default=None,
+        help="return a thinking model's <think>...</think> as reasoning_content (streamed as "
+        "delta.reasoning_content): deepseek_r1 (the answer starts inside the thinking), "
+        "qwen3 (thinking may be absent) (default: none: the thinking stays in content)",
     )
     frontend.add_argument(
         "--responses-store-size",
@@ -514,6 +526,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "disable_uvicorn_access_log": args.disable_uvicorn_access_log,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
         "responses_store_size": args.responses_store_size,
         **_template_and_tls_overrides(args),
         **_lora_overrides(args),

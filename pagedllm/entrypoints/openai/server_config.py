@@ -7,7 +7,9 @@ import ssl
 from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.openai.lora_registry import LoRAModulePath
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tenant_limits import TenantLimits
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, under our prefix: the default of the switch.
 RUNTIME_LORA_UPDATING_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -65,6 +67,8 @@ class ServerConfig:
     root_path: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # `reasoning.py`: the thinking split into reasoning_content (None: no split).
+    reasoning_parser: str | None = None
     # The chat template rendered in place of the model's (`--chat-template`); None: the model's.
     chat_template: str | None = None
     # A request's own chat template (`chat_template`) is refused unless this is set (vLLM's
@@ -129,8 +133,16 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
-        if self.tool_call_parser not in (None, "hermes"):
-            raise ValueError(f"tool_call_parser must be 'hermes', got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (e.g. hermes)")
         if self.responses_store_size < 0:

@@ -1,8 +1,10 @@
 """`POST /v1/chat/completions`: messages rendered by the model's chat template, n choices,
-logprobs with top alternatives, streaming deltas with an optional usage chunk."""
+logprobs with top alternatives, streaming deltas with an optional usage chunk; a thinking
+model's reasoning split off (`reasoning.py`), then tool calls parsed (`tool_calls.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -10,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningStreamer
 from pagedllm.entrypoints.openai.serving import (
     OpenAIServing,
     Prompt,
@@ -45,6 +48,8 @@ class PreparedChat:
     plan: ToolPlan
     prompt: Prompt
     params: SamplingParams
+    # Whether the answer starts inside the thinking; None: no reasoning split.
+    inside_thinking: bool | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -56,8 +61,9 @@ class OpenAIServingChat(OpenAIServing):
         self.log_request(request_id, [prompt], params)
         results = self.generations(request_id, [prompt], [params], request, lora_request)
         headers = {"X-Request-Id": request_id}
+        inside = prepared.inside_thinking
         if request.stream:
-            chunks = self._stream(request_id, request, prompt, results, plan, model_name)
+            chunks = self._stream(request_id, request, prompt, results, plan, model_name, inside)
             return StreamingResponse(
                 stream_with_errors(chunks), media_type="text/event-stream", headers=headers
             )
@@ -65,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
         async for _, output in results:
             final = output
         assert final is not None
-        body = self._response(request_id, request, prompt, final, plan, model_name)
+        body = self._response(request_id, request, prompt, final, plan, model_name, inside)
         return JSONResponse(body, headers=headers)
 
     async def prepare_chat(self, request: ChatCompletionRequest) -> PreparedChat:
@@ -86,7 +92,26 @@ class OpenAIServingChat(OpenAIServing):
         tool_constraint = plan.constraint()
         extra = [("tool_choice", tool_constraint)] if tool_constraint is not None else []
         params = self.with_structured_output(params, request, extra)
-        return PreparedChat(lora_request, model_name, plan, prompt, params)
+        if plan.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        inside = self._inside_thinking(prompt, params, request)
+        return PreparedChat(lora_request, model_name, plan, prompt, params, inside)
+
+    def _inside_thinking(
+        self, prompt: Prompt, params: SamplingParams, request: ChatCompletionRequest
+    ) -> bool | None:
+        """Whether the answer starts inside the thinking, or None when it is not split: no
+        reasoning parser, or an answer a JSON grammar holds from its first token (tool_choice
+        required or named, response_format, guided_json) has no thinking to split off."""
+        name = self.config.reasoning_parser
+        constraint = params.structured_outputs
+        if name is None or (constraint is not None and (constraint.json or constraint.json_object)):
+            return None
+        parser = REASONING_PARSERS[name]
+        thinking = (request.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is False and not parser.always_inside:
+            return False  # Qwen3's switch: the model is not to think, all is content
+        return parser.starts_inside(prompt.text or "")
 
     async def render(
         self, request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None = None
@@ -181,10 +206,18 @@ class OpenAIServingChat(OpenAIServing):
             "stop_reason": completion.stop_reason,
         }
 
-    def _message_choice(self, request, completion: CompletionOutput, plan: ToolPlan) -> dict:
-        content, calls = (completion.text, []) if not plan.active else plan.parse(completion.text)
+    def _message_choice(
+        self, request, completion: CompletionOutput, plan: ToolPlan, inside: bool | None
+    ) -> dict:
+        reasoning, text = None, completion.text
+        if inside is not None:
+            reasoning, text = REASONING_PARSERS[self.config.reasoning_parser or ""].split(
+                completion.text, inside
+            )
+        content, calls = (text, []) if not plan.active or text is None else plan.parse(text)
         message = {
             "role": "assistant",
+            **({} if inside is None else {"reasoning_content": reasoning}),
             "content": content,
             "tool_calls": [call.as_dict() for call in calls],
         }
@@ -192,7 +225,14 @@ class OpenAIServingChat(OpenAIServing):
         return self._choice(request, completion, {"message": message}, reason)
 
     def _response(
-        self, request_id, request, prompt: Prompt, final: RequestOutput, plan, model_name: str
+        self,
+        request_id,
+        request,
+        prompt: Prompt,
+        final: RequestOutput,
+        plan,
+        model_name: str,
+        inside: bool | None = None,
     ) -> dict:
         num_completion = sum(len(c.token_ids) for c in final.outputs)
         return {
@@ -200,7 +240,7 @@ class OpenAIServingChat(OpenAIServing):
             "object": "chat.completion",
             "created": now_s(),
             "model": model_name,
-            "choices": [self._message_choice(request, c, plan) for c in final.outputs],
+            "choices": [self._message_choice(request, c, plan, inside) for c in final.outputs],
             "usage": usage(len(prompt.token_ids), num_completion),
             **(
                 {}
@@ -209,18 +249,36 @@ class OpenAIServingChat(OpenAIServing):
             ),
         }
 
-    def _delta_choice(self, request, completion, streamer: ToolCallStreamer | None) -> dict:
+    def _delta_choice(
+        self,
+        request,
+        completion,
+        streamer: ToolCallStreamer | None,
+        reasoner: ReasoningStreamer | None,
+    ) -> dict:
         finished = completion.finish_reason is not None
+        reasoning, text = "", completion.text
+        if reasoner is not None:
+            reasoning, text = reasoner.delta(completion.text, finished)
         if streamer is None:
-            delta = {"content": completion.text} if completion.text else {}
+            delta = {"content": text} if text else {}
             reason = completion.finish_reason
         else:
-            delta = streamer.delta(completion.text, finished)
+            delta = streamer.delta(text, finished)
             reason = finish_reason(streamer.plan, completion.finish_reason, streamer.made_calls)
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         return self._choice(request, completion, {"delta": delta}, reason)
 
     async def _stream(
-        self, request_id, request, prompt: Prompt, results, plan: ToolPlan, model_name: str
+        self,
+        request_id,
+        request,
+        prompt: Prompt,
+        results,
+        plan: ToolPlan,
+        model_name: str,
+        inside: bool | None,
     ) -> AsyncIterator[str]:
         created = now_s()
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created}
@@ -228,6 +286,9 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_completion = 0
         streamers = {i: ToolCallStreamer(plan) for i in range(request.n)} if plan.active else {}
+        reasoners = (
+            {} if inside is None else {i: ReasoningStreamer(inside) for i in range(request.n)}
+        )
         sent_roles = False
         async for _, output in results:
             if not sent_roles:
@@ -241,7 +302,10 @@ class OpenAIServingChat(OpenAIServing):
                     yield sse({**base, "choices": [choice]})
             for completion in output.outputs:
                 num_completion += len(completion.token_ids)
-                choice = self._delta_choice(request, completion, streamers.get(completion.index))
+                index = completion.index
+                choice = self._delta_choice(
+                    request, completion, streamers.get(index), reasoners.get(index)
+                )
                 if not (choice["delta"] or choice["finish_reason"] or request.logprobs):
                     continue  # tokens held back (a possible stop string or tool call)
                 chunk = {**base, "choices": [choice]}

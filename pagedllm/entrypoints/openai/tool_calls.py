@@ -4,8 +4,9 @@ the constraint and the answer.
 - `required` and a named function are enforced by a grammar built from the tools' JSON
   schemas, so the arguments always validate: a named function's output *is* its arguments;
   `required` produces a JSON array of `{"name", "arguments"}` objects.
-- `auto` leaves the model free and parses its text with a tool-call parser (`hermes`:
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks).
+- `auto` leaves the model free and parses its text with the server's tool-call parser
+  (`--tool-call-parser`: hermes, llama3_json, mistral, pythonic, qwen3_coder; see
+  `tool_parsers.py`).
 - `none` renders no tools and parses nothing.
 When the model's chat template has no tool support, the tools are described to the model in
 a system message in the hermes format, so `auto` still has a chance to work.
@@ -14,17 +15,18 @@ a system message in the hermes format, so `auto` still has a chance to work.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    TOOL_PARSERS,
+    ToolParser,
+    parse_with,
+)
 from pagedllm.errors import InvalidRequestError
 from pagedllm.sampling_params import StructuredOutputsParams
-
-TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-HERMES_OPEN = "<tool_call>"
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,16 @@ class ToolPlan:
     functions: tuple[dict[str, Any], ...]
     named: str | None = None
     parallel: bool = True
+    parser_name: str | None = None  # the auto parser (`--tool-call-parser`)
+
+    @property
+    def parser(self) -> ToolParser:
+        return TOOL_PARSERS[self.parser_name or "hermes"]
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the auto parser reads special tokens (mistral's `[TOOL_CALLS]`)."""
+        return self.mode == "auto" and self.active and self.parser.keeps_special_tokens
 
     @property
     def active(self) -> bool:
@@ -83,7 +95,9 @@ class ToolPlan:
         if self.mode == "required":
             return None, _parse_required(text)
         if self.mode == "auto":
-            content, calls = parse_hermes(text, {f["name"] for f in self.functions})
+            parser = self.parser
+            content, raw = parse_with(parser, text, self.functions)
+            calls = [ToolCall(n, a, parser.new_call_id() or new_call_id()) for n, a in raw]
             return content, calls if self.parallel else calls[:1]
         return text, []
 
@@ -115,10 +129,10 @@ def plan_tools(
     if tool_choice == "auto" and functions and auto_parser is None:
         raise InvalidRequestError(
             'tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
-            "--tool-call-parser hermes",
+            "--tool-call-parser NAME (" + ", ".join(TOOL_CALL_PARSERS) + ")",
             "tool_choice",
         )
-    return ToolPlan(tool_choice, functions, None, parallel)
+    return ToolPlan(tool_choice, functions, None, parallel, auto_parser)
 
 
 def _function(tool: Any, index: int) -> dict[str, Any]:
@@ -212,36 +226,6 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def parse_hermes(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """Split hermes-format text into its content and the well-formed calls to known tools."""
-    calls = []
-    for block in _HERMES_BLOCK.findall(text):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or call.get("name") not in names:
-            continue
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(call["name"], json.dumps(arguments), new_call_id()))
-    if not calls:
-        return text, []
-    content = _HERMES_BLOCK.sub("", text).strip()
-    return content or None, calls
-
-
-def may_start_hermes_call(text: str) -> int:
-    """Where a (possibly still partial) `<tool_call>` starts in `text`, or -1: streamed
-    content is held back from there until the answer ends."""
-    start = text.find(HERMES_OPEN)
-    if start >= 0:
-        return start
-    for size in range(len(HERMES_OPEN) - 1, 0, -1):
-        if text.endswith(HERMES_OPEN[:size]):
-            return len(text) - size
-    return -1
-
-
 def hermes_system_prompt(functions: tuple[dict[str, Any], ...]) -> str:
     """Tool descriptions for a chat template that cannot render tools itself."""
     signatures = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
@@ -264,8 +248,8 @@ def finish_reason(plan: ToolPlan, reason: str | None, made_calls: bool) -> str |
 
 class ToolCallStreamer:
     """Turns one choice's streamed text into OpenAI deltas: argument deltas for a named
-    function; complete calls at the end for `required`; for `auto`, content until a
-    `<tool_call>` may start, then the parsed calls when the answer ends."""
+    function; complete calls at the end for `required`; for `auto`, content until the
+    parser says a call may start, then the parsed calls when the answer ends."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -281,7 +265,7 @@ class ToolCallStreamer:
         if not finished:
             if self.plan.mode == "required":
                 return {}
-            hold = may_start_hermes_call(self.text)
+            hold = self.plan.parser.hold_from(self.text)
             return self._content_until(len(self.text) if hold < 0 else hold)
         text = self.text if self.plan.mode == "required" else self.text[self.num_sent_chars :]
         content, calls = self.plan.parse(text)
