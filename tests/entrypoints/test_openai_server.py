@@ -24,8 +24,10 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
 
 
 def test_models_version_health_and_auth(server):
+    before = int(time.time())
     models = server.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert before <= models["data"][0]["created"] <= time.time() + 1  # vLLM's: not 0
     assert server.get("/version").json()["version"]
     assert httpx.get(server.base_url + "/health").status_code == 200  # open to all
     for path in ("/v1/models", "/metrics", "/version"):

@@ -56,6 +56,7 @@ from pagedllm.entrypoints.openai.request_ids import request_id_from_header
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.responses_store import ResponsesStore
 from pagedllm.entrypoints.openai.server_config import ServerConfig
+from pagedllm.entrypoints.openai.serving import now_s
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -318,11 +319,13 @@ def _model_cards(
     `show_paths` (a tenant that is no admin) `root` is the card's name: paths on the
     server are the operator's business."""
 
+    created = now_s()  # vLLM's: the time of the listing
+
     def card(name: str, root: str, parent: str | None) -> dict:
         return {
             "id": name,
             "object": "model",
-            "created": 0,
+            "created": created,
             "owned_by": "pagedllm",
             "root": root if show_paths else name,
             "parent": parent,
