@@ -44,8 +44,6 @@ _MEMORY_UNITS = {
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
-
 
 def parse_memory_size(value: int | str, name: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or ``"1000000"``."""

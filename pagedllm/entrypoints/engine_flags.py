@@ -21,8 +21,8 @@ ENGINE_ARG_HELP = {
     "max_model_len": "context window in tokens, prompt and output together (default: the model's)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "bytes for the paged KV cache, a number or with a unit: 512MiB, 4GiB "
-    "(default: enough for "
-    "max_num_seqs sequences at max_model_len, at most 4 GiB)",
+    "(default: enough for max_num_seqs + 1 sequences at max_model_len, at most half the "
+    "memory available at start-up)",
     "max_num_batched_tokens": "tokens one engine step may compute (prefill chunks and "
     "decodes together)",
     "max_num_seqs": "most sequences (requests) running at once in an engine step",
