@@ -44,8 +44,6 @@ _MEMORY_UNITS = {
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
-
 
 def parse_memory_size(value: int | str, name: str = "kv_cache_memory") -> int:
     """Bytes from an int or a string such as ``"4GiB"``, ``"512MiB"``, ``"2G"`` or ``"1000000"``."""
@@ -394,7 +392,7 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None
     # vLLM's --gpu-memory-utilization, read as its CPU backend reads VLLM_CPU_KVCACHE_SPACE:
     # the default-sized KV cache may take this fraction of the memory available at start-up
-    # instead of at most DEFAULT_KV_CACHE_MEMORY (kv_cache_memory, when set, wins).
+    # instead of half of it (kv_cache_memory, when set, wins).
     gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -487,25 +485,16 @@ class EngineArgs:
                 "compile and enforce_eager exclude each other: compile runs decode steps "
                 "through torch.compile, enforce_eager keeps every step eager"
             )
-        # Read once, here: the engine cores get these arguments pickled (not rebuilt), so
-        # every process sizes the same pool whatever the free memory is when it starts.
-        self.default_kv_cache_cap = self._default_kv_cache_cap()
+        self._check_gpu_memory_utilization()
 
-    def _default_kv_cache_cap(self) -> int:
-        """Most bytes of each rank's KV cache when kv_cache_memory is unset: 4 GiB, or
-        gpu_memory_utilization of the memory available now, shared by every rank of every
-        engine core (each holds a pool)."""
+    def _check_gpu_memory_utilization(self) -> None:
         fraction = self.gpu_memory_utilization
         if fraction is None:
-            return DEFAULT_KV_CACHE_MEMORY
+            return
         if isinstance(fraction, bool) or not isinstance(fraction, int | float):
             raise ValueError(f"gpu_memory_utilization must be a number, got {fraction!r}")
         if not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
-        import psutil  # here: only this option reads the machine's memory
-
-        pools = self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
-        return max(1, int(fraction * psutil.virtual_memory().available) // pools)
 
     def _check_quantization(self) -> None:
         verify_quantization(self.quantization)

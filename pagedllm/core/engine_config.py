@@ -23,6 +23,7 @@ from pagedllm.config import (
 from pagedllm.core.kv_tier_setup import build_kv_tier_config
 from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
+from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
@@ -37,6 +38,12 @@ from pagedllm.parallel_config import (
 )
 
 logger = logging.getLogger("pagedllm")
+
+# Without `kv_cache_memory` the pool takes at most this share of the memory available when
+# the engine starts, as vLLM's CPU backend takes half the machine's memory when
+# VLLM_CPU_KVCACHE_SPACE is unset. Available rather than total memory: on a machine shared
+# with other engines (or a test suite's several), what they already hold is not ours.
+DEFAULT_KV_MEMORY_FRACTION = 0.5
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
@@ -297,6 +304,40 @@ def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str)
             )
 
 
+def default_kv_cache_memory(
+    bytes_per_block: int,
+    blocks_per_request: int,
+    max_num_seqs: int,
+    available_bytes: int,
+    memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
+) -> int:
+    """The pool's bytes when `kv_cache_memory` is not given: what the engine can use, within
+    `memory_fraction` of `available_bytes`, and never less than one full-length request.
+
+    What it can use: `max_num_seqs` requests at full length, one more full request's
+    blocks, and the null block. The extra request is the prefix cache's margin: a finished
+    request's blocks stay cached until a new one needs them, so with every running request
+    at full length the last finished conversation (the one whose next turn comes back
+    first) is still there to reuse. More blocks than that could only ever hold older cached
+    prefixes. The fraction bounds it on a small machine; the floor lets a model start
+    wherever one request fits (if even that is beyond the machine, the pages are only
+    faulted in as requests use them, and the OS says no then)."""
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    usable_blocks = (max_num_seqs + 1) * blocks_per_request + 1
+    machine_blocks = int(available_bytes * memory_fraction) // bytes_per_block
+    one_request_blocks = blocks_per_request + 1
+    return max(one_request_blocks, min(usable_blocks, machine_blocks)) * bytes_per_block
+
+
+def _available_memory_per_pool(parallel_config: ParallelConfig) -> int:
+    """The available memory's share of each pool this engine's processes hold: every rank of
+    every data-parallel core holds one (taken as all on this host, so Ray's ranks on other
+    hosts get less than they might; `kv_cache_memory` sizes them exactly)."""
+    pools = parallel_config.world_size * parallel_config.data_parallel_size
+    return available_memory_bytes() // pools
+
+
 def _cache_config(
     args: EngineArgs,
     model_config: ModelConfig,
@@ -321,10 +362,14 @@ def _cache_config(
         bytes_per_block += kv_bytes_per_block(draft_model_config, block_size, cache_dtype)
     blocks_per_request = kv_groups.max_blocks_per_request(max_len, block_size)
     if args.kv_cache_memory is None:
-        # Enough for every sequence at full length, capped (4 GiB, or the share of memory
-        # --gpu-memory-utilization gives): most traffic is far shorter.
-        blocks_wanted = args.max_num_seqs * blocks_per_request + 1
-        memory = min(args.default_kv_cache_cap, blocks_wanted * bytes_per_block)
+        memory = default_kv_cache_memory(
+            bytes_per_block,
+            blocks_per_request,
+            args.max_num_seqs,
+            _available_memory_per_pool(parallel_config),
+            # vLLM's --gpu-memory-utilization, read as its CPU backend reads its KV space.
+            args.gpu_memory_utilization or DEFAULT_KV_MEMORY_FRACTION,
+        )
     else:
         memory = parse_memory_size(args.kv_cache_memory)
     num_blocks = memory // bytes_per_block

@@ -1,5 +1,5 @@
 """`pagedllm` command line: `pagedllm serve`, `generate`, `bench throughput|latency|serve`,
-`proxy`, `run-batch`, and the terminal clients `chat` and `complete`."""
+`proxy`, `run-batch`, `export-tokenizer`, and the terminal clients `chat` and `complete`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pagedllm.entrypoints.engine_flags import add_engine_args, llm_from_args
 from pagedllm.entrypoints.flag_help import FlagParser
 from pagedllm.entrypoints.run_batch_cli import add_run_batch_parser
 from pagedllm.entrypoints.serve_cli import add_serve_parser
+from pagedllm.entrypoints.tokenizer_files import add_export_tokenizer_parser
 
 
 def _generate_parser(subparsers) -> None:
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_batch_parser(subparsers)
     add_client_parsers(subparsers)
     add_audit_log_parser(subparsers)
+    add_export_tokenizer_parser(subparsers)
     return parser
 
 

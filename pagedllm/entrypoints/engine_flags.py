@@ -29,14 +29,13 @@ ENGINE_ARG_HELP = {
     "max_model_len": "context window in tokens, prompt and output together (default: the model's)",
     "block_size": "tokens per KV cache block",
     "kv_cache_memory": "bytes for the paged KV cache, a number or with a unit: 512MiB, 4GiB "
-    "(default: enough for "
-    "max_num_seqs sequences at max_model_len, at most 4 GiB or --gpu-memory-utilization's "
-    "share)",
+    "(default: enough for max_num_seqs + 1 sequences at max_model_len, at most half the "
+    "memory available at start-up)",
     "gpu_memory_utilization": "vLLM's fraction of device memory, read here as vLLM's CPU "
     "backend reads VLLM_CPU_KVCACHE_SPACE: the KV cache may take up to this fraction of the "
-    "memory available at start-up, split between the ranks and engine cores, instead of "
-    "at most 4 GiB; it still takes no more than max_num_seqs sequences at max_model_len "
-    "need, and --kv-cache-memory wins (default: none: at most 4 GiB)",
+    "memory available at start-up, split between the ranks and engine cores; it still takes "
+    "no more than max_num_seqs + 1 sequences at max_model_len need, and --kv-cache-memory "
+    "wins (default: none: half)",
     "max_num_batched_tokens": "tokens one engine step may compute (prefill chunks and "
     "decodes together)",
     "max_num_seqs": "most sequences (requests) running at once in an engine step",

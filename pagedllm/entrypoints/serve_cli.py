@@ -405,6 +405,12 @@ def _add_template_and_tls_args(parser: argparse.ArgumentParser) -> None:
         help="render a chat_template sent in a request (chat completions, /tokenize); by "
         "default such a request is refused with a 400 and only the model's template runs",
     )
+    frontend.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (vLLM's): the tokenizer's configuration and chat "
+        "template, behind the API key; off by default since it shows the template",
+    )
     tls.add_argument(
         "--ssl-keyfile",
         default=None,
@@ -446,6 +452,7 @@ def _template_and_tls_overrides(args: argparse.Namespace) -> dict:
     return {
         "chat_template": None if chat_template is None else load_chat_template(chat_template),
         "trust_request_chat_template": args.trust_request_chat_template,
+        "enable_tokenizer_info_endpoint": args.enable_tokenizer_info_endpoint,
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
         "ssl_ca_certs": args.ssl_ca_certs,

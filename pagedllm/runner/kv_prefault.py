@@ -4,19 +4,26 @@ The pool comes from calloc, so its pages are mapped lazily: the first write to a
 faults them in inside a step. On a VM that fault is the host's first touch of guest
 memory, ~0.4-0.75 GB/s here, and W1 (64 prompts x 384 tokens) touches ~1.1 GB of fresh
 blocks: 2-3 s of its ~40 (docs/performance.md, "The KV pool faulted in while the engine
-idles"). Touching the whole 4 GiB pool up front would cost ~9 s of start-up instead.
+idles"). Touching a whole 4 GiB pool up front would cost ~9 s of start-up instead.
 
-So a background thread at SCHED_IDLE priority faults the pool in with
-MADV_POPULATE_WRITE, in the order a fresh pool hands out its blocks (ascending ids): 256 KB
-of every layer's K and V before the next 256 KB of any. It runs only on a core that is
-otherwise idle: the second core while the model loads, and both while a server waits for
-requests. MADV_POPULATE_WRITE never changes a page's contents, so it is safe against the
-steps' own writes to the same blocks. Where the kernel lacks it (Linux < 5.14) or the
-thread cannot be put at idle priority, nothing is faulted in ahead and the steps fault as
-before. It stops short where the machine's available memory would fall below a quarter
-of its RAM (at least 1 GiB): several engines in one machine (a test suite holds a few) or a
-pool sized beyond the RAM that is left then cost only what their steps use, and the page
-cache keeps room. PAGEDLLM_KV_PREFAULT=0 turns it off.
+So a background thread at SCHED_IDLE priority faults the pool in with MADV_POPULATE_WRITE,
+in the order a fresh pool hands out its blocks (ascending ids): 256 KB of every layer's K
+and V before the next 256 KB of any. It runs only on a core that is otherwise idle, as
+while a server waits for requests. MADV_POPULATE_WRITE never changes a page's contents, so
+it is safe against the steps' own writes to the same blocks. It faults in at most
+`AHEAD_BYTES` (what a busy first minute touches: W1's ~1.1 GB); the rest of a larger pool
+is faulted in by the steps that first use it, so an idle server holds its model and that
+much of the pool, not the whole pool (5.9 GB resident for the 135M default model when it
+faulted everything). It starts once the model is loaded (`ModelRunner.load_model`), so it
+never competes with start-up: beside the load it slowed the load by 0.4-1.1 s, and on a
+loaded machine a thread at idle priority may be left off the CPU inside madvise while it
+holds the mmap lock that the load's own allocations wait for (a risk, not measured). Where
+the kernel lacks it (Linux < 5.14) or the thread cannot be put at idle priority, nothing is
+faulted in ahead and the steps fault as before. It stops short where the machine's
+available memory would fall below a quarter of its RAM (at least 1 GiB): several engines in
+one machine (a test suite holds a few) or a pool sized beyond the RAM that is left then
+cost only what their steps use, and the page cache keeps room.
+PAGEDLLM_KV_PREFAULT=0 turns it off.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # them more than calls of 256 KB did (load 2.6-2.9 s against 1.1-1.7; 0.6-0.8 alone).
 CHUNK_BYTES = 256 * 1024
 MIN_AVAILABLE_SHARE, MIN_AVAILABLE_BYTES = 0.25, 2**30  # left to the rest of the machine
+AHEAD_BYTES = 2**30  # faulted in ahead at most; the steps fault in the rest as they use it
 _CHECK_MEMORY_EVERY_BYTES = 64 * 2**20  # /proc/meminfo is read once per this many bytes
 
 
@@ -78,11 +86,12 @@ class KVCachePrefaulter:
     """Owns the background thread; `stop()` ends it within one madvise call.
     `populated_bytes` counts the bytes of the ranges populated so far."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], limit_bytes: int = AHEAD_BYTES) -> None:
         if not tensors or any(t.shape[0] != tensors[0].shape[0] for t in tensors):
             raise ValueError("KV tensors must be non-empty and share their number of blocks")
         block_bytes = max(t.nbytes // t.shape[0] for t in tensors)
         self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
+        self.limit_bytes = limit_bytes
         self.populated_bytes = 0
         self.finished = threading.Event()  # set when the thread ends, for any reason
         self._stopping = threading.Event()
@@ -108,6 +117,8 @@ class KVCachePrefaulter:
             for address, length in block_major_ranges(tensors, self.chunk_blocks):
                 if self._stopping.is_set():
                     return
+                if self.populated_bytes >= self.limit_bytes:
+                    break
                 if self.populated_bytes >= next_check:
                     if available_memory_bytes() < floor + length:
                         logger.info(

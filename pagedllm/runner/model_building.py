@@ -101,9 +101,8 @@ class ModelBuilder:
         write to its block, inside a step (5-8% of a 2,048-token prefill step); on this VM
         that is the host's first touch of guest memory, ~0.5 GB/s on small and huge pages
         alike, so touching the whole pool up front would take ~9 s. Instead
-        `KVCachePrefaulter` faults the pool in on idle CPU time from here on (while the
-        model loads, and while the engine waits for work), in the order blocks are handed
-        out; the pool becomes resident as it goes.
+        `KVCachePrefaulter` faults the pool's first GiB in on idle CPU time once the model
+        is loaded (while the engine waits for work), in the order blocks are handed out.
 
         numpy advises MADV_HUGEPAGE for arrays this large (NUMPY_MADVISE_HUGEPAGE=0 turns
         that off), so where transparent huge pages are "madvise" the pool is faulted in as

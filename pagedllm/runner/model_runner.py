@@ -149,7 +149,6 @@ class ModelRunner:
         self.kv_cache_pool = self.builder.allocate_kv_cache(num_blocks)
         slots = self.kv_groups.layer_slots(self.layers)
         self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
-        self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
     def kv_block_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the main pool, block id on dim 0: a block is row b of each."""
@@ -191,6 +190,8 @@ class ModelRunner:
         if tiers is not None and tiers.enabled:
             # Every rank moves its own bytes; disk reads are agreed on over all ranks.
             self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
+        # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
+        self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
     # ---- observers and checks -----------------------------------------------------------
     def add_forward_observer(self, observer: ForwardObserver) -> None:

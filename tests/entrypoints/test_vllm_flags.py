@@ -12,7 +12,7 @@ import pytest
 from server_utils import RunningServer
 from tiers import slow_fixture
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineArgs
+from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.cli import build_parser
 from pagedllm.entrypoints.engine_flags import engine_args_from
 from pagedllm.entrypoints.openai import serving as serving_module
@@ -163,19 +163,6 @@ def test_gpu_memory_utilization_beside_an_exact_size_is_warned():
     assert line.startswith("--gpu-memory-utilization 0.5 has no effect: --kv-cache-memory")
 
 
-def test_gpu_memory_utilization_caps_the_default_pool_at_its_share(monkeypatch):
-    import psutil
-
-    available = 64 * GIB
-    memory = psutil.virtual_memory()._replace(available=available)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
-    assert EngineArgs().default_kv_cache_cap == DEFAULT_KV_CACHE_MEMORY
-    assert EngineArgs(gpu_memory_utilization=0.25).default_kv_cache_cap == 16 * GIB
-    # Every rank of every engine core holds a pool: they share the fraction.
-    two_cores = EngineArgs(gpu_memory_utilization=0.25, data_parallel_size=2)
-    assert two_cores.default_kv_cache_cap == 8 * GIB
-
-
 @pytest.mark.parametrize("fraction", [0, -0.1, 1.5, True])
 def test_gpu_memory_utilization_out_of_range_is_refused(fraction):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -183,19 +170,23 @@ def test_gpu_memory_utilization_out_of_range_is_refused(fraction):
 
 
 def test_gpu_memory_utilization_sizes_the_pool(tiny_llama, monkeypatch):
-    """The pool is what max_num_seqs sequences at max_model_len need, capped by the share."""
-    import psutil
-
+    """The pool is what max_num_seqs (+ 1) sequences at max_model_len need, capped by the
+    share of the available memory the fraction gives (half without it)."""
+    from pagedllm.core import engine_config
     from pagedllm.core.engine_config import load_engine_config
 
-    memory = psutil.virtual_memory()._replace(available=1000 * 1024**2)
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    monkeypatch.setattr(engine_config, "available_memory_bytes", lambda: 1000 * 1024**2)
     small = dict(model=str(tiny_llama), max_model_len=64, max_num_seqs=2)
     needed = load_engine_config(EngineArgs(**small), log=False)[2].cache_config
-    capped = EngineArgs(**{**small, "max_num_seqs": 256}, gpu_memory_utilization=0.001)
-    cache = load_engine_config(capped, log=False)[2].cache_config
-    assert cache.kv_cache_memory == 1024**2  # 0.001 of 1000 MiB
+    many = {**small, "max_num_seqs": 256}
+    capped = load_engine_config(EngineArgs(**many, gpu_memory_utilization=0.001), log=False)
+    cache = capped[2].cache_config
+    per_block = cache.kv_cache_memory // cache.num_blocks
+    assert 1024**2 - per_block < cache.kv_cache_memory <= 1024**2  # 0.001 of 1000 MiB
     assert needed.kv_cache_memory < 1024**2  # two sequences need less than the share
+    # Without the fraction, half of 1000 MiB: room for all 256 + 1 sequences (4 blocks each).
+    half = load_engine_config(EngineArgs(**many), log=False)[2].cache_config
+    assert half.num_blocks == (256 + 1) * 4 + 1
 
 
 # ---- unknown request fields (item 5) ----------------------------------------------------

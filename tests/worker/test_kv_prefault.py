@@ -1,5 +1,6 @@
 """The KV pool's pages are faulted in by a background thread, in the order blocks are handed
-out, without touching their contents; it stops on request and with its runner."""
+out, without touching their contents, once the model is loaded and at most `AHEAD_BYTES` of
+them; it stops on request and with its runner."""
 
 from __future__ import annotations
 
@@ -107,6 +108,35 @@ def test_stops_where_available_memory_would_run_low(monkeypatch):
     assert 2 * 2**20 <= prefaulter.populated_bytes <= 2 * 2**20 + PAGE
     resident, pages = _resident_pages(tensor)
     assert resident < pages
+
+
+@linux_only
+def test_faults_in_no_more_than_its_limit():
+    tensor = _pool_tensor(64, 2**15)  # 8 MiB, in chunks of 256 KiB
+    prefaulter = KVCachePrefaulter([tensor], limit_bytes=2 * 2**20).start()
+    assert prefaulter.finished.wait(60)
+    assert 2 * 2**20 <= prefaulter.populated_bytes <= 2 * 2**20 + PAGE
+    resident, pages = _resident_pages(tensor)
+    assert resident < pages // 2
+
+
+def test_the_default_limit_leaves_a_large_pool_to_its_steps():
+    assert KVCachePrefaulter([_pool_tensor(4, 16)]).limit_bytes == kv_prefault.AHEAD_BYTES
+
+
+def test_the_runner_starts_faulting_in_once_its_model_is_loaded(tiny_llama, monkeypatch):
+    from pagedllm.runner.model_building import ModelBuilder
+
+    start_prefault = ModelBuilder.start_prefault
+    model_loaded_then = []
+
+    def recording(self, owner, tensors):
+        model_loaded_then.append(getattr(owner, "model", None) is not None)
+        return start_prefault(self, owner, tensors)
+
+    monkeypatch.setattr(ModelBuilder, "start_prefault", recording)
+    small_engine(tiny_llama)
+    assert model_loaded_then == [True]
 
 
 def test_tensors_must_share_their_number_of_blocks():

@@ -69,6 +69,7 @@ from pagedllm.entrypoints.openai.tenants import (
     current_tenant_is_admin,
     current_tenant_name,
 )
+from pagedllm.entrypoints.tokenizer_files import tokenizer_info
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.frontend.processor import check_token_ids
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
@@ -381,6 +382,14 @@ def _add_info_routes(app, engine: AsyncLLM, config, metrics, chat: OpenAIServing
         return JSONResponse(
             {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
         )
+
+    if config.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            if engine.tokenizer is None:
+                raise OpenAIError(404, "tokenizer_info: the server runs without a tokenizer")
+            return JSONResponse(tokenizer_info(engine.tokenizer))
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> JSONResponse:

@@ -74,6 +74,9 @@ class ServerConfig:
     # A request's own chat template (`chat_template`) is refused unless this is set (vLLM's
     # --trust-request-chat-template); every template renders bounded either way.
     trust_request_chat_template: bool = False
+    # GET /tokenizer_info (vLLM's --enable-tokenizer-info-endpoint): off by default, as in
+    # vLLM, since it shows the chat template and the tokenizer's configuration.
+    enable_tokenizer_info_endpoint: bool = False
     # TLS, passed to uvicorn: certificate and key (both or neither), a CA bundle for client
     # certificates, and whether clients must present one (ssl.VerifyMode: 0, 1 or 2).
     ssl_keyfile: str | None = None
