@@ -117,7 +117,7 @@ def test_capacity_check(queued, limit, dead, status):
     serving = OpenAIServing.__new__(OpenAIServing)
     admission = AdmissionQueue()
     admission.add("queued", Cost(queued, 1))
-    serving.engine = SimpleNamespace(admission=admission, is_dead=dead)
+    serving.engine = SimpleNamespace(admission=admission, is_dead=dead, unavailable_reason=None)
     serving.queue_limits = QueueLimits(max_num_queued_requests=limit)
     if status is None:
         serving.check_capacity()
