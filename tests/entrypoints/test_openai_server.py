@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx2 as httpx
 import openai
 import pytest
 from server_utils import API_KEY, MODEL
+from test_vllm_metrics import DASHBOARD_METRICS
 
 from pagedllm import SamplingParams
 
@@ -266,7 +268,19 @@ def test_metrics_use_vllm_names(server):
     ):  # fmt: skip
         assert f"pagedllm:{name}" in text, name
     assert server.metric("generation_tokens_total") > 0
-    assert 'finished_reason="abort"' in text  # the disconnected stream
+    # The disconnected stream (`vllm:` has an abort series from the start, at 0).
+    assert re.search(r'pagedllm:request_success_total\{[^}]*finished_reason="abort"', text)
+
+
+def test_vllm_dashboard_finds_its_series(server):
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 3}).status_code == 200
+    text = server.get("/metrics").text
+    for name in DASHBOARD_METRICS:  # each with the served model's name
+        assert re.search(rf'^{name}\{{[^}}]*model_name="{MODEL}"', text, re.M), name
+    assert re.search(r'^vllm:cache_config_info\{[^}]*block_size="\d+"[^}]*\} 1\.0$', text, re.M)
+    for phase in ("prefill", "decode", "inference"):
+        count = re.search(rf"^vllm:request_{phase}_time_seconds_count\{{.*\}} (\S+)$", text, re.M)
+        assert count and float(count[1]) >= 1, phase
 
 
 def test_cors_preflight_needs_no_key(server):

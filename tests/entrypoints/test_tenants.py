@@ -208,7 +208,8 @@ def test_metrics_carry_the_tenant_label(server):
     assert tenants <= {"key-1", "admin", *KEYS}  # bounded by the configured tenants
     assert re.search(r'pagedllm:generation_tokens_total\{[^}]*tenant="erin"[^}]*\} 100\.0', text)
     assert re.search(r'pagedllm:time_to_first_token_seconds_count\{[^}]*tenant="bob"', text)
-    assert 'finished_reason="abort"' in text  # dave's stream
+    # dave's stream (`vllm:` has an abort series from the start, at 0).
+    assert re.search(r'pagedllm:request_success_total\{[^}]*finished_reason="abort"', text)
     for key in [FLAG_KEY, *KEYS.values()]:
         assert key not in text
 

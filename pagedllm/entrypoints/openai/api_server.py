@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenants import TenantRegistry, redact_access_log
 from pagedllm.frontend.async_llm import AsyncLLM
 from pagedllm.metrics.frontend.prometheus import PrometheusMetrics
+from pagedllm.metrics.frontend.vllm_metrics import cache_config_labels
 
 logger = logging.getLogger("pagedllm")
 
@@ -88,6 +89,7 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
             engine.model_config.max_model_len,
             num_engines=len(engine.cores),
             max_loras=None if lora_config is None else lora_config.max_loras,
+            cache_info=cache_config_labels(engine.config.cache_config),
         )
         engine.observers.append(metrics)
         engine.iteration_timeout_s = config.engine_iteration_timeout

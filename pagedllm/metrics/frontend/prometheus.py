@@ -1,16 +1,21 @@
-"""Prometheus metrics for the server, named one-to-one after vLLM's (`vllm:x` -> `pagedllm:x`).
+"""Prometheus metrics for the server: vLLM's own `vllm:` family, and beside it the
+`pagedllm:` family (vLLM's names under `pagedllm:`, with a `tenant` label).
 
 `PrometheusMetrics` watches the engine from the API process (it is an `AsyncLLM` step
 observer, a `TimelineSink`): engine gauges and counters come from each step's stats snapshot;
-per-sequence latencies (time to first token, inter-token, end-to-end, queue time) from each
-sequence's timeline (`metrics.timeline`: the times the API process sees its tokens arrive).
+per-sequence latencies (time to first token, inter-token, end-to-end, queue time, and vLLM's
+prefill / decode / inference phases) from each sequence's timeline (`metrics.timeline`: the
+times the API process sees its tokens arrive). Each figure is read once and handed to both
+families (`vllm_metrics.VllmMetrics` holds the `vllm:` series and their documentation).
 A request with n > 1 counts as n sequences.
-Per-sequence series carry a `tenant` label (the API key's tenant, `default` without keys), so
-their number is bounded by the configured tenants. Engine series (scheduler gauges, KV usage,
-prefix-cache and preemption counters, the stall gauge, restarts) carry an `engine` label, as
-vLLM's: "0" to "N-1" for `data_parallel_size` N, "0" alone without data parallelism. Each
-core's counters advance by the deltas of that core's own snapshots, so summing over `engine`
-gives the engine-wide totals.
+
+In the `pagedllm:` family, per-sequence series carry a `tenant` label (the API key's tenant,
+`default` without keys), so their number is bounded by the configured tenants. Engine series
+(scheduler gauges, KV usage, prefix-cache and preemption counters, the stall gauge, restarts)
+carry an `engine` label, as vLLM's: "0" to "N-1" for `data_parallel_size` N, "0" alone
+without data parallelism. Each core's counters advance by the deltas of that core's own
+snapshots, so summing over `engine` gives the engine-wide totals. The `vllm:` family has
+vLLM's labels alone (`model_name`, `engine`): every series there is engine-wide.
 
 With LoRA on, `lora_requests_info` (vLLM's) tells which adapters have requests: its labels
 `running_lora_adapters` and `waiting_lora_adapters` list them (comma-separated names, in
@@ -19,7 +24,8 @@ time). vLLM keeps a series for every combination ever seen; here each engine kee
 current one, so adapters loaded and unloaded at runtime cannot grow the output without bound.
 
 `render(tenant)` is one tenant's view: its own per-tenant series and nothing else (engine
-series, which sum every tenant's work, and the adapter series would tell it about the others).
+series and the whole `vllm:` family, which sum every tenant's work, and the adapter series
+would tell it about the others).
 """
 
 from __future__ import annotations
@@ -38,31 +44,23 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
+from pagedllm.core.messages import EngineCoreOutput
 from pagedllm.metrics.frontend.timeline import RequestTimeline, TimelineSink
+from pagedllm.metrics.frontend.vllm_metrics import (
+    LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    FinishedTimes,
+    StepDeltas,
+    VllmMetrics,
+    token_buckets,
+)
+from pagedllm.metrics.frontend.vllm_metrics import TPOT_BUCKETS as ITL_BUCKETS
 from pagedllm.metrics.stats import EngineStats
 
 # As vLLM: no `_created` series, which dashboards do not use and which double the output.
 disable_created_metrics()
 
 PREFIX = "pagedllm:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)  # fmt: skip
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-
-
-def token_buckets(max_model_len: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's 1-2-5 series)."""
-    buckets, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * scale
-            if value > max_model_len:
-                return buckets
-            buckets.append(value)
-        scale *= 10
 
 
 @dataclass
@@ -107,11 +105,14 @@ class PrometheusMetrics(TimelineSink):
         max_model_len: int,
         num_engines: int = 1,
         max_loras: int | None = None,
+        cache_info: dict[str, str] | None = None,
     ) -> None:
-        """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics). The
-        dashboard's time series `follow` its timelines."""
+        """`max_loras`: the engine's, when it runs with LoRA (None: no LoRA metrics);
+        `cache_info`: `vllm:cache_config_info`'s labels (`vllm_metrics.cache_config_labels`;
+        None: no such series). The dashboard's time series `follow` its timelines."""
         super().__init__()
         self.registry = CollectorRegistry()
+        self._vllm = VllmMetrics(self.registry, model_name, max_model_len, num_engines, cache_info)
         labels = ["model_name"]
         engine_labels = [*labels, "engine"]
 
@@ -233,7 +234,25 @@ class PrometheusMetrics(TimelineSink):
         self._update_spec_decode(series, stats, str(engine_index))
         self._update_lora_info(series, stats, str(engine_index))
         self._update_kv_tiers(series, stats, str(engine_index))
-        self._update_engine(series, stats)
+        deltas = self._update_engine(series, stats)
+        self._vllm.on_engine_stats(
+            engine_index,
+            stats.num_running_reqs,
+            stats.num_waiting_reqs,
+            stats.kv_cache_usage,
+            deltas,
+        )
+
+    def on_step(
+        self,
+        outputs: list[EngineCoreOutput],
+        stopped: list[str],
+        stats: EngineStats,
+        now: float,
+        engine_index: int = 0,
+    ) -> None:
+        super().on_step(outputs, stopped, stats, now, engine_index)
+        self._vllm.end_step(engine_index)  # the step's tokens, counted by on_tokens
 
     def on_tokens(
         self, timeline: RequestTimeline | None, num_new: int, gap: float | None, now: float
@@ -241,9 +260,13 @@ class PrometheusMetrics(TimelineSink):
         if timeline is None:
             return
         series = self._series(timeline.tenant)
+        engine = timeline.engine_index
         if gap is None:  # the first tokens
-            series.ttft.observe(timeline.time_to_first_token)
+            ttft = timeline.time_to_first_token
+            series.ttft.observe(ttft)
             series.prompt_tokens.inc(timeline.num_prompt_tokens)
+            self._vllm.on_first_tokens(engine, ttft, timeline.num_prompt_tokens)
+            # vLLM observes the queue time at the finish; this family at the first token.
             queue_time = timeline.queue_time
             if queue_time is not None:
                 series.queue_time.observe(queue_time)
@@ -251,16 +274,18 @@ class PrometheusMetrics(TimelineSink):
             for _ in range(num_new):
                 series.itl.observe(gap)
         series.generation_tokens.inc(num_new)
+        self._vllm.on_generated(engine, num_new, gap)
 
     def on_finished(self, timeline: RequestTimeline, reason: str, now: float) -> None:
         series = self._series(timeline.tenant)
+        times = _finished_times(timeline, now)
         self._request_success.labels(self._model_name, timeline.tenant, reason).inc()
-        series.e2e.observe(now - timeline.arrival_time)
-        series.request_prompt_tokens.observe(timeline.num_prompt_tokens)
-        series.request_generation_tokens.observe(timeline.num_generation_tokens)
-        time_per_output_token = timeline.time_per_output_token
-        if time_per_output_token is not None:
-            series.tpot.observe(time_per_output_token)
+        series.e2e.observe(times.e2e)
+        series.request_prompt_tokens.observe(times.num_prompt_tokens)
+        series.request_generation_tokens.observe(times.num_generation_tokens)
+        if times.time_per_output_token is not None:
+            series.tpot.observe(times.time_per_output_token)
+        self._vllm.on_finished(timeline.engine_index, reason, times)
 
     # ---- engine supervision (AsyncLLM's on_stalled and on_restarted) ------------------------
     def on_engine_stalled(self, engine_index: int, stalled: bool) -> None:
@@ -280,22 +305,26 @@ class PrometheusMetrics(TimelineSink):
 
     # ---- internals --------------------------------------------------------------------------
     @staticmethod
-    def _update_engine(series: _EngineSeries, stats: EngineStats) -> None:
+    def _update_engine(series: _EngineSeries, stats: EngineStats) -> StepDeltas:
+        """Set the core's `pagedllm:` series; returns its counters' deltas for `vllm:`'s."""
         series.num_requests_running.set(stats.num_running_reqs)
         series.num_requests_waiting.set(stats.num_waiting_reqs)
         series.kv_cache_usage.set(stats.kv_cache_usage)
         last = series.last_stats
-        series.prefix_cache_queries.inc(
-            stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)
+        deltas = StepDeltas(
+            prefix_cache_queries=stats.prefix_cache_queries
+            - (last.prefix_cache_queries if last else 0),
+            prefix_cache_hits=stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0),
+            num_preemptions=stats.num_preemptions - (last.num_preemptions if last else 0),
         )
-        series.prefix_cache_hits.inc(
-            stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
-        )
-        series.num_preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        series.prefix_cache_queries.inc(deltas.prefix_cache_queries)
+        series.prefix_cache_hits.inc(deltas.prefix_cache_hits)
+        series.num_preemptions.inc(deltas.num_preemptions)
         series.prompt_tokens_computed.inc(
             stats.num_computed_prompt_tokens - (last.num_computed_prompt_tokens if last else 0)
         )
         series.last_stats = stats
+        return deltas
 
     def _update_kv_tiers(self, series: _EngineSeries, stats: EngineStats, engine: str) -> None:
         if stats.kv_tiers is None:
@@ -366,6 +395,19 @@ class _TenantView:
                 own = Metric(family.name, family.documentation, family.type, family.unit)
                 own.samples = samples
                 yield own
+
+
+def _finished_times(timeline: RequestTimeline, now: float) -> FinishedTimes:
+    return FinishedTimes(
+        e2e=now - timeline.arrival_time,
+        queue=timeline.queue_time,
+        prefill=timeline.prefill_time,
+        decode=timeline.decode_time,
+        inference=timeline.inference_time,
+        time_per_output_token=timeline.time_per_output_token,
+        num_prompt_tokens=timeline.num_prompt_tokens,
+        num_generation_tokens=timeline.num_generation_tokens,
+    )
 
 
 def _adapter_names(counts: dict[str, int] | None) -> str:

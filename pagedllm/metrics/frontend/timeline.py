@@ -37,6 +37,7 @@ class RequestTimeline:
     # The engine reported this id itself (a parent that is sample 0 of its request).
     reported: bool = False
     open_samples: int = 0  # a parent's samples not finished yet
+    engine_index: int = 0  # the data-parallel core whose outputs carried its tokens
 
     @property
     def time_to_first_token(self) -> float:
@@ -57,6 +58,29 @@ class RequestTimeline:
             return None
         decode_time = self.last_token_time - self.first_token_time
         return decode_time / (self.num_generation_tokens - 1)
+
+    # vLLM's phases of a finished request (its `FinishedRequestStats`), None before the first
+    # token or when the core did not say when it was scheduled: the queue ends at the first
+    # scheduling, the prefill at the first token, the decode at the last token, and inference
+    # spans prefill and decode.
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_token_time - self.first_scheduled_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        prefill, decode = self.prefill_time, self.decode_time
+        if prefill is None or decode is None:
+            return None
+        return prefill + decode
 
     def add_tokens(self, output: EngineCoreOutput, now: float) -> float | None:
         """Record the output's new tokens, seen at `now`. Returns the inter-token latency of
@@ -149,6 +173,8 @@ class RequestTimelines:
         released: set[str] = set()
         for output in outputs:
             timeline = self._timeline(output.request_id)
+            if timeline is not None:
+                timeline.engine_index = engine_index
             if output.new_token_ids:
                 gap = timeline.add_tokens(output, now) if timeline is not None else None
                 for sink in self.sinks:
