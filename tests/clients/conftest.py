@@ -31,6 +31,7 @@ SERVER_ARGS = [
     "--max-model-len", "2048",
     "--kv-cache-memory", "256MiB",
     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--enable-tokenizer-info-endpoint",  # lm-eval's remote tokenizer reads it
 ]  # fmt: skip
 
 

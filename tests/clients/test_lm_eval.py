@@ -123,11 +123,6 @@ def test_multiple_choice_loglikelihoods(server, task_manager, tokenizer_dir) -> 
     assert result["acc,none"] == 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no GET /tokenizer_info, which lm-eval's remote tokenizer backend (and its "
-    "tokenizer_backend='auto' detection) reads (issue 42, item 7)",
-)
 def test_multiple_choice_with_the_servers_tokenizer(server, task_manager) -> None:
     result = _evaluate(server, task_manager, "tiny_mc", tokenizer_backend="remote")
     assert result["acc,none"] == 1.0
