@@ -81,7 +81,7 @@ def prebuilt_library() -> Path | None:
     in-place build (`setup.py build_ext --inplace`) of other sources is left alone too."""
     module = build_spec.prebuilt_module(_CSRC)
     for suffix in EXTENSION_SUFFIXES:
-        candidate = Path(__file__).parent / f"{module}{suffix}"
+        candidate = _CSRC.parent / f"{module}{suffix}"
         if candidate.is_file():
             return candidate
     return None
