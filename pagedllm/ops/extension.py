@@ -106,7 +106,8 @@ def load() -> Any:
         raise RuntimeError(f"the CPU extension is unavailable: {_load_error}")
     start = time.perf_counter()
     try:
-        _extension = _import_prebuilt() or _compile_and_import()
+        prebuilt = _import_prebuilt()
+        _extension = prebuilt if prebuilt is not None else _compile_and_import()
     except Exception as error:
         _load_error = error
         raise RuntimeError(f"the CPU extension is unavailable: {error}") from error

@@ -17,9 +17,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from model_utils import make_tiny_model
 from process_guard import dies_with_us
 
 from pagedllm import LLM, SamplingParams
@@ -86,6 +89,18 @@ def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+def _store(folder: Path, cached: Path) -> None:
+    """`folder` copied to `cached` whole or not at all (runs may race; the first one wins)."""
+    staged = cached.parent / f".{cached.name}.{os.getpid()}"
+    shutil.copytree(folder, staged)  # beside its place: a rename does not cross file systems
+    try:
+        os.replace(staged, cached)
+    except OSError:
+        if not cached.is_dir():
+            raise
+        shutil.rmtree(staged)
+
+
 def built_wheel(scratch: Path) -> Path:
     """The wheel of this checkout, from the cache or built now (from a copy of the sources,
     so the build's own files stay out of the checkout)."""
@@ -100,9 +115,7 @@ def built_wheel(scratch: Path) -> Path:
         out = scratch / "wheel"
         pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
         _run([*pip, "--wheel-dir", str(out), str(source)])
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(out, scratch / "staged")
-        os.replace(scratch / "staged", cached)  # whole or not at all: runs may race
+        _store(out, cached)
     (wheel,) = cached.glob("pagedllm-*.whl")
     return wheel
 
@@ -112,7 +125,10 @@ def fresh_venv(scratch: Path, wheel: Path) -> Path:
     venv = scratch / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    _run([*pip, "-c", str(REPO / "constraints.txt"), str(wheel)])
+    # Outside the checkout and without its PYTHONPATH: pip would take the checkout's
+    # metadata (an egg-info a pip run left there) for pagedllm installed already.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    _run([*pip, "-c", str(REPO / "constraints.txt"), str(wheel)], env=env, cwd=scratch)
     return venv
 
 
@@ -127,14 +143,24 @@ def no_compiler_env(venv: Path, scratch: Path) -> dict[str, str]:
     return env
 
 
-def test_the_wheel_runs_its_prebuilt_kernels_without_a_compiler(tiny_llama, tmp_path):
-    wheel = built_wheel(tmp_path)
-    venv = fresh_venv(tmp_path, wheel)
-    env = no_compiler_env(venv, tmp_path)
+@pytest.fixture
+def scratch() -> Iterator[Path]:
+    """A folder of this test's own, not under pytest's basetemp: pytest sessions started
+    meanwhile (other checkouts') delete all but the latest three basetemps, and this test
+    runs for minutes."""
+    with tempfile.TemporaryDirectory(prefix="pagedllm-wheel-") as folder:
+        yield Path(folder)
+
+
+def test_the_wheel_runs_its_prebuilt_kernels_without_a_compiler(scratch):
+    model = make_tiny_model("LlamaForCausalLM", scratch / "model")
+    wheel = built_wheel(scratch)
+    venv = fresh_venv(scratch, wheel)
+    env = no_compiler_env(venv, scratch)
     python = str(venv / "bin" / "python")
-    command = [python, "-c", GENERATE, str(tiny_llama), json.dumps(PROMPT), str(MAX_TOKENS)]
+    command = [python, "-c", GENERATE, str(model), json.dumps(PROMPT), str(MAX_TOKENS)]
     # Not from the checkout: its pagedllm would be imported instead of the installed one.
-    result = _run(command, env=env, cwd=tmp_path)
+    result = _run(command, env=env, cwd=scratch)
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
     site_packages = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -143,11 +169,11 @@ def test_the_wheel_runs_its_prebuilt_kernels_without_a_compiler(tiny_llama, tmp_
     assert library.parent == site_packages / "site-packages" / "pagedllm" / "ops"
     assert library.name.startswith("_pagedllm_cpu_ops_"), library  # the wheel's, not a JIT one
     assert report["cpu_attention"]
-    assert not (tmp_path / "cache" / "extensions").exists()  # nothing compiled
-    assert not (tmp_path / "torch-extensions").exists()
+    assert not (scratch / "cache" / "extensions").exists()  # nothing compiled
+    assert not (scratch / "torch-extensions").exists()
 
     # The same tokens as this checkout's kernels give.
-    llm = LLM(str(tiny_llama), max_model_len=64)
+    llm = LLM(str(model), max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     assert report["tokens"] == list(expected[0].outputs[0].token_ids)
