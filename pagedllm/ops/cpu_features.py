@@ -67,8 +67,10 @@ def _cpuinfo_flags() -> set[str] | None:
 
 def _torch_flags() -> set[str]:
     """The flags torch can tell us about, for systems without /proc/cpuinfo."""
+    # torch.cpu's private probes (torch 2.13; tests/ops/test_torch_entry_points.py checks
+    # they are there: missing, a feature would look absent without a word).
     checks = {
-        "avx512_vnni": "_is_avx512_vnni_supported",
+        "avx512_vnni": "_is_vnni_supported",
         "avx512_bf16": "_is_avx512_bf16_supported",
         "amx_tile": "_is_amx_tile_supported",
         "amx_bf16": "_is_amx_tile_supported",
@@ -79,7 +81,7 @@ def _torch_flags() -> set[str]:
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags |= {"avx512f", "avx512bw", "avx512vl"}
     for name, check in checks.items():
-        if getattr(torch._C._cpu, check, lambda: False)():
+        if getattr(torch.cpu, check, lambda: False)():
             flags.add(name)
     return flags
 

@@ -1,12 +1,15 @@
-"""Build and load the C++ CPU extension (torch.ops.pagedllm): paged attention and fused ops.
+"""Load the C++ CPU extension (torch.ops.pagedllm): paged attention and fused ops.
 
-Sources are pagedllm/ops/csrc/*.cpp, compiled once with `torch.utils.cpp_extension.load`
-into a cache directory (one per Python version, torch version, and digest of the sources
-and of torch's location) and reused by later processes. The sources are built from copies
-inside that directory, so a checkout's virtualenv keeps its build while other checkouts
-(a branch, an older clone, a CI clone) build theirs beside it instead of over it.
-`build()` (or `python -m pagedllm.ops.extension`) compiles ahead of time, e.g. at install,
-so that a first start does not wait for the compiler.
+Two builds of the same sources (pagedllm/ops/csrc, flags in `build_spec.py`):
+- an installed wheel carries a library compiled ahead of time (setup.py) beside this module,
+  named by a digest of the sources; it is loaded as is, with no compiler and no waiting;
+- a development checkout (an editable install, `make`) has none, and compiles the sources
+  with `torch.utils.cpp_extension.load` into a cache directory (one per Python version, torch
+  version, and digest of the sources and of torch's location), reused by later processes.
+  The sources are built from copies inside that directory, so a checkout's virtualenv keeps
+  its build while other checkouts (a branch, an older clone, a CI clone) build theirs beside
+  it instead of over it. `build()` (or `python -m pagedllm.ops.extension`) compiles ahead of
+  time, e.g. at install, so that a first start does not wait for the compiler.
 """
 
 from __future__ import annotations
@@ -19,41 +22,29 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pagedllm.ops import build_spec
 from pagedllm.ops.cpu_features import kernel_isa_missing
 from pagedllm.utils import cache_root
 
 logger = logging.getLogger(__name__)
 
-_EXTENSION_NAME = "pagedllm_cpu_ops"
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [
-    _CSRC / name
-    for name in (
-        "paged_attention.cpp",
-        "cpu_ops.cpp",
-        "skinny_linear.cpp",
-        "gguf_linear.cpp",
-        "gguf_pack.cpp",
-        "lora.cpp",
-        "cpu_probe.cpp",
-    )
-]
-# Explicit ISA flags rather than -march=native: the cache directory may be shared by
-# machines of different generations. AVX2 + FMA + F16C is the baseline; gguf_linear.cpp's
-# AVX-512 VNNI code is compiled under its own target pragma and runs only where the CPU has it.
-_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+_EXTENSION_NAME = build_spec.EXTENSION_NAME
+_CSRC = build_spec.CSRC
+_CFLAGS = list(build_spec.CFLAGS)
 
 _extension: Any = None  # torch.ops.pagedllm once loaded
 _load_error: Exception | None = None
+_library: Path | None = None  # the file it was loaded from
 
 
 def _source_files() -> list[Path]:
-    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+    return build_spec.source_files(_CSRC)
 
 
 def _source_digest() -> str:
@@ -84,8 +75,26 @@ def _copy_sources(directory: Path) -> Path:
     return source_dir
 
 
+def prebuilt_library() -> Path | None:
+    """The library a wheel installs beside this module, compiled ahead of time from these very
+    sources (its name carries their digest); None in a development checkout, where an old
+    in-place build (`setup.py build_ext --inplace`) of other sources is left alone too."""
+    module = build_spec.prebuilt_module(_CSRC)
+    for suffix in EXTENSION_SUFFIXES:
+        candidate = _CSRC.parent / f"{module}{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def loaded_from() -> Path | None:
+    """The file torch.ops.pagedllm was loaded from (None before `load()` succeeds)."""
+    return _library
+
+
 def load() -> Any:
-    """`torch.ops.pagedllm`, built on first use (about 30 s) or loaded from the cache.
+    """`torch.ops.pagedllm`: the wheel's prebuilt library, else built from the sources on
+    first use (about 30 s) or loaded from the JIT cache.
 
     Raises RuntimeError, naming the reason, when the CPU lacks AVX2 or the build fails;
     the failure is remembered so later calls in the process fail fast.
@@ -97,13 +106,15 @@ def load() -> Any:
         raise RuntimeError(f"the CPU extension is unavailable: {_load_error}")
     start = time.perf_counter()
     try:
-        _extension = _compile_and_import()
+        prebuilt = _import_prebuilt()
+        _extension = prebuilt if prebuilt is not None else _compile_and_import()
     except Exception as error:
         _load_error = error
         raise RuntimeError(f"the CPU extension is unavailable: {error}") from error
     elapsed = time.perf_counter() - start
     if elapsed > 2:  # it compiled: say where the time went
         logger.info("CPU extension built in %.1f s, cached in %s", elapsed, cache_dir())
+    logger.info("CPU extension loaded from %s", _library)
     return _extension
 
 
@@ -116,7 +127,28 @@ def available() -> bool:
     return True
 
 
+def _import_prebuilt() -> Any:
+    """torch.ops.pagedllm from the wheel's library, or None where there is none or it does not
+    load (a torch other than the one it was built against: then the JIT build is tried)."""
+    global _library
+    library = prebuilt_library()
+    if library is None:
+        return None
+    missing = kernel_isa_missing()
+    if missing:
+        raise RuntimeError(missing)
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        logger.warning("the prebuilt CPU extension does not load (%s); building it instead", error)
+        return None
+    _register_fake_kernels()
+    _library = library
+    return torch.ops.pagedllm
+
+
 def _compile_and_import() -> Any:
+    global _library
     missing = kernel_isa_missing()
     if missing:
         raise RuntimeError(missing)
@@ -129,14 +161,15 @@ def _compile_and_import() -> Any:
         # Registers the ops with the dispatcher (TORCH_LIBRARY) instead of importing a module.
         load_extension(
             name=_EXTENSION_NAME,
-            sources=[str(source_dir / source.name) for source in _SOURCES],
+            sources=[str(source_dir / name) for name in build_spec.SOURCE_NAMES],
             extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
+            extra_ldflags=list(build_spec.LDFLAGS),
             extra_include_paths=[str(source_dir)],
             build_directory=str(directory),
             is_python_module=False,
         )
     _register_fake_kernels()
+    _library = directory / f"{_EXTENSION_NAME}.so"
     return torch.ops.pagedllm
 
 
@@ -190,7 +223,7 @@ def build() -> float:
     start = time.perf_counter()
     load()
     elapsed = time.perf_counter() - start
-    print(f"pagedllm: CPU extension ready in {cache_dir()} ({elapsed:.1f} s)")
+    print(f"pagedllm: CPU extension ready: {_library} ({elapsed:.1f} s)")
     return elapsed
 
 
