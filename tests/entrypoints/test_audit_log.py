@@ -143,3 +143,21 @@ def test_the_middleware_writes_one_line_per_request_with_its_outcome(tmp_path):
         assert line["total_time_s"] >= 0 and "prompts" not in line
         assert set(line) >= {"time", "tenant", "request_id", "prompt_tokens", "cached_tokens",
                              "completion_tokens", "finish_reasons", "queue_time_s"}  # fmt: skip
+
+
+def test_a_response_cut_before_its_last_byte_is_a_499(tmp_path):
+    """A stream whose client went away: headers and a first chunk sent, never the end."""
+    log = AuditLog(str(tmp_path / "audit.jsonl"))
+
+    async def cut_stream(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+
+    async def sent(message):
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(AuditMiddleware(cut_stream, log)(scope, None, sent))
+    log.close()
+    (line,) = read_lines(tmp_path / "audit.jsonl")
+    assert line["status"] == 499

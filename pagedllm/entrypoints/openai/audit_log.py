@@ -235,17 +235,16 @@ class AuditMiddleware:
                 written = True
                 self.audit_log.write(record.line(time.monotonic()))
 
+        failed = False
         try:
             await self.app(scope, receive, send_and_audit)
         except Exception:
-            if record.status is None:  # the server's error handler answers 500 out there
-                record.status = 500
+            failed = True  # the server's error handler answers 500 out there
             raise
         finally:
             current_audit.reset(token)
-            if not written:  # the client went away, or the app failed before its last byte
-                if record.status is None:
-                    record.status = CLIENT_CLOSED_REQUEST
+            if not written:  # the app failed, or the client went away, before the last byte
+                record.status = 500 if failed else CLIENT_CLOSED_REQUEST
                 self.audit_log.write(record.line(time.monotonic()))
 
 
