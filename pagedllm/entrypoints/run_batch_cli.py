@@ -60,9 +60,16 @@ def add_run_batch_parser(subparsers) -> None:
         "(default: the model as given, or the bundled model's file name)",
     )
     parser.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer a body with a field the server does not know, at any depth, with a 400 "
+        "naming its path (by default such fields are logged and ignored, as by the server)",
+    )
+    parser.add_argument(
         "--allow-unknown-fields",
         action="store_true",
-        help="ignore unknown request fields instead of refusing the request (default: off)",
+        help="log and ignore unknown request fields: the default now, kept for command lines "
+        "that pass it",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",
@@ -117,7 +124,7 @@ def run_batch(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name or ("model",)),
-        allow_unknown_fields=args.allow_unknown_fields,
+        allow_unknown_fields=not args.strict_request_fields,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=chat_template,
