@@ -281,14 +281,21 @@ def kill_stopped_cores(stopped: Path) -> None:
 STARTUP_TIMEOUT = "20"
 
 
+def restarting_server(tiny_llama, tmp_path, monkeypatch, attempts: int):
+    """A server that restarts failed cores with the start-up deadline above, and the hook
+    that makes the next cores stop themselves: (server, claims, stopped)."""
+    claims, stopped = stop_hook(tmp_path, monkeypatch)
+    args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
+    args += ["--engine-startup-timeout", STARTUP_TIMEOUT]
+    args += ["--engine-restart-attempts", str(attempts)]
+    return RunningServer(args, tmp_path / "log"), claims, stopped
+
+
 @pytest.mark.slow  # a server
 def test_a_core_stopped_while_it_restarts_is_killed_and_another_serves(
     tiny_llama, tmp_path, monkeypatch
 ):
-    claims, stopped = stop_hook(tmp_path, monkeypatch)
-    args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
-    args += ["--engine-startup-timeout", STARTUP_TIMEOUT, "--engine-restart-attempts", "3"]
-    server = RunningServer(args, tmp_path / "log")
+    server, claims, stopped = restarting_server(tiny_llama, tmp_path, monkeypatch, attempts=3)
     try:
         old_core = core_process(server)
         stop_next_cores(claims, 1)  # the first core started in its place stops at once
@@ -322,10 +329,7 @@ def test_a_core_stopped_while_it_restarts_is_killed_and_another_serves(
 def test_a_core_that_never_comes_up_ends_the_server_with_the_reason(
     tiny_llama, tmp_path, monkeypatch
 ):
-    claims, stopped = stop_hook(tmp_path, monkeypatch)
-    args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
-    args += ["--engine-startup-timeout", STARTUP_TIMEOUT, "--engine-restart-attempts", "2"]
-    server = RunningServer(args, tmp_path / "log")
+    server, claims, stopped = restarting_server(tiny_llama, tmp_path, monkeypatch, attempts=2)
     try:
         old_core = core_process(server)
         stop_next_cores(claims, 2)  # every attempt stops
