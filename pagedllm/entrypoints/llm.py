@@ -95,10 +95,7 @@ class LLM:
                 prompt_list, params_list, priorities, loras, strict=True
             )
         ]
-        for prompt_text, request in processed:
-            engine.add_processed_request(prompt_text, request)
-        request_ids = [request.request_id for _, request in processed]
-        return self._run_engine(request_ids, use_tqdm, on_finished)
+        return self._add_and_run(processed, use_tqdm, on_finished)
 
     def embed(
         self,
@@ -130,8 +127,12 @@ class LLM:
             )
             for prompt, params, lora in zip(prompt_list, params_list, loras, strict=True)
         ]
+        return self._add_and_run(processed, use_tqdm, on_finished)
+
+    def _add_and_run(self, processed: list, use_tqdm: bool, on_finished: OnFinished | None):
+        """Queue the checked requests, then step the engine until they are all done."""
         for prompt_text, request in processed:
-            engine.add_processed_request(prompt_text, request)
+            self.llm_engine.add_processed_request(prompt_text, request)
         request_ids = [request.request_id for _, request in processed]
         return self._run_engine(request_ids, use_tqdm, on_finished)
 
