@@ -1,6 +1,7 @@
 """Writing tiny Hugging Face models to GGUF the way llama.cpp's converter does (metadata
-keys, blk.N.* names, reversed dims, q/k row permutation for Llama), for the loader's and the
-GGUF-quantization tests."""
+keys, reversed dims, q/k row permutation for Llama, stacked experts split), for the loader's
+and the GGUF-quantization tests. Tensor names come from the loader's own mapping (gguf-py's
+table), the one place either direction is named."""
 
 from __future__ import annotations
 
@@ -13,29 +14,27 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
-HF_TO_GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-HF_TO_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+from pagedllm.model.gguf.tensor_names import GGUF_PY_VERSION, TensorNames, gguf_tensor_names
 
 
-def to_gguf_name(hf_name: str) -> str:
-    if hf_name in HF_TO_GGUF_GLOBAL:
-        return HF_TO_GGUF_GLOBAL[hf_name]
-    _, _, layer, *module, suffix = hf_name.split(".")
-    return f"blk.{layer}.{HF_TO_GGUF_BLOCK['.'.join(module)]}.{suffix}"
+def stored_names(model: torch.nn.Module, arch: str) -> TensorNames:
+    """The GGUF tensors each of `model`'s parameters is stored as, by the loader's mapping
+    (gguf-py's); a parameter it has no name for fails here, naming it."""
+    hf_names = list(model.state_dict())
+    names = gguf_tensor_names(hf_names, arch, model.config.num_hidden_layers)
+    unnamed = [hf_name for hf_name in hf_names if hf_name not in names]
+    if unnamed:
+        raise KeyError(f"gguf-py {GGUF_PY_VERSION} names no {arch} tensor for {unnamed}")
+    return names
+
+
+def converter_rows(array: np.ndarray, hf_name: str, arch: str, config: PreTrainedConfig):
+    """`array` with its rows in the converter's order: q/k rows permuted for llama files."""
+    projection = hf_name.split(".")[-2]
+    if arch != "llama" or projection not in ("q_proj", "k_proj"):
+        return array
+    heads = config.num_attention_heads if projection == "q_proj" else config.num_key_value_heads
+    return converter_permute(array, heads)
 
 
 def converter_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -79,15 +78,12 @@ def write_model_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     write_metadata(writer, arch, config, name)
     types = {}
+    names = stored_names(model, arch)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the converter drops tied heads
-        array = tensor.detach().numpy()
-        gguf_name = to_gguf_name(hf_name)
-        if arch == "llama" and ".attn_q." in gguf_name:
-            array = converter_permute(array, config.num_attention_heads)
-        if arch == "llama" and ".attn_k." in gguf_name:
-            array = converter_permute(array, config.num_key_value_heads)
+        array = converter_rows(tensor.detach().numpy(), hf_name, arch, config)
+        (gguf_name,) = names[hf_name]
         types[hf_name] = qtype_of(gguf_name) if array.ndim == 2 else Q.F32
         add_tensor(writer, gguf_name, array, types[hf_name])
     finish(writer)
@@ -118,41 +114,19 @@ def tiny_model(model_type: str, **overrides) -> torch.nn.Module:
 # writes them (Qwen3Model, Qwen3MoeModel, Phi3MiniModel, LlamaModel), from Transformers'
 # in-memory tensors (experts stacked).
 
-CONVERTED_BLOCK_NAMES = {
-    **HF_TO_GGUF_BLOCK,
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "self_attn.qkv_proj": "attn_qkv",  # Phi-3 keeps q/k/v fused, its rows as they are
-    "mlp.gate_up_proj": "ffn_up",  # Phi-3: gate rows, then up rows
-    "mlp.gate": "ffn_gate_inp",  # an MoE router
-    "mlp.experts.down_proj": "ffn_down_exps",  # stacked [experts, hidden, intermediate]
-}
-
 
 def converted_tensors(model: torch.nn.Module, arch: str):
     """(GGUF name, array) of each tensor: a tied head dropped, llama files' q/k rows permuted,
-    each layer's stacked gate_up experts split into ffn_gate_exps and ffn_up_exps."""
+    each layer's stacked gate_up experts split into the parts gguf-py names (gate, up)."""
     config = model.config
+    names = stored_names(model, arch)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        array = tensor.detach().float().numpy()
-        if hf_name in HF_TO_GGUF_GLOBAL:
-            yield HF_TO_GGUF_GLOBAL[hf_name], array
-            continue
-        _, _, layer, module = hf_name.split(".", 3)
-        if module == "mlp.experts.gate_up_proj":
-            gate, up = np.split(array, 2, axis=1)
-            yield f"blk.{layer}.ffn_gate_exps.weight", gate
-            yield f"blk.{layer}.ffn_up_exps.weight", up
-            continue
-        suffix = "weight"  # a stacked parameter's name has none
-        if module not in CONVERTED_BLOCK_NAMES:
-            module, _, suffix = module.rpartition(".")
-        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config.num_attention_heads if "q_proj" in module else config.num_key_value_heads
-            array = converter_permute(array, heads)
-        yield f"blk.{layer}.{CONVERTED_BLOCK_NAMES[module]}.{suffix}", array
+        array = converter_rows(tensor.detach().float().numpy(), hf_name, arch, config)
+        parts = names[hf_name]
+        split = np.split(array, len(parts), axis=1) if len(parts) > 1 else [array]
+        yield from zip(parts, split, strict=True)
 
 
 def converted_writer(path: Path, model: torch.nn.Module, arch: str, name: str = "tiny"):

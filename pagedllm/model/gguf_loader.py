@@ -13,7 +13,8 @@ in `pagedllm.model.gguf`, one job a module):
   shifted back by one and (for mixtures of experts) each layer's gate and up experts
   stacked in one tensor, so that it equals the tensor Transformers holds; and
   ``iter_gguf_raw_weights`` yields the 2-D weights in their blocks, for layers that
-  compute on them (`gguf.weights`, named by `gguf.tensor_names`);
+  compute on them (`gguf.weights`, named by `gguf.tensor_names` from gguf-py's
+  tables);
 * ``release_gguf_readers`` forgets the parsed files once the weights are loaded
   (`gguf.reader`).
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_writer import HF_TO_GGUF_GLOBAL, add_tensor, finish
+from gguf_writer import add_tensor, finish, stored_names
 from model_utils import (
     TINY_CONFIGS,
     compare_greedy,
@@ -50,21 +50,6 @@ OVERRIDES = dict(
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
     },
 )
-GGUF_BLOCK_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "post_attention_norm",
-    "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +71,6 @@ def gemma(tmp_path_factory):
         model.model.norm.weight.add_(HEAD_SHARPENING - 1)
     model.save_pretrained(directory)
     return directory, model.eval()
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name in HF_TO_GGUF_GLOBAL:
-        return HF_TO_GGUF_GLOBAL[hf_name]
-    _, _, layer, *module, suffix = hf_name.split(".")
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES['.'.join(module)]}.{suffix}"
 
 
 def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
@@ -124,13 +102,15 @@ def write_gemma3_gguf(path, model, matrix_type: Q) -> str:
     """`model` as llama.cpp's converter writes it: a tied head dropped, norms plus one."""
     writer = gguf.GGUFWriter(str(path), "gemma3")
     _write_metadata(writer, model.config)
+    names = stored_names(model, "gemma3")
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue
         array = tensor.detach().numpy().astype(np.float32)
         if name.endswith("norm.weight"):
             array = array + 1.0
-        add_tensor(writer, _gguf_name(name), array, matrix_type if array.ndim == 2 else Q.F32)
+        (gguf_name,) = names[name]
+        add_tensor(writer, gguf_name, array, matrix_type if array.ndim == 2 else Q.F32)
     finish(writer)
     return str(path)
 

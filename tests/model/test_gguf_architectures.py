@@ -336,9 +336,11 @@ def test_half_of_a_stacked_expert_tensor_is_refused(tmp_path):
         tmp_path / "half.gguf",
         "qwen3moe",
         MOE,
-        {"blk.0.ffn_gate_exps.weight": experts, "blk.0.ffn_down_exps.weight": experts},
-    )
-    with pytest.raises(ValueError, match=r"gate_up_proj needs \('ffn_gate_exps', 'ffn_up_exps'"):
+        {"blk.0.ffn_gate_inp.weight": np.zeros((4, 64)),  # a router: the layer is a mixture
+         "blk.0.ffn_gate_exps.weight": experts, "blk.0.ffn_down_exps.weight": experts},
+    )  # fmt: skip
+    needs = r"gate_up_proj needs \('blk\.0\.ffn_gate_exps\.weight', 'blk\.0\.ffn_up_exps\.weight'\)"
+    with pytest.raises(ValueError, match=needs):
         iter_gguf_weights(path, load_gguf_config(path))
 
 

@@ -310,7 +310,8 @@ def test_k_quants_dequantize_known_blocks(tmp_path: Path) -> None:
         "blk.1.ffn_down.weight", q6_random, raw_shape=q6_random.shape, raw_dtype=Q.Q6_K
     )
     finish(writer)
-    config = PreTrainedConfig()  # only head counts are read, and not for qwen2
+    # The model's parameters name the file's tensors; head counts are not read for qwen2.
+    config = AutoConfig.for_model("qwen2", num_hidden_layers=2)
     weights = dict(iter_gguf_weights(str(path), config))
 
     expected_q4 = np.stack([
@@ -385,8 +386,10 @@ def test_unknown_tensor_name_is_rejected(tmp_path: Path) -> None:
     path = _single_tensor_file(
         tmp_path / "odd.gguf", "blk.0.attn_qkv.weight", np.zeros((4, 32), dtype=np.float32)
     )
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_qkv\.weight"):
-        iter_gguf_weights(path, PreTrainedConfig())
+    with pytest.raises(
+        ValueError, match=r"unknown GGUF tensor name 'blk\.0\.attn_qkv\.weight' \(gguf-py \d"
+    ):
+        iter_gguf_weights(path, AutoConfig.for_model("llama"))
 
 
 def test_unsupported_tensor_type_is_rejected(tmp_path: Path) -> None:
@@ -394,7 +397,7 @@ def test_unsupported_tensor_type_is_rejected(tmp_path: Path) -> None:
         tmp_path / "int.gguf", "token_embd.weight", np.zeros((4, 32), dtype=np.int32)
     )
     with pytest.raises(ValueError, match=r"token_embd\.weight.*I32"):
-        iter_gguf_weights(path, PreTrainedConfig())
+        iter_gguf_weights(path, AutoConfig.for_model("llama"))
 
 
 # --------------------------------------------------------------------------- real SmolLM2 file

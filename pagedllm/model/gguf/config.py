@@ -44,6 +44,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# The general.architecture values the loader reads.
+GGUF_ARCHITECTURES = frozenset(_ARCHITECTURES)
 # A llama file with experts (llama.cpp writes Mixtral so).
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 SUPPORTED_GGUF_ARCHITECTURES = (

@@ -1,126 +1,152 @@
-"""GGUF tensor names -> the Hugging Face parameter names, per architecture.
+"""GGUF tensor names <-> the Hugging Face parameter names, and the plan of a file.
 
-This module owns llama.cpp's tensor-name tables (the global tensors; each block's, for
-llama incl. Mistral and Mixtral, qwen2, qwen3, qwen3moe, phi3 and gemma3), the tensors
-that only feed the config, and the plan of a file: every tensor mapped and type-checked
-before any is dequantized, the parts of a stacked HF tensor (a mixture's gate and up
-experts) gathered in the order their rows follow each other. Names it cannot map raise
-``ValueError`` naming the tensor.
+The names come from gguf-py's `TensorNameMap` for the file's architecture, the table
+llama.cpp's converter names tensors by; the parameters come from the Transformers model
+the config describes (built on the meta device, so nothing is allocated), and the GGUF ->
+HF direction is the inverse of gguf-py's map over those parameters (its table lists many
+checkpoints' spellings of each tensor; a model has one). What gguf-py does not name is
+logic of the format, kept here: a parameter Transformers stacks that the converter splits
+(a mixture's gate and up experts, rows of each expert's gate then up), a stacked
+parameter's ``.weight`` suffix, the tensors that only feed the config, and which table
+an architecture gguf-py lacks reads by (a ``mistral`` file: llama's; a Qwen3-MoE model's
+dense layers: Qwen3's).
+
+The plan of a file maps and type-checks every tensor before any is dequantized, the parts
+of a stacked parameter gathered in the order their rows follow each other. Names it cannot
+map raise ``ValueError`` naming the tensor and gguf-py's version.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
+from importlib.metadata import version
+
+import torch
+from gguf import MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, TensorNameMap, get_tensor_name_map
+from transformers import AutoModelForCausalLM, PreTrainedConfig
 
 from pagedllm.model.gguf.reader import check_tensor_type
 from pagedllm.model.gguf.tensor_table import GGUFTensor
 
-_GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_TENSORS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Gemma 3 names its four norms after where they sit (llama.cpp's ffn_norm is its norm before
-# the MLP, not Llama's post-attention norm) and normalizes the q/k heads.
-_GEMMA3_BLOCK_TENSORS: dict[str, str] = {
-    **_BLOCK_TENSORS,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_QK_NORM_TENSORS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# A mixture of experts (Mixtral, Qwen3-MoE): the router, and every expert's matrices stacked
-# in 3-D tensors [experts, ...] named as Transformers holds them; llama.cpp's separate gate
-# and up tensors become the two halves of one `gate_up_proj` (see _STACKED_PARTS).
-_MOE_TENSORS: dict[str, str] = {
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_up_proj",
-    "ffn_up_exps": "mlp.experts.gate_up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-}
-# Phi-3's checkpoint tensors as stored: q/k/v rows fused in attn_qkv, gate then up rows in
-# ffn_up (llama.cpp splits the latter in half at run time); it has no ffn_gate.
-_PHI3_BLOCK_TENSORS: dict[str, str] = {
-    **{k: v for k, v in _BLOCK_TENSORS.items() if k not in ("ffn_gate", "ffn_up")},
-    "attn_qkv": "self_attn.qkv_proj",
-    "ffn_up": "mlp.gate_up_proj",
-}
-_ARCH_BLOCK_TENSORS: dict[str, dict[str, str]] = {
-    "gemma3": _GEMMA3_BLOCK_TENSORS,
-    "llama": {**_BLOCK_TENSORS, **_MOE_TENSORS},
-    "qwen3": {**_BLOCK_TENSORS, **_QK_NORM_TENSORS},
-    "qwen3moe": {**_BLOCK_TENSORS, **_QK_NORM_TENSORS, **_MOE_TENSORS},
-    "phi3": _PHI3_BLOCK_TENSORS,
-}
-# Stacked expert parameters are named without a `.weight` suffix (Transformers' names).
-_STACKED_EXPERT_TENSORS = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
-# HF tensors several GGUF tensors fill, in the order their rows follow each other (dim 1).
-_STACKED_PARTS: dict[str, tuple[str, ...]] = {
-    "mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
-}
-_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
-_GLOBAL_TENSOR_RE = re.compile(r"([a-z_]+)\.(weight|bias)")
+GGUF_PY_VERSION = version("gguf")
+_MODEL_ARCHS = {name: arch for arch, name in MODEL_ARCH_NAMES.items()}
+# gguf-py has no `mistral` architecture: llama.cpp writes Mistral files as `llama`, and a
+# file that says `mistral` is read by llama's names.
+_ARCH_ALIASES = {"mistral": "llama"}
+# A Qwen3-MoE model's dense layers (`mlp_only_layers`; llama.cpp's converter knows none, and
+# gguf-py's qwen3moe table lists no dense MLP) are read by the dense Qwen3's names.
+_DENSE_ARCHS = {"qwen3moe": "qwen3"}
+_SUFFIXES = (".weight", ".bias")
+# Parameters Transformers stacks that the converter stores split: the parameters gguf-py
+# names for the parts, in the order their rows follow each other (dim 1 of the stack).
+_STACKED_PARTS: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 # Not parameters of the HF model: their content is folded into the config.
 _CONFIG_ONLY_TENSORS = frozenset(
-    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+    f"{TENSOR_NAMES[kind]}.weight"
+    for kind in (
+        MODEL_TENSOR.ROPE_FREQS,
+        MODEL_TENSOR.ROPE_FACTORS_LONG,
+        MODEL_TENSOR.ROPE_FACTORS_SHORT,
+    )
 )
 
-# The GGUF tensors one HF tensor is made of (one, or the parts _STACKED_PARTS names, in
-# their order), and that HF tensor's name.
+# HF parameter -> the GGUF tensors it is stored as (one, or a stacked parameter's parts).
+TensorNames = dict[str, tuple[str, ...]]
+# The GGUF tensors one HF tensor is made of, in row order, and that HF tensor's name.
 PlanEntry = tuple[tuple[GGUFTensor, ...], str]
 
 
-def _hf_name(gguf_name: str, path: str, arch: str | None = None) -> str | None:
-    """HF parameter name for a GGUF tensor name of architecture `arch`; None for
-    config-only tensors."""
-    if gguf_name in _CONFIG_ONLY_TENSORS:
-        return None
-    block_tensors = _ARCH_BLOCK_TENSORS.get(arch or "", _BLOCK_TENSORS)
-    match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
-    if match and match[2] in block_tensors:
-        module = f"model.layers.{match[1]}.{block_tensors[match[2]]}"
-        if match[2] in _STACKED_EXPERT_TENSORS and match[3] == "weight":
-            return module  # a stacked parameter, named without a suffix
-        return f"{module}.{match[3]}"
-    match = _GLOBAL_TENSOR_RE.fullmatch(gguf_name)
-    if match and match[1] in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[match[1]]}.{match[2]}"
-    raise ValueError(f"{path}: unknown GGUF tensor name {gguf_name!r}")
+def tensor_name_maps(arch: str, num_blocks: int) -> tuple[TensorNameMap, ...]:
+    """gguf-py's HF -> GGUF name maps for GGUF architecture `arch` (general.architecture),
+    the architecture's own first."""
+    arch = _ARCH_ALIASES.get(arch, arch)
+    if arch not in _MODEL_ARCHS:
+        raise ValueError(f"gguf-py {GGUF_PY_VERSION} has no tensor names for {arch!r}")
+    archs = [arch] + ([_DENSE_ARCHS[arch]] if arch in _DENSE_ARCHS else [])
+    return tuple(get_tensor_name_map(_MODEL_ARCHS[name], num_blocks) for name in archs)
 
 
-def plan_tensors(tensors: list[GGUFTensor], path: str, arch: str | None = None) -> list[PlanEntry]:
-    """Map and type-check every tensor before any is dequantized."""
+def _gguf_name(hf_name: str, name_maps: tuple[TensorNameMap, ...]) -> str | None:
+    for name_map in name_maps:
+        name = name_map.get_name(hf_name, try_suffixes=_SUFFIXES)
+        if name is not None:
+            return name
+    return None
+
+
+def gguf_names(hf_name: str, name_maps: tuple[TensorNameMap, ...]) -> tuple[str, ...]:
+    """The GGUF tensors parameter `hf_name` is stored as: one, or a stacked parameter's
+    parts in row order; () where gguf-py names none."""
+    # Transformers names a stacked parameter without a suffix; the converter adds .weight.
+    stored = hf_name if hf_name.endswith(_SUFFIXES) else f"{hf_name}.weight"
+    name = _gguf_name(stored, name_maps)
+    if name is not None:
+        return (name,)
+    module, last, suffix = stored.rsplit(".", 2)
+    parts = [
+        _gguf_name(f"{module}.{part}.{suffix}", name_maps) for part in _STACKED_PARTS.get(last, ())
+    ]
+    return tuple(parts) if parts and None not in parts else ()
+
+
+def gguf_tensor_names(hf_names: Iterable[str], arch: str, num_blocks: int) -> TensorNames:
+    """GGUF tensors of each parameter in `hf_names` that gguf-py names (the others left out)."""
+    name_maps = tensor_name_maps(arch, num_blocks)
+    names = {hf_name: gguf_names(hf_name, name_maps) for hf_name in hf_names}
+    return {hf_name: stored for hf_name, stored in names.items() if stored}
+
+
+def transformers_parameter_names(config: PreTrainedConfig) -> list[str]:
+    """The names of the parameters of the Transformers model `config` describes."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return list(model.state_dict())  # a tied head included: a file may store it
+
+
+def model_tensor_names(config: PreTrainedConfig, arch: str) -> TensorNames:
+    """GGUF tensors of each parameter of `config`'s model, for a file of architecture `arch`."""
+    hf_names = transformers_parameter_names(config)
+    return gguf_tensor_names(hf_names, arch, config.num_hidden_layers)
+
+
+def hf_names_by_gguf(names: TensorNames) -> dict[str, str]:
+    """GGUF tensor -> the parameter it holds (all of it, or a stacked parameter's part)."""
+    by_gguf: dict[str, str] = {}
+    for hf_name, stored in names.items():
+        for gguf_name in stored:
+            if by_gguf.setdefault(gguf_name, hf_name) != hf_name:
+                raise ValueError(
+                    f"gguf-py {GGUF_PY_VERSION} names both {by_gguf[gguf_name]} and "
+                    f"{hf_name} {gguf_name}"
+                )
+    return by_gguf
+
+
+def plan_tensors(tensors: list[GGUFTensor], path: str, names: TensorNames) -> list[PlanEntry]:
+    """Map and type-check every tensor before any is dequantized; `names` from
+    `model_tensor_names`."""
+    by_gguf = hf_names_by_gguf(names)
     parts: dict[str, list[GGUFTensor]] = {}
     for tensor in tensors:
-        hf_name = _hf_name(tensor.name, path, arch)
-        if hf_name is None:
+        if tensor.name in _CONFIG_ONLY_TENSORS:
             continue
         check_tensor_type(tensor, path)
-        parts.setdefault(hf_name, []).append(tensor)
-    return [(_ordered_parts(name, found, path), name) for name, found in parts.items()]
+        if tensor.name not in by_gguf:
+            raise ValueError(
+                f"{path}: unknown GGUF tensor name {tensor.name!r} (gguf-py "
+                f"{GGUF_PY_VERSION} names no parameter of the model so)"
+            )
+        parts.setdefault(by_gguf[tensor.name], []).append(tensor)
+    return [(_ordered_parts(name, names[name], found, path), name) for name, found in parts.items()]
 
 
-def _ordered_parts(hf_name: str, found: list[GGUFTensor], path: str) -> tuple[GGUFTensor, ...]:
+def _ordered_parts(
+    hf_name: str, order: tuple[str, ...], found: list[GGUFTensor], path: str
+) -> tuple[GGUFTensor, ...]:
     """`found` in the order their rows are stacked; every part must be there."""
-    order = _STACKED_PARTS.get(hf_name.split(".", 3)[-1])
-    if order is None:
-        return tuple(found)
-    by_kind = {tensor.name.split(".")[2]: tensor for tensor in found}
-    missing = [kind for kind in order if kind not in by_kind]
+    by_name = {tensor.name: tensor for tensor in found}
+    missing = [name for name in order if name not in by_name]
     if missing:
         have = ", ".join(tensor.name for tensor in found)
         raise ValueError(f"{path}: {hf_name} needs {order}; the file has only {have}")
-    return tuple(by_kind[kind] for kind in order)
+    return tuple(by_name[name] for name in order)

@@ -26,7 +26,7 @@ from transformers import PreTrainedConfig
 from pagedllm.model.gguf.cache import cache_dir_for, save_atomically
 from pagedllm.model.gguf.config import load_gguf_config
 from pagedllm.model.gguf.reader import dequantize_tensor, hf_shape
-from pagedllm.model.gguf.tensor_names import PlanEntry, plan_tensors
+from pagedllm.model.gguf.tensor_names import PlanEntry, model_tensor_names, plan_tensors
 from pagedllm.model.gguf.tensor_table import GGUFTensor, read_gguf_tensors
 
 # Bump when the conversion changes, so cached weights are rebuilt.
@@ -95,12 +95,23 @@ def iter_gguf_weights(
         return _stream_cached(cached, skipped)
     tensors, metadata = read_gguf_tensors(path)
     arch = metadata.get("general.architecture")
-    plan = [(parts, name) for parts, name in plan_tensors(tensors, path, arch) if not skipped(name)]
+    plan = [
+        (parts, name) for parts, name in _plan(tensors, path, config, arch) if not skipped(name)
+    ]
     heads = _permuted_heads(metadata, config)
     weights = _stream(plan, heads, path, arch in _NORM_OFFSET_ARCHITECTURES)
     if skip or os.path.getsize(path) < _MIN_WEIGHTS_CACHE_BYTES:  # the cache holds all
         return weights
     return _stream_and_cache(weights, cache_dir)
+
+
+def _plan(
+    tensors: list[GGUFTensor], path: str, config: PreTrainedConfig, arch: Any
+) -> list[PlanEntry]:
+    """The file's tensors named as the parameters of `config`'s model."""
+    if not isinstance(arch, str):
+        raise ValueError(f"{path}: not a valid GGUF file: no general.architecture")
+    return plan_tensors(tensors, path, model_tensor_names(config, arch))
 
 
 def _stream_cached(
@@ -161,7 +172,7 @@ def iter_gguf_raw_weights(
     tensors, metadata = read_gguf_tensors(path)
     heads = _permuted_heads(metadata, config)
     fused = _fused_rows(config)
-    for parts, hf_name in plan_tensors(tensors, path, metadata.get("general.architecture")):
+    for parts, hf_name in _plan(tensors, path, config, metadata.get("general.architecture")):
         tensor = parts[0]
         if len(parts) > 1 or not hf_name.endswith(".weight") or len(tensor.shape) != 2:
             continue  # stacked experts and 1-D tensors are dequantized
