@@ -59,8 +59,10 @@ class StreamDecoder:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete ("" while a character is split)."""
-        # One token at a time, so text before a split character is emitted at once.
-        text = "".join([self._push_one(token_id) for token_id in token_ids])
+        if len(token_ids) == 1:  # the usual step: no list, no join
+            text = self._push_one(token_ids[0])
+        else:  # one token at a time, so text before a split character is emitted at once
+            text = "".join([self._push_one(token_id) for token_id in token_ids])
         if len(self._pending_ids) > MAX_PENDING_TOKENS:
             # Invalid bytes, or tokens that add no text: the window decoder releases them
             # as it always has; the stream would hold them (and re-decode them) forever.
@@ -84,13 +86,14 @@ class StreamDecoder:
         return self._backend.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _push_one(self, token_id: int) -> str:
-        if self._window is not None:
+        stream = self._stream
+        if stream is None:
+            assert self._window is not None
             text = self._window.push([token_id])
             self._rejoin(self._window)
             return text
-        assert self._stream is not None
         try:
-            text = self._stream.step(self._backend, token_id)
+            text = stream.step(self._backend, token_id)
         except Exception:  # the text before this token changed: the window decoder settles it
             self._pending_ids.append(token_id)
             return self._settle_in_window()

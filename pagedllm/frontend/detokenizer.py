@@ -119,6 +119,9 @@ class IncrementalDetokenizer:
         self._num_output_tokens += len(new_token_ids)
         old_len = len(self._text)
         self._text += self._decoder.push([int(t) for t in new_token_ids])
+        # A match must end in new text; most steps have no stop strings to look for.
+        if not self._stop or len(self._text) == old_len:
+            return None
         if self._num_output_tokens < self._min_tokens:
             return None
         return self._check_stop(old_len)

@@ -8,13 +8,19 @@ so the first output token decodes as it does after the prompt.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pagedllm.frontend.decode_stream import StreamDecoder
 from pagedllm.frontend.window_decoder import WindowDecoder
 
-__all__ = ["PROMPT_CONTEXT_TOKENS", "TokenDecoder", "make_token_decoder", "stream_backend"]
+__all__ = [
+    "PROMPT_CONTEXT_TOKENS",
+    "TokenDecoder",
+    "make_token_decoder",
+    "stream_backend",
+    "token_text_decoder",
+]
 
 # Prompt tokens decoded ahead of the first output token, so the first output token decodes
 # as it would inside the full sequence (a SentencePiece word keeps its leading space).
@@ -58,6 +64,15 @@ def make_token_decoder(
         )
 
     return WindowDecoder(decode, context_ids)
+
+
+def token_text_decoder(tokenizer: Any) -> Callable[[int], str]:
+    """One token's text as ``tokenizer.decode([token_id])`` gives it (logprobs' strings), by
+    the ``tokenizers.Tokenizer`` where its decode is the same, without Python's layers."""
+    backend = stream_backend(tokenizer)
+    if backend is None:
+        return lambda token_id: tokenizer.decode([token_id])
+    return lambda token_id: backend.decode([token_id], skip_special_tokens=False)
 
 
 def stream_backend(tokenizer: Any) -> Any | None:

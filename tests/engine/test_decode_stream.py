@@ -16,7 +16,11 @@ from tiers import slow_fixture
 from tokenizer_utils import TRAINING_TEXT, make_sentencepiece_style_tokenizer
 
 from pagedllm.frontend.detokenizer import IncrementalDetokenizer
-from pagedllm.frontend.token_decoder import make_token_decoder, stream_backend
+from pagedllm.frontend.token_decoder import (
+    make_token_decoder,
+    stream_backend,
+    token_text_decoder,
+)
 from pagedllm.frontend.window_decoder import MAX_PENDING_TOKENS
 from pagedllm.model.gguf_loader import load_gguf_tokenizer
 from pagedllm.model.loader import default_model_path, gemma3_270m_path
@@ -327,3 +331,20 @@ def test_pending_tokens_stay_bounded(tokenizer):
             decoder.push(ids[:size])
             ids = ids[size:]
             assert decoder.num_pending_tokens <= MAX_PENDING_TOKENS
+
+
+# --------------------------------------------------------------------------- logprobs' text
+
+
+def test_one_token_text_equals_its_decode(tokenizer):
+    """Logprobs' token strings: the backend's text is ``tokenizer.decode([id])``'s, special
+    tokens and partial characters included."""
+    decode_token = token_text_decoder(tokenizer)
+    rng = random.Random(5)
+    ids = [*tokenizer.all_special_ids, *_random_ids(tokenizer, rng, 300)]
+    assert [decode_token(i) for i in ids] == [tokenizer.decode([i]) for i in ids]
+    assert decode_token(tokenizer.all_special_ids[0]) != ""  # special tokens are kept
+
+
+def test_one_token_text_of_other_tokenizers_is_their_decode():
+    assert token_text_decoder(DecodeOnly())(3) == "D"
