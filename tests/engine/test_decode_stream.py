@@ -8,6 +8,7 @@ Stop strings and streaming hold-back run through both paths in test_detokenizer.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -64,7 +65,7 @@ def feed(
     tokenizer: Any,
     ids: list[int],
     use_decode_stream: bool,
-    prompt: list[int] = (),
+    prompt: Sequence[int] = (),
     sizes: list[int] | None = None,
     skip_special_tokens: bool = True,
 ) -> list[str]:
@@ -222,6 +223,23 @@ def test_stream_keeps_a_run_of_byte_tokens_whole(sentencepiece_style):
     fast, window = both_paths(tok, ids, sizes=[2, 8] + [1] * (len(ids) - 10))
     assert "".join(fast) == tok.decode(ids) == "日本語のテキスト、中文文本"
     assert "\ufffd" in "".join(window)  # the fallback's known shortcoming
+
+
+def test_spaces_between_special_tokens_is_ignored_as_fast_tokenizers_ignore_it(smollm2):
+    ids = [*encode(smollm2, "a"), 1, 2, *encode(smollm2, "b"), 2]
+    expected = smollm2.decode(ids, skip_special_tokens=False)
+    assert expected == "a<|im_start|><|im_end|>b<|im_end|>"
+    for use_decode_stream in (True, False):
+        detok = IncrementalDetokenizer(
+            smollm2,
+            [],
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+            use_decode_stream=use_decode_stream,
+        )
+        detok.update(ids)
+        detok.finish()
+        assert detok.output_text == expected
 
 
 def _random_ids(tokenizer: Any, rng: random.Random, length: int) -> list[int]:
