@@ -49,6 +49,9 @@ Features' costs and gains
     parallel_sampling   Is n = 4 (forked in the scheduler) cheaper than four separate requests
                         (a frontend fan-out), with and without prefix caching?
     sampler_cost        What share of a decode step does each kind of sampling take?
+    detokenize          What does detokenization cost per output token through tokenizers'
+                        DecodeStream against the window of `tokenizer.decode` calls, alone
+                        and in the frontend's per-step work?
     structured_output   What does an enforced JSON schema cost, and how long do grammars take
                         to compile?
     kv_waste            How much of the KV cache is allocated but empty at peak?

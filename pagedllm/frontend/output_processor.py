@@ -20,6 +20,7 @@ from pagedllm.core.messages import EngineCoreOutput, EngineCoreRequest, TokenLog
 from pagedllm.core.request import child_request_id
 from pagedllm.errors import describe_error
 from pagedllm.frontend.detokenizer import IncrementalDetokenizer
+from pagedllm.frontend.token_decoder import token_text_decoder
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -78,6 +79,7 @@ class SampleGroup:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode_token = None if tokenizer is None else token_text_decoder(tokenizer)
         self.states: dict[str, RequestState] = {}
         self.groups: dict[str, SampleGroup] = {}  # by parent id, until all n finish
 
@@ -324,4 +326,4 @@ class OutputProcessor:
         return result
 
     def _token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        return None if self._decode_token is None else self._decode_token(token_id)

@@ -1,14 +1,15 @@
 """IncrementalDetokenizer: streamed text equals the full decode, split characters are held
 back, stop strings cut at the right place and never reach a stream, and each step decodes a
-bounded window."""
+bounded window. Every test runs through both token decoders: DecodeStream (the fast
+tokenizers' path) and the window decoder (every other tokenizer's)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, NamedTuple
 
 import pytest
 from model_utils import make_tiny_tokenizer
+from tokenizer_utils import TRAINING_TEXT, make_sentencepiece_style_tokenizer
 
 from pagedllm.frontend.detokenizer import IncrementalDetokenizer
 from pagedllm.model.gguf_loader import load_gguf_tokenizer
@@ -19,7 +20,7 @@ CJK = "日本語のテキスト、中文文本"
 ACCENTED = "àéîõü ça déjà"
 MIXED = "Hello, world! 42 × 3 = 126; naïve café — “quoted” 🎉 end.\n\tTabs and  spaces."
 TEXTS = [EMOJI, CJK, ACCENTED, MIXED, f"{EMOJI}{CJK}{ACCENTED}"]
-STORY = "The quick brown fox jumps over the lazy dog. Then the fox slept in the sun."
+STORY = TRAINING_TEXT
 IM_END = 2  # SmolLM2's <|im_end|>
 
 
@@ -35,7 +36,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def sentencepiece_style():
-    return _make_sentencepiece_style_tokenizer()
+    return make_sentencepiece_style_tokenizer()
 
 
 @pytest.fixture(params=["smollm2", "tiny", "sentencepiece_style"])
@@ -43,35 +44,22 @@ def any_tokenizer(request):
     return request.getfixturevalue(request.param)
 
 
-def _make_sentencepiece_style_tokenizer():
-    """A Llama-style BPE: "▁" for spaces, byte fallback, leading space stripped on decode."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
+# The decoder path the running test takes; set by the autouse fixture below.
+PATH = {"use_decode_stream": True}
 
-    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    trainer_tok.normalizer = normalizer
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
-    trainer_tok.train_from_iterator([STORY, "Hello world, this is some text."] * 4, trainer)
-    model = json.loads(trainer_tok.to_str())["model"]
-    vocab = dict(model["vocab"])
-    # Byte tokens are ordinary vocabulary (as in Llama), so skip_special_tokens keeps them.
-    for byte in range(256):
-        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
-    tokenizer.normalizer = normalizer
-    tokenizer.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["decode_stream", "window"])
+def decoder_path(request, monkeypatch):
+    monkeypatch.setitem(PATH, "use_decode_stream", request.param)
+    return request.param
+
+
+def detokenizer(tokenizer: Any, prompt_ids: list[int], **kwargs: Any) -> IncrementalDetokenizer:
+    """An IncrementalDetokenizer on the running test's decoder path."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, **PATH, **kwargs)
+    fast = PATH["use_decode_stream"] and not isinstance(tokenizer, RecordingTokenizer)
+    assert detok.decoder_name == ("decode_stream" if fast else "window")
+    return detok
 
 
 class Streamed(NamedTuple):
@@ -89,7 +77,7 @@ def stream(
     **kwargs: Any,
 ) -> Streamed:
     """Feed `output_ids` `chunk` at a time, as the engine would, until a stop string fires."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids or [], **kwargs)
+    detok = detokenizer(tokenizer, prompt_ids or [], **kwargs)
     deltas = []
     for start in range(0, len(output_ids), chunk):
         matched = detok.update(output_ids[start : start + chunk])
@@ -140,7 +128,7 @@ def test_smollm2_really_splits_characters_across_tokens(smollm2, text):
 def test_emoji_bytes_split_over_tokens_are_held_back_until_complete(smollm2):
     ids = encode(smollm2, "🎉")
     assert len(ids) >= 2 and smollm2.decode(ids[:1]) == "\ufffd"
-    detok = IncrementalDetokenizer(smollm2, [])
+    detok = detokenizer(smollm2, [])
     for token_id in ids[:-1]:
         assert detok.update([token_id]) is None
         assert detok.output_text == detok.get_next_delta() == ""
@@ -271,7 +259,7 @@ def test_streamed_text_is_never_cut_afterwards(smollm2, include):
 def test_partial_stop_string_is_held_back_until_finish(smollm2):
     stop = ["NEVER!"]  # 6 characters: the last 5 are held back while a match could begin
     ids = encode(smollm2, ACCENTED + " and more")
-    detok = IncrementalDetokenizer(smollm2, [], stop=stop)
+    detok = detokenizer(smollm2, [], stop=stop)
     streamed = ""
     for token_id in ids:
         assert detok.update([token_id]) is None
@@ -289,7 +277,7 @@ def test_partial_stop_string_is_held_back_until_finish(smollm2):
 
 def test_include_stop_str_needs_no_hold_back(smollm2):
     ids = encode(smollm2, STORY)
-    detok = IncrementalDetokenizer(smollm2, [], stop=["slept"], include_stop_str_in_output=True)
+    detok = detokenizer(smollm2, [], stop=["slept"], include_stop_str_in_output=True)
     detok.update(ids[:3])
     assert detok.get_next_delta() == detok.output_text == smollm2.decode(ids[:3])
 
@@ -322,7 +310,7 @@ def test_each_step_decodes_a_bounded_window(smollm2):
     assert len(ids) == 2000
     recorder = RecordingTokenizer(smollm2)
     prompt = chat_prompt(smollm2) * 20  # a long prompt must not widen the window either
-    detok = IncrementalDetokenizer(recorder, prompt, stop=["never appears"])
+    detok = detokenizer(recorder, prompt, stop=["never appears"])
     streamed = ""
     for token_id in ids[:1000]:
         detok.update([token_id])
