@@ -51,6 +51,7 @@ from benchmarks.tenant_server import start_tenant_server
 SETTLE_S = 10.0
 NUM_ADAPTERS = 4
 GOAL_GROWTH_PERCENT = 5.0
+WARM_UP = ("plain", "structured", "tools", "shared_prefix", "lora", "responses")
 CLASSES = ("completed", "refused", "cancelled", "killed_in_flight", "failed")
 
 
@@ -81,9 +82,8 @@ def growth_percent(before: dict[str, int], after: dict[str, int]) -> dict[str, f
 
 async def warm_up(soak: Soak) -> None:
     async with aiohttp.ClientSession() as session:
-        for send in (soak.plain, soak.structured, soak.tools, soak.shared_prefix, soak.lora):
-            await soak.send(session, "warm_up", send)
-        await soak.send(session, "warm_up", soak.responses)
+        for kind in WARM_UP:
+            await soak.send(session, "warm_up", getattr(soak, kind))
 
 
 async def run(soak: Soak, pool: AdapterPool, chaos: Chaos, args) -> float:
@@ -158,6 +158,10 @@ def soak_report(server: Server, args, adapter_paths: list[Path]) -> dict:
     chaos = Chaos(api.pid, server.base_url, args.kill_every, args.core_sample_age)
     asyncio.run(pool_first_load(pool, args.seed))
     asyncio.run(warm_up(soak))
+    warm_up_s = {
+        kind: round(done.ended - done.started, 1)
+        for kind, done in zip(WARM_UP, soak.attempts, strict=True)
+    }
     time.sleep(2.0)
     api_before = usage(api)
     seconds = asyncio.run(run(soak, pool, chaos, args))
@@ -171,6 +175,7 @@ def soak_report(server: Server, args, adapter_paths: list[Path]) -> dict:
     restarts = sum(metric_sums(metrics, "engine_restarts_total").values())
     return {
         "duration_s": round(seconds, 1),
+        "warm_up_s": warm_up_s,
         "concurrency": args.concurrency,
         "kill_every_s": args.kill_every,
         **counts,

@@ -40,10 +40,12 @@ def final_class(attempt: Attempt, kills: list[float]) -> str:
     return judged.outcome
 
 
-def engine_core(api_pid: int) -> psutil.Process | None:
-    """The API process's largest living child: the engine core (others are small helpers)."""
+def engine_core(api_pid: int, helpers: frozenset[int] = frozenset()) -> psutil.Process | None:
+    """The API process's largest living child but `helpers`: the engine core."""
     children = []
     for child in psutil.Process(api_pid).children(recursive=True):
+        if child.pid in helpers:
+            continue
         try:
             if child.status() != psutil.STATUS_ZOMBIE:
                 children.append((child.memory_info().rss, child))
@@ -74,9 +76,15 @@ class Chaos:
     recoveries_s: list[float | None] = field(default_factory=list)
     cores: list[CoreRecord] = field(default_factory=list)
     traffic_started: float = 0.0
+    # The API process's other children (multiprocessing's resource tracker): while a killed
+    # core is not yet replaced, one of them would be the largest child.
+    helpers: frozenset[int] = frozenset()
 
     def watch(self, serving_since: float) -> None:
-        core = engine_core(self.api_pid)
+        core = engine_core(self.api_pid, self.helpers)
+        if not self.cores and core is not None:
+            children = psutil.Process(self.api_pid).children(recursive=True)
+            self.helpers = frozenset(c.pid for c in children if c.pid != core.pid)
         if core is not None and (not self.cores or self.cores[-1].pid != core.pid):
             self.cores.append(CoreRecord(core.pid, serving_since))
         self.read_core()
@@ -113,7 +121,7 @@ class Chaos:
 
     async def kill_once(self) -> None:
         self.read_core()
-        core = engine_core(self.api_pid)
+        core = engine_core(self.api_pid, self.helpers)
         if core is None:
             return
         self.kills.append(time.monotonic())
@@ -131,7 +139,7 @@ class Chaos:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while time.monotonic() < give_up:
                 await asyncio.sleep(0.5)
-                core = engine_core(self.api_pid)
+                core = engine_core(self.api_pid, self.helpers)
                 if core is None or core.pid == old_pid:
                     continue
                 try:
@@ -143,12 +151,18 @@ class Chaos:
         return None
 
     def core_growth(self) -> dict:
-        """The last core's RSS at `sample_age_s` of serving against the first core's."""
+        """The last core's RSS at `sample_age_s` of serving against the first restarted
+        core's (the first core's age does not count its start-up and warm-up: it is compared
+        only when fewer than two restarted cores were read)."""
         sampled = [c for c in self.cores if c.at_sample_age is not None]
+        restarted = [c for c in self.cores[1:] if c.at_sample_age is not None]
+        if len(restarted) >= 2:
+            sampled = restarted
         report: dict = {
             "definition": f"each core's RSS {self.sample_age_s:.0f} s after it began serving "
             "(the first: the start of traffic; the others: the end of their recovery); "
-            "growth = last sampled core vs the first",
+            "growth = the last sampled core vs the first restarted one (vs the first core "
+            "when fewer than two restarted cores were read)",
             "cores": [
                 vars(c) | {"serving_since": round(c.serving_since - self.traffic_started, 1)}
                 for c in self.cores
