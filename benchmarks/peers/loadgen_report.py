@@ -37,6 +37,7 @@ def vllm_row(report: dict[str, Any]) -> dict[str, Any]:
         "requests_per_s": round(report["request_throughput"], 3),
         "output_tokens_per_s": round(report["output_throughput"], 1),
     }
+    row["ttft_mean_ms"] = round(report["mean_ttft_ms"], 1)
     for metric in METRICS:
         median = report.get(f"median_{metric}_ms")
         row[f"{metric}_ms"] = None if median is None else _pair(median, report[f"p99_{metric}_ms"])
@@ -63,6 +64,7 @@ def _guidellm_row(benchmark: dict[str, Any]) -> dict[str, Any]:
         "requests_per_s": round(totals["successful"] / seconds, 3),
         "output_tokens_per_s": round(output_tokens / seconds, 1),
         "ttft_ms": _pair(*_successful(metrics, "time_to_first_token_ms")),
+        "ttft_mean_ms": round(metrics["time_to_first_token_ms"]["successful"]["mean"], 1),
         "tpot_ms": _pair(*_successful(metrics, "inter_token_latency_ms")),
         "itl_ms": None,
         "e2el_ms": _pair(1000 * latency_s[0], 1000 * latency_s[1]),

@@ -15,6 +15,7 @@ import json
 import random
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -86,8 +87,38 @@ def probe(base_url: str, model: str, prompts: list[str], max_tokens: int) -> dic
         "requests": requests,
         "first_chunk_ms_median": _median_ms(r["first_chunk_s"] for r in requests),
         "first_content_ms_median": _median_ms(r["first_content_s"] for r in requests),
+        "first_content_ms_mean": round(
+            1000 * statistics.mean(r["first_content_s"] or 0 for r in requests), 1
+        ),
         "max_gap_ms": max_gap_ms(requests),
     }
+
+
+def server_ttft_totals(base_url: str) -> tuple[float, int]:
+    """The server's own TTFT (request arrival to first token), summed over every request so
+    far, and their count, from `vllm:time_to_first_token_seconds` in /metrics. Two readings
+    bracket a run: their difference is the server's mean over that run's requests, a floor
+    for any client's TTFT of the same requests (the client also waits for the HTTP)."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return parse_ttft_totals(text)
+
+
+def parse_ttft_totals(metrics_text: str) -> tuple[float, int]:
+    seconds, count = 0.0, 0
+    for line in metrics_text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("vllm:time_to_first_token_seconds_sum"):
+            seconds += float(value)
+        elif name.startswith("vllm:time_to_first_token_seconds_count"):
+            count += int(float(value))
+    return seconds, count
+
+
+def mean_ms_between(before: tuple[float, int], after: tuple[float, int]) -> float | None:
+    """The server's mean TTFT in ms over the requests between two readings."""
+    count = after[1] - before[1]
+    return round(1000 * (after[0] - before[0]) / count, 1) if count else None
 
 
 def max_gap_ms(requests: list[dict[str, Any]]) -> float | None:

@@ -31,6 +31,7 @@ def test_vllm_bench_serve_report_becomes_one_row():
     assert row["requests_per_s"] == pytest.approx(0.077, abs=1e-3)
     assert row["output_tokens_per_s"] == pytest.approx(0.6)
     assert row["ttft_ms"] == {"median": 8312.6, "p99": 10177.4}
+    assert row["ttft_mean_ms"] == pytest.approx(8433.1)
     assert row["tpot_ms"]["median"] == pytest.approx(2456.8)
     assert row["itl_ms"]["p99"] == pytest.approx(4065.1)
     assert row["e2el_ms"]["median"] == pytest.approx(25575.9)
@@ -45,6 +46,7 @@ def test_guidellm_report_becomes_one_row_per_benchmark():
     assert row["requests_per_s"] == pytest.approx(4 / 39.431, abs=1e-3)
     assert row["output_tokens_per_s"] == pytest.approx(32 / 39.431, abs=0.05)
     assert row["ttft_ms"] == {"median": 6746.0, "p99": 8689.2}
+    assert row["ttft_mean_ms"] == pytest.approx(6070.8)
     # GuideLLM's inter-token latency is the decode time per token (vLLM's TPOT); its
     # request latency is in seconds.
     assert row["tpot_ms"]["median"] == pytest.approx(703.3)
@@ -98,3 +100,24 @@ def test_probe_tells_an_empty_first_chunk_from_the_first_token(role_first_server
         assert request["first_content_s"] > request["first_chunk_s"]
     assert result["first_content_ms_median"] > result["first_chunk_ms_median"]
     assert result["max_gap_ms"] > 0
+
+
+METRICS_TEXT = """\
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.25
+pagedllm:time_to_first_token_seconds_sum{tenant="default"} 99.0
+"""
+
+
+def test_server_ttft_totals_sum_every_engine_and_ignore_other_families():
+    assert ttft_probe.parse_ttft_totals(METRICS_TEXT) == (1.75, 4)
+
+
+def test_server_mean_ttft_is_over_the_requests_between_two_readings():
+    assert ttft_probe.mean_ms_between((1.75, 4), (2.95, 7)) == pytest.approx(400.0)
+    assert ttft_probe.mean_ms_between((1.75, 4), (1.75, 4)) is None
