@@ -54,6 +54,10 @@ class PeerPaths:
         return self.root / "vllm" / "venv"
 
     @property
+    def guidellm_venv(self) -> Path:
+        return self.root / "guidellm" / "venv"
+
+    @property
     def llama_src(self) -> Path:
         return self.root / "llama.cpp" / "src"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from benchmarks.peers import llamacpp, models, vllm_peer
+from benchmarks.peers import guidellm_peer, llamacpp, models, vllm_peer
 from benchmarks.peers.common import PeerPaths, Runner, StepError, write_json
 
 ENGINES = ("pagedllm", "vllm", "transformers", "llamacpp", "llamacpp-q4_1")
@@ -21,12 +21,18 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "llamacpp": ("llamacpp-source", "llamacpp-build", "hf-model", "gguf-f32"),
     "llamacpp-q4_1": ("llamacpp-source", "llamacpp-build"),
 }
+# Load generators run against a server (`benchmarks.load_generators`), not engines.
+LOAD_GENERATOR_NEEDS: dict[str, tuple[str, ...]] = {
+    "vllm-bench": ("vllm-venv",),
+    "guidellm": ("guidellm-venv",),
+}
 
 
 def step_functions(build_jobs: int) -> dict[str, Callable[[PeerPaths, Runner], dict]]:
     return {
         "hf-model": models.export_hf_model,
         "vllm-venv": vllm_peer.install,
+        "guidellm-venv": guidellm_peer.install,
         "llamacpp-source": llamacpp.fetch_source,
         "llamacpp-build": partial(llamacpp.build, jobs=build_jobs),
         "gguf-f32": llamacpp.convert_f32,
@@ -48,6 +54,19 @@ def prepare(
     if not runner.dry_run:
         write_json(paths.out / "install.json", outcomes)
     return {engine: first_error(NEEDS[engine], outcomes) for engine in engines}
+
+
+def prepare_load_generators(
+    tools: list[str], paths: PeerPaths, runner: Runner
+) -> dict[str, str | None]:
+    """Runs the steps the load generators need; returns tool -> None (ready) or why not."""
+    functions = step_functions(build_jobs=2)
+    outcomes: dict[str, dict] = {}
+    for tool in tools:
+        for step in LOAD_GENERATOR_NEEDS[tool]:
+            if step not in outcomes:
+                outcomes[step] = run_step(step, functions[step], paths, runner)
+    return {tool: first_error(LOAD_GENERATOR_NEEDS[tool], outcomes) for tool in tools}
 
 
 def run_step(

@@ -19,6 +19,7 @@ from typing import Any
 from benchmarks.peers import llamacpp, models, servers, vllm_peer
 from benchmarks.peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
 from benchmarks.peers.workload import Workload, as_throughput, bench_serve_command
+from pagedllm.utils import free_port
 
 PEERS_DIR = Path(__file__).resolve().parent
 
@@ -72,7 +73,7 @@ def run_llama_server(
     """llama-server with min(slots, prompts) slots; every prompt sent at once."""
     w = s.workload_for(engine)
     slots = min(s.llama_slots, w.num_prompts)
-    port = servers.free_port()
+    port = free_port()
     command = llamacpp.server_command(s.paths, model, port, slots, w.input_len + w.output_len + 64)
     log = s.paths.run_logs / f"offline_{engine}_server.log"
     runner.note(f"offline {engine} server", command)

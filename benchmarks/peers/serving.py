@@ -18,6 +18,7 @@ from typing import Any
 from benchmarks.peers import llamacpp, servers, vllm_peer
 from benchmarks.peers.common import OUR_BIN, PeerPaths, Runner, StepError, read_json, write_json
 from benchmarks.peers.workload import Workload, bench_serve_command, serve_summary
+from pagedllm.utils import free_port
 
 DEFAULT_RATE = 0.8  # req/s, when no offline figure is at hand
 RATE_FACTORS = (0.25, 0.9, 1.5)  # low, near saturation, over
@@ -74,7 +75,7 @@ def start_all(
     `errors`. In dry-run mode the commands are only printed."""
     running: dict[str, servers.Server] = {}
     for engine in engines:
-        port = servers.free_port()
+        port = free_port()
         command, env = server_command(engine, s, port)
         runner.note(f"serve {engine} server", command, env)
         print(f"== start {engine} server\n$ {' '.join(command)} &", flush=True)

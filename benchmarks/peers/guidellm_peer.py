@@ -1,0 +1,85 @@
+"""GuideLLM as a load generator: its virtualenv and its `benchmark` command line.
+
+Install (once, stamped): a virtualenv under the cache root, `torch==2.13.0+cpu` first (GuideLLM
+depends on torch; unconstrained, pip would pull a CUDA build), then `guidellm==0.8.1`
+constrained to that torch. GuideLLM makes its synthetic prompts with a tokenizer: it gets a
+local directory (`pagedllm export-tokenizer`), never a hub name, and runs with
+`HF_HUB_OFFLINE=1`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+
+GUIDELLM_REQUIREMENT = "guidellm==0.8.1"
+TORCH_REQUIREMENT = "torch==2.13.0+cpu"
+STEP = "guidellm-venv"
+GUIDELLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def guidellm_python(paths: PeerPaths) -> Path:
+    return paths.guidellm_venv / "bin" / "python"
+
+
+def install(paths: PeerPaths, runner: Runner) -> dict:
+    """Creates and fills the virtualenv unless its stamp says it is done; returns the stamp."""
+    done = read_stamp(paths, STEP)
+    if done:
+        return done
+    started = time.monotonic()
+    pip = [str(paths.guidellm_venv / "bin" / "pip"), "install", "--progress-bar", "off"]
+    constraints = paths.guidellm_venv.parent / "constraints.txt"
+    log = paths.install_logs
+    if not runner.dry_run:
+        constraints.parent.mkdir(parents=True, exist_ok=True)
+        constraints.write_text(TORCH_REQUIREMENT + "\n")
+    if not guidellm_python(paths).exists():
+        runner.run("guidellm venv", [sys.executable, "-m", "venv", str(paths.guidellm_venv)],
+                   log / "guidellm-venv.log")  # fmt: skip
+    runner.run("guidellm torch", [*pip, TORCH_REQUIREMENT], log / "guidellm-torch.log")
+    runner.run("guidellm install", [*pip, "-c", str(constraints), GUIDELLM_REQUIREMENT],
+               log / "guidellm-install.log")  # fmt: skip
+    if runner.dry_run:
+        return {}
+    versions = installed_versions(paths, runner)
+    write_stamp(paths, STEP, time.monotonic() - started, **versions)
+    return read_stamp(paths, STEP) or {}
+
+
+def installed_versions(paths: PeerPaths, runner: Runner) -> dict[str, str]:
+    """guidellm's and torch's versions, read after importing guidellm (the import works)."""
+    script = (
+        "import importlib.metadata as m, json, guidellm; "
+        "print(json.dumps({'guidellm': m.version('guidellm'), 'torch': m.version('torch')}))"
+    )
+    log = paths.install_logs / "guidellm-import.log"
+    runner.run("guidellm import check", [str(guidellm_python(paths)), "-P", "-c", script], log,
+               env=GUIDELLM_ENV)  # fmt: skip
+    lines = log.read_text().strip().splitlines()
+    if not lines or not lines[-1].startswith("{"):
+        raise StepError(f"guidellm import check printed no versions; see {log}")
+    return json.loads(lines[-1])
+
+
+def run_command(
+    paths: PeerPaths, base_url: str, model: str, tokenizer: Path, profile: str,
+    max_requests: int, input_len: int, output_len: int, out_json: Path,
+) -> list[str]:  # fmt: skip
+    """`guidellm run` on synthetic prompts of `input_len` tokens, `output_len` out (EOS
+    ignored, as GuideLLM asks for whenever the data fixes the output length), chat endpoint,
+    streaming. `profile` is GuideLLM's: "kind=synchronous", "kind=concurrent,streams=8"."""
+    return [
+        str(paths.guidellm_venv / "bin" / "guidellm"), "run",
+        "--backend", f"kind=openai_http,target={base_url},model={model}",
+        "--profile", profile,
+        "--constraint", f"kind=max_requests,count={max_requests}",
+        "--data", f"kind=synthetic_text,prompt_tokens={input_len},output_tokens={output_len}",
+        "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+        "--output", f"kind=json,path={out_json}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
