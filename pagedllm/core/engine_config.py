@@ -236,6 +236,10 @@ def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -
         return
     refused = [
         (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size}"),
+        (
+            args.pipeline_parallel_size > 1,
+            f"pipeline_parallel_size={args.pipeline_parallel_size}",
+        ),
         (args.enable_lora, "enable_lora"),
         (args.load_format == "dummy", "load_format='dummy' (its weights are read packed)"),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),

@@ -165,3 +165,19 @@ def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="a draft model stored quantized"):
         LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)
+
+
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=str
+)
+def test_parallel_layouts_are_refused_by_name_before_any_process_starts(
+    tiny_llama, tmp_path, parallel
+):
+    from pagedllm.config import EngineArgs
+    from pagedllm.core.engine_config import load_engine_config
+
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+    ((name, size),) = parallel.items()
+    args = EngineArgs(model=str(quantized), max_model_len=128, **parallel)
+    with pytest.raises(ValueError, match=f"not served with {name}={size}"):
+        load_engine_config(args, log=False)
