@@ -329,7 +329,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
-QUANTIZATION_METHODS = ("int8", "gguf")
+# Methods of checkpoints stored quantized: named by the checkpoint's quantization_config,
+# which `--quantization` may repeat (model/quantization/registry.py decides what is served).
+CHECKPOINT_QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
+QUANTIZATION_METHODS = ("int8", "gguf", *CHECKPOINT_QUANTIZATION_METHODS)
 # Where weights come from (EngineArgs.load_format; `model/loader.py` reads them).
 LOAD_FORMATS = ("auto", "dummy")
 # int8 runs on PyTorch's fbgemm kernels (x86 CPUs).
@@ -524,6 +527,13 @@ class EngineArgs:
             raise ValueError(
                 f"quantization={self.quantization!r} needs dtype float32 (or auto), "
                 f"got {self.dtype!r}"
+            )
+        if self.quantization in CHECKPOINT_QUANTIZATION_METHODS and str(self.model).endswith(
+            ".gguf"
+        ):
+            raise ValueError(
+                f"quantization={self.quantization!r} reads a Hugging Face checkpoint stored "
+                f"quantized; model {self.model!r} is a GGUF file (use quantization='gguf')"
             )
         if self.quantization == "gguf" and self.model and not str(self.model).endswith(".gguf"):
             raise ValueError(

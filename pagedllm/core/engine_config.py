@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import (
+    CHECKPOINT_QUANTIZATION_METHODS,
     KV_CACHE_DTYPES,
     CacheConfig,
     EngineArgs,
@@ -25,6 +26,7 @@ from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
+from pagedllm.model.quantization.registry import checkpoint_quantization, quantization_config
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_features import cpu_features
@@ -150,7 +152,8 @@ def model_dtype(args: EngineArgs, hf_config: Any, is_gguf: bool, log: bool = Tru
     if args.dtype != "auto":
         return resolve_dtype(args.dtype)
     stored = checkpoint_dtype(hf_config, is_gguf)
-    if args.quantization is not None or stored == torch.float32:
+    quantized = args.quantization is not None or quantization_config(hf_config) is not None
+    if quantized or stored == torch.float32:
         return torch.float32
     on_cpu = torch.device(args.device).type == "cpu"
     if stored == torch.bfloat16 and (not on_cpu or cpu_features().bf16_arithmetic):
@@ -170,6 +173,8 @@ def build_engine_config(
     parallel_config = args.parallel_config()
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
+    quantization = checkpoint_quantization(hf_config, args.quantization)
+    verify_checkpoint_quantization(args, quantization)
     model_config = ModelConfig(
         model=source.path,
         hf_config=hf_config,
@@ -178,7 +183,7 @@ def build_engine_config(
         eos_token_ids=eos_token_ids(hf_config, tokenizer),
         seed=args.seed,
         max_logprobs=args.max_logprobs,
-        quantization=args.quantization,
+        quantization=quantization,
         load_format=args.load_format,
         gguf_activation_bits=args.gguf_activation_bits,
     )
@@ -225,6 +230,29 @@ def build_engine_config(
     )
 
 
+def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -> None:
+    """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
+    if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
+        return
+    refused = [
+        (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size}"),
+        (
+            args.pipeline_parallel_size > 1,
+            f"pipeline_parallel_size={args.pipeline_parallel_size}",
+        ),
+        (args.enable_lora, "enable_lora"),
+        (args.load_format == "dummy", "load_format='dummy' (its weights are read packed)"),
+        (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
+        (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
+    ]
+    for is_refused, what in refused:
+        if is_refused:
+            raise ValueError(
+                f"a checkpoint stored quantized with {quantization!r} is not served with "
+                f"{what} (yet)"
+            )
+
+
 def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
     """What LoRA cannot be combined with yet is refused here, by name. Tensor parallelism
     is not: each rank applies its cut of the adapters (`lora/model/layers.py`, `RankCut`)."""
@@ -266,6 +294,13 @@ def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConf
         source = resolve_model(spec.model)
     verify_quantization(spec.quantization)
     hf_config = load_hf_config(source)
+    if quantization_config(hf_config) is not None or (
+        spec.quantization in CHECKPOINT_QUANTIZATION_METHODS
+    ):
+        raise ValueError(
+            f"speculative_config: a draft model stored quantized ({source.path!r}) is not "
+            "served yet; give an unquantized draft (or method 'self_quantized')"
+        )
     resolve_model_class(getattr(hf_config, "architectures", None))
     draft = ModelConfig(
         model=source.path,

@@ -101,26 +101,7 @@ def load_hf_config(source: ModelSource) -> Any:
         config = AutoConfig.from_pretrained(source.path, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"model: cannot read {source.path}/config.json: {error}") from error
-    _refuse_checkpoint_quantization(config)
     return config
-
-
-def _refuse_checkpoint_quantization(config: Any) -> None:
-    """A checkpoint stored quantized (GPTQ, AWQ, FP8, bitsandbytes, ...) holds tensors the
-    models cannot read: refused by name, with what is served instead."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return
-    method = (
-        quantization.get("quant_method")
-        if isinstance(quantization, dict)
-        else getattr(quantization, "quant_method", None)
-    )
-    raise ValueError(
-        f"model: checkpoints quantized with {str(method or 'an unnamed method')!r} are not "
-        "supported; supported: unquantized safetensors (optionally quantization='int8' at "
-        "load) and GGUF files (quantization='gguf' keeps their blocks)"
-    )
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None) -> Any:
@@ -159,18 +140,18 @@ def iter_weights(
     source: ModelSource, hf_config: Any, lazy: bool = False, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     """(HF name, tensor) pairs; with `lazy`, safetensors tensors come as `CheckpointSlice`s
-    (GGUF tensors are dequantized whole, one at a time, either way). GGUF tensors named in
-    `skip` (held by layers on the file's blocks) are not read."""
+    (GGUF tensors are dequantized whole, one at a time, either way). Tensors named in
+    `skip` (held by layers on the checkpoint's quantized blocks: GGUF, GPTQ) are not read."""
     if source.is_gguf:
         from pagedllm.model.gguf_loader import iter_gguf_weights
 
         yield from iter_gguf_weights(source.path, hf_config, skip)
         return
-    yield from _iter_safetensors(source.path, lazy)
+    yield from _iter_safetensors(source.path, lazy, skip)
 
 
 def _iter_safetensors(
-    directory: str, lazy: bool = False
+    directory: str, lazy: bool = False, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | CheckpointSlice]]:
     from safetensors import SafetensorError, safe_open
 
@@ -182,6 +163,8 @@ def _iter_safetensors(
         try:
             with safe_open(path, framework="pt") as checkpoint:
                 for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name in skip:
+                        continue
                     if lazy:
                         yield name, CheckpointSlice(checkpoint.get_slice(name))
                     else:

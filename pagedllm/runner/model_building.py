@@ -20,9 +20,11 @@ from pagedllm.config import EngineConfig, KVCacheGroups, ModelConfig
 from pagedllm.distributed.parallel_state import get_tp_group, single_rank_groups
 from pagedllm.model.gguf_loader import release_gguf_readers
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
+from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.loader import ModelSource, load_weights
+from pagedllm.model.quantization.registry import quantization_config
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import get_attention_backend
 from pagedllm.ops.kernel_selection import KernelSelection, select_kernels
@@ -145,11 +147,13 @@ class ModelBuilder:
     ) -> None:
         quantization = model_config.quantization
         # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
-        on_blocks = (
-            keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
-            if quantization == "gguf"
-            else set()
-        )
+        # gptq: layers on the checkpoint's packed 4-bit weights, the same way (gptq_swap).
+        on_blocks: set[str] = set()
+        if quantization == "gguf":
+            on_blocks = keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
+        elif quantization == "gptq":
+            config = quantization_config(model_config.hf_config)
+            on_blocks = keep_gptq_weights(model, source.path, config)
         load_weights(
             model,
             source,

@@ -36,7 +36,9 @@ def test_unknown_backend_is_refused_by_name(tiny_llama):
     ("config_field", "refused"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "supported: Gemma3ForCausalLM"),
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "'gptq' are not supported"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 8}}, "8-bit GPTQ weights"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq 4-bit, group size"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' are not"),
     ],
 )
 def test_unsupported_models_are_refused_naming_what_is(tiny_llama, tmp_path, config_field, refused):

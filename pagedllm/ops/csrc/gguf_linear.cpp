@@ -79,6 +79,11 @@ struct Weights {
   const float* scales;
   const float* mins;
   float min_factor;
+  // Block b's float scale and min are group b >> scale_shift's: 2^scale_shift consecutive
+  // blocks share one (GPTQ's groups of 64, 128, ... or a whole row); 0 for GGUF's blocks.
+  // The tables hold [tiles][scale_groups][8].
+  int scale_shift;
+  int64_t scale_groups;
   // K-quant scales, or null.
   const float* super_d;
   const float* super_m;
@@ -187,7 +192,7 @@ inline int32_t weight_at(const uint8_t* tile_block, int bits, int col, int i) {
 inline void scalar_scales(const Weights& w, int64_t tile, int64_t b, int h, int col, float& d,
                           float& m) {
   if (w.super_d == nullptr) {
-    const int64_t at = (tile * w.blocks + b) * kTileCols + col;
+    const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols + col;
     d = w.scales[at];
     m = w.mins != nullptr ? w.mins[at] : d * w.min_factor;
     return;
@@ -394,22 +399,26 @@ void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits,
 }
 
 // out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above;
-// `mins` empty for Q4_0 and Q8_0 (their m is a power of two times d).
+// `mins` empty for Q4_0 and Q8_0 (their m is a power of two times d). 2^scale_shift
+// consecutive blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t digits,
-                 int64_t isa) {
+                 int64_t isa, int64_t scale_shift) {
   TORCH_CHECK(bits == 4 || bits == 8, "gguf_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(scale_shift >= 0 && scale_shift < 63, "gguf_linear: scale_shift must be in [0, 63), got ",
+              scale_shift);
   check_common(out, x, packed, bits, digits, kBlock);
   const int64_t blocks = x.size(1) / kBlock;
+  const int64_t groups = ((blocks - 1) >> scale_shift) + 1;
   const int64_t tiles = (out.size(1) + kTileCols - 1) / kTileCols;
-  check_table("gguf_linear", scales, at::kFloat, tiles * blocks * kTileCols, "scales");
+  check_table("gguf_linear", scales, at::kFloat, tiles * groups * kTileCols, "scales");
   const bool own_mins = mins.numel() != 0;  // empty: Q4_0 / Q8_0, m derived from d
-  if (own_mins) check_table("gguf_linear", mins, at::kFloat, tiles * blocks * kTileCols, "mins");
+  if (own_mins) check_table("gguf_linear", mins, at::kFloat, tiles * groups * kTileCols, "mins");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, 0, static_cast<int>(bits),
                   blocks * block_bytes(bits), scales.data_ptr<float>(),
                   own_mins ? mins.data_ptr<float>() : nullptr,
-                  gguf_layout::symmetric_min_factor(static_cast<int>(bits)),
-                  nullptr, nullptr, nullptr, nullptr, 1};
+                  gguf_layout::symmetric_min_factor(static_cast<int>(bits)), static_cast<int>(scale_shift),
+                  groups, nullptr, nullptr, nullptr, nullptr, 1};
   run(out, x, w, digits, isa);
 }
 
@@ -428,7 +437,7 @@ void gguf_linear_k(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   check_table("gguf_linear", sub_sc, at::kChar, tiles * blocks * halves * kTileCols, "sub_sc");
   check_table("gguf_linear", sub_mn, at::kChar, tiles * blocks * halves * kTileCols, "sub_mn");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, super_blocks, static_cast<int>(bits),
-                  blocks * block_bytes(bits), nullptr, nullptr, 0.f, super_d.data_ptr<float>(),
+                  blocks * block_bytes(bits), nullptr, nullptr, 0.f, 0, 0, super_d.data_ptr<float>(),
                   super_m.data_ptr<float>(), sub_sc.data_ptr<int8_t>(), sub_mn.data_ptr<int8_t>(),
                   halves};
   run(out, x, w, digits, isa);
@@ -439,7 +448,7 @@ void gguf_linear_k(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales, Tensor mins, "
-      "int bits, int digits, int isa) -> ()");
+      "int bits, int digits, int isa, int scale_shift=0) -> ()");
   m.def(
       "gguf_linear_k(Tensor(a!) out, Tensor x, Tensor packed, Tensor super_d, Tensor super_m, "
       "Tensor sub_sc, Tensor sub_mn, int bits, int digits, int isa) -> ()");

@@ -65,7 +65,7 @@ template <bool KQUANT, int HALVES>
 PAGEDLLM_ALWAYS_INLINE void block_scales(const Weights& w, int64_t tile, int64_t b, __m256 (&d)[HALVES],
                          __m256 (&m)[HALVES]) {
   if constexpr (!KQUANT) {
-    const int64_t at = (tile * w.blocks + b) * kTileCols;
+    const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols;
     d[0] = _mm256_loadu_ps(w.scales + at);
     m[0] = w.mins != nullptr ? _mm256_loadu_ps(w.mins + at) : _mm256_mul_ps(d[0], _mm256_set1_ps(w.min_factor));
   } else {

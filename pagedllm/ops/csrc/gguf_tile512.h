@@ -90,7 +90,8 @@ template <bool KQUANT, int HALVES>
 PAGEDLLM_ALWAYS_INLINE void pair_block_scales(const Weights& w, int64_t tile, int64_t b, __m512 (&d)[HALVES],
                               __m512 (&m)[HALVES]) {
   if constexpr (!KQUANT) {
-    const int64_t at = (tile * w.blocks + b) * kTileCols, next = w.blocks * kTileCols;
+    const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols;
+    const int64_t next = w.scale_groups * kTileCols;
     d[0] = join_floats(w.scales + at, w.scales + at + next);
     m[0] = w.mins != nullptr ? join_floats(w.mins + at, w.mins + at + next)
                              : _mm512_mul_ps(d[0], _mm512_set1_ps(w.min_factor));

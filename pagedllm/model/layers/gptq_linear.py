@@ -1,0 +1,137 @@
+"""GPTQ 4-bit linear layers: a checkpoint's packed weights kept 4-bit, multiplied by the
+GGUF block kernel (`torch.ops.pagedllm.gguf_linear`, `ops/csrc/gguf_linear.cpp`).
+
+A GPTQ group's weights are w = scale * (q - zero) = d * q + m with d = scale and
+m = -scale * zero: the kernel's Q4_1 form, its 4-bit q in the same tile layout. The kernel
+keeps d and m as fp32 (exact here: the fp16 scale times an integer below 32), one pair per
+group of 2^shift blocks of 32 inputs (`scale_shift`), so a group of 128 costs 8 bytes per
+output column where a per-block table would cost 32. As for GGUF, the only approximation
+is the input: each 32-wide block of an activation row becomes two int8 digits with its own
+scale (~15 bits).
+
+Act-order layers keep their input order and gather the activation's columns by it first.
+A fused projection whose parts have different orders is one layer per part, writing its
+columns of one output (`GGUFConcatLinear`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.gguf_linear import (
+    BLOCK,
+    DEFAULT_DIGITS,
+    GGUFConcatLinear,
+    _keep_bias,
+    distinct_bytes,
+    pack_weights,
+)
+from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
+from pagedllm.ops.cpu_features import gguf_kernel_isa
+from pagedllm.ops.extension import load
+
+BITS = 4
+
+
+def scale_shift(in_features: int, group_size: int) -> int:
+    """log2 of the kernel blocks per group; for one group a row, a shift that maps every
+    block to group 0."""
+    blocks = in_features // BLOCK
+    if group_size == in_features:
+        return (blocks - 1).bit_length()
+    return (group_size // BLOCK).bit_length() - 1
+
+
+def stack_parts(parts: list[UnpackedGPTQ]) -> UnpackedGPTQ:
+    """The parts of a fused projection (the same input order) as one layer's weights."""
+    return UnpackedGPTQ(
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]),
+        parts[0].order,
+        parts[0].group_size,
+    )
+
+
+class GPTQLinear(nn.Module):
+    """y = x W^T (+ b) with W a GPTQ checkpoint's 4-bit weights (see the module docstring)."""
+
+    def __init__(
+        self, weights: UnpackedGPTQ, bias: torch.Tensor | None = None, digits: int = DEFAULT_DIGITS
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.q.shape
+        if self.in_features % BLOCK:
+            raise ValueError(f"GPTQ: {self.in_features} inputs are not whole blocks of {BLOCK}")
+        packed, scales, mins = pack_weights(
+            weights.q, weights.scales, -weights.scales * weights.zeros, BITS
+        )
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("mins", mins)
+        order = weights.order
+        self.register_buffer("order", None if order is None else order.to(torch.int32))
+        self.group_size = weights.group_size
+        self.scale_shift = scale_shift(self.in_features, weights.group_size)
+        self.digits = digits
+        self.isa = gguf_kernel_isa()  # the widest path; tests lower it
+        self._ops = load()
+        _keep_bias(self, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        self.matmul_into(x2, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*leading, self.out_features)
+
+    def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        """out [rows, out_features] (rows may be strided) = x2 [rows, in_features] W^T."""
+        if self.order is not None:
+            x2 = x2.index_select(1, self.order)
+        self._ops.gguf_linear(
+            out, x2, self.packed, self.scales, self.mins, BITS, self.digits, self.isa,
+            self.scale_shift,
+        )  # fmt: skip
+
+    def weight_bytes(self) -> int:
+        return distinct_bytes(t for n, t in self.named_buffers() if n != "bias")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, act_order={self.order is not None}"
+        )
+
+
+class GPTQMergedLinear(SplitOutputs, GPTQLinear):
+    """Fused q/k/v or gate/up on GPTQ weights; splits its output like the fp32 layer."""
+
+    def __init__(
+        self,
+        weights: UnpackedGPTQ,
+        output_sizes: list[int],
+        bias: torch.Tensor | None = None,
+        digits: int = DEFAULT_DIGITS,
+    ) -> None:
+        super().__init__(weights, bias, digits)
+        self.output_sizes = list(output_sizes)
+
+
+def merged_gptq_layer(
+    parts: list[UnpackedGPTQ], output_sizes: list[int], bias: torch.Tensor | None
+) -> nn.Module:
+    """One kernel layer when the parts share an input order, else one per part."""
+    first = parts[0].order
+    same_order = all(
+        (p.order is None and first is None)
+        or (p.order is not None and first is not None and torch.equal(p.order, first))
+        for p in parts
+    )
+    if same_order and len({p.group_size for p in parts}) == 1:
+        return GPTQMergedLinear(stack_parts(parts), output_sizes, bias)
+    return GGUFConcatLinear([GPTQLinear(p) for p in parts], output_sizes, bias)

@@ -1,0 +1,112 @@
+"""GPTQ's packed tensors (AutoGPTQ / GPTQModel layout), read into integers and scales.
+
+Per quantized linear layer of K inputs and N outputs a checkpoint holds
+- `qweight` int32 [K/8, N]: eight 4-bit weights per int32 along the input rows, row k in
+  bits 4 * (k % 8) of row k // 8;
+- `qzeros` int32 [G, N/8]: the zero points packed the same way along the outputs, stored
+  minus 1 in the v1 ("gptq") layout, as they are in "gptq_v2";
+- `scales` fp16 [G, N]; `g_idx` int32 [K]: the group of each input row.
+Weight [n, k] = scales[g, n] * (q[k, n] - zero[g, n]) with g = g_idx[k].
+
+With act-order (`desc_act`) g_idx assigns input rows to groups out of order. `unpack_gptq`
+reorders the input rows so that each group is G consecutive rows, and returns the order;
+the layer applies it to the activations (x[:, order] @ W[:, order]^T = x @ W^T), so the
+kernel sees contiguous groups. Nothing here rounds: q and zero are integers, the scales are
+the stored fp16 values, and the layer's fp32 tables hold scale and -scale * zero exactly
+(an 11-bit significand times an integer below 32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model.quantization.gptq import PER_CHANNEL, GPTQConfig
+
+PACKED_PER_INT32 = 8  # 4-bit values in one int32
+TENSOR_NAMES = ("qweight", "qzeros", "scales", "g_idx")
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class GPTQTensors:
+    """One layer's tensors as the checkpoint stores them."""
+
+    qweight: torch.Tensor  # int32 [K/8, N]
+    qzeros: torch.Tensor  # int32 [G, N/8]
+    scales: torch.Tensor  # fp16 [G, N]
+    g_idx: torch.Tensor | None  # int32 [K]; absent in some checkpoints without act-order
+
+    def nbytes(self) -> int:
+        tensors = [self.qweight, self.qzeros, self.scales, self.g_idx]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(frozen=True)
+class UnpackedGPTQ:
+    """A layer's weights as integers, input rows in the order the kernel reads them."""
+
+    q: torch.Tensor  # uint8 [N, K], 0..15
+    scales: torch.Tensor  # float32 [N, G]
+    zeros: torch.Tensor  # float32 [N, G], integers
+    order: torch.Tensor | None  # int64 [K]: kernel input j is checkpoint input order[j]
+    group_size: int  # input rows per group (K per channel)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] in the checkpoint's input order: exact (see the module docstring)."""
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)
+        zeros = self.zeros.repeat_interleave(self.group_size, dim=1)
+        weight = scales * (self.q.float() - zeros)
+        if self.order is None:
+            return weight
+        restored = torch.empty_like(weight)
+        restored[:, self.order] = weight
+        return restored
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [8R, C]: row r of the result is bits 4 * (r % 8) of row r // 8."""
+    values = (packed[:, None, :] >> _SHIFTS[None, :, None]) & 0xF
+    return values.reshape(-1, packed.shape[1]).to(torch.uint8)
+
+
+def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, 8C]: column c is bits 4 * (c % 8) of column c // 8."""
+    values = (packed[:, :, None] >> _SHIFTS[None, None, :]) & 0xF
+    return values.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def input_order(g_idx: torch.Tensor | None, rows: int, group_size: int) -> torch.Tensor | None:
+    """None when input row k is in group k // group_size already; else the order of input
+    rows that makes each group consecutive (stable: rows keep their order in a group)."""
+    contiguous = torch.arange(rows) // group_size
+    if g_idx is None or torch.equal(g_idx.long(), contiguous):
+        return None
+    order = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[order], contiguous):
+        raise ValueError(
+            f"GPTQ g_idx does not give every group {group_size} input rows: not a GPTQ layout"
+        )
+    return order
+
+
+def unpack_gptq(tensors: GPTQTensors, config: GPTQConfig) -> UnpackedGPTQ:
+    """The integers and scales of one layer (see the module docstring)."""
+    q = unpack_rows(tensors.qweight)  # [K, N]
+    rows, cols = q.shape
+    group_size = rows if config.group_size == PER_CHANNEL else config.group_size
+    groups = rows // group_size
+    if rows % group_size or tensors.scales.shape != (groups, cols):
+        raise ValueError(
+            f"GPTQ scales {tuple(tensors.scales.shape)} do not fit {rows} inputs x {cols} "
+            f"outputs in groups of {group_size}"
+        )
+    zeros = unpack_columns(tensors.qzeros)[:, :cols].float() + config.zero_offset
+    order = input_order(tensors.g_idx, rows, group_size)
+    if order is not None:
+        q = q[order]
+    return UnpackedGPTQ(
+        q.T.contiguous(), tensors.scales.float().T.contiguous(), zeros.T.contiguous(), order,
+        group_size,
+    )  # fmt: skip

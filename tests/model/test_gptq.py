@@ -1,0 +1,183 @@
+"""GPTQ 4-bit checkpoints served on their packed weights: the reader's dequantization equals
+the format's own exactly, the kernel layer multiplies by those weights, the weights held in
+memory are the checkpoint's bytes within 10% (groups of 128 and per channel), and the engine's
+greedy tokens are Transformers' on the same model with the dequantized weights, for groups
+of 32 / 128 / per channel, with and without act-order, symmetric or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gptq_writer import (
+    Scheme,
+    quantize_weight,
+    reference_dequantize,
+    write_gptq_checkpoint,
+)
+from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
+from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
+from pagedllm.model.quantization.gptq import GPTQConfig
+from pagedllm.model.quantization.gptq_format import GPTQTensors, unpack_gptq
+
+SCHEMES = [
+    Scheme(128, desc_act=False, sym=True),
+    Scheme(32, desc_act=True, sym=False),
+    Scheme(-1, desc_act=False, sym=False),
+    Scheme(128, desc_act=True, sym=True, checkpoint_format="gptq_v2"),
+]
+# Inputs and outputs of whole groups of 128; head_dim 64 so that o_proj has 256 inputs.
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+TIE_TOLERANCE = 1e-3
+MAX_NEW_TOKENS = 12
+
+
+def _unpacked(weight: torch.Tensor, scheme: Scheme, seed: int = 0):
+    tensors = quantize_weight(weight, scheme, torch.Generator().manual_seed(seed))
+    config = GPTQConfig.from_dict(scheme.quantization_config())
+    return tensors, unpack_gptq(GPTQTensors(**tensors), config)
+
+
+@pytest.mark.parametrize("scheme", [*SCHEMES, Scheme(64, desc_act=True, sym=False)], ids=str)
+def test_dequantized_weights_are_the_formats_exactly(scheme):
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
+    tensors, unpacked = _unpacked(weight, scheme)
+    reference = reference_dequantize(tensors, scheme)
+    assert torch.equal(unpacked.dequantize(), reference)
+    assert (unpacked.order is not None) == scheme.desc_act
+    # The round trip is a quantization of the weight (a wrong layout would be far off).
+    assert (reference - weight).abs().max() < 0.2 * weight.abs().max()
+
+
+def test_v1_zero_points_are_stored_minus_one():
+    """The same weights in both layouts: v1's stored zero points are v2's minus 1."""
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    v1, _ = _unpacked(weight, Scheme(32, False, False, "gptq"))
+    v2, _ = _unpacked(weight, Scheme(32, False, False, "gptq_v2"))
+    assert torch.equal(v1["qweight"], v2["qweight"])
+    nibble = lambda z: z & 0xF  # noqa: E731 (the lowest packed zero point)
+    assert torch.equal(nibble(v1["qzeros"] + 1), nibble(v2["qzeros"]))
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "vnni"])
+@pytest.mark.parametrize("scheme", SCHEMES[:3], ids=str)
+def test_layer_multiplies_by_the_dequantized_weights(scheme, isa):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 256, generator=generator)
+    _, unpacked = _unpacked(weight, scheme)
+    layer = GPTQLinear(unpacked)
+    layer.isa = isa  # lowered to what this CPU has
+    x = torch.randn(5, 256, generator=generator)
+    expected = x @ unpacked.dequantize().T
+    # Two int8 digits per input block: ~15 bits, the only approximation.
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_fused_parts_with_their_own_act_orders_are_one_layer_each():
+    generator = torch.Generator().manual_seed(4)
+    scheme = Scheme(64, desc_act=True, sym=False)
+    weights = [torch.randn(rows, 128, generator=generator) for rows in (32, 16)]
+    parts = [_unpacked(weight, scheme, seed=len(weight))[1] for weight in weights]
+    layer = merged_gptq_layer(parts, [32, 16], None)
+    assert isinstance(layer, GGUFConcatLinear)
+    x = torch.randn(3, 128, generator=generator)
+    expected = x @ torch.cat([p.dequantize() for p in parts]).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+
+
+def _checkpoints(tiny_llama, tmp_path, scheme):
+    quantized, dequantized = tmp_path / "gptq", tmp_path / "dequantized"
+    gptq_bytes = write_gptq_checkpoint(tiny_llama, quantized, dequantized, scheme)
+    return quantized, dequantized, gptq_bytes
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_greedy_tokens_are_transformers_on_the_dequantized_model(tiny_llama, tmp_path, scheme):
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, scheme)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
+    hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    llm = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+    assert llm.llm_engine.model_config.quantization == "gptq"
+    assert any(isinstance(m, GPTQLinear) for m in model_runner(llm).model.modules())
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ties = sum(
+        compare_greedy(out.outputs[0].token_ids, ref, TIE_TOLERANCE)
+        for out, ref in zip(outputs, references, strict=True)
+    )
+    print(f"{scheme}: ties {ties}")
+
+
+@pytest.mark.parametrize(
+    ("scheme", "most"),
+    # Groups of 32 keep an fp32 scale and min per group and column: 8 bytes where the
+    # checkpoint stores 2.5, so 1.3x; from 128 up the tables are within 10%.
+    [
+        (Scheme(128, False, True), 1.10),
+        (Scheme(128, True, False), 1.10),  # q/k/v and gate/up: one layer per part
+        (Scheme(-1, False, False), 1.10),
+        (Scheme(32, False, False), 1.35),
+    ],
+    ids=str,
+)
+def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, scheme, most):
+    quantized, _, gptq_bytes = _checkpoints(tiny_llama, tmp_path, scheme)
+    llm = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+    model = model_runner(llm).model
+    layers = [m for m in model.modules() if isinstance(m, GPTQLinear)]
+    # qkv, o, gate_up, down in each of 2 layers; with act-order q, k, v, gate, up apart.
+    assert len(layers) == 2 * (7 if scheme.desc_act else 4)
+    held = sum(layer.weight_bytes() for layer in layers)
+    print(f"{scheme}: checkpoint {gptq_bytes} bytes, held {held} ({held / gptq_bytes:.3f}x)")
+    assert 0.9 * gptq_bytes <= held <= most * gptq_bytes
+    # No fp32 copy of a quantized weight is left behind.
+    largest = max(p.numel() for n, p in model.named_parameters() if "layers" in n)
+    assert largest <= SHAPE["hidden_size"]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "named"),
+    [
+        ({"enable_lora": True}, "with enable_lora"),
+        ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
+        ({"quantization": "int8"}, "quantization='int8' disagrees"),
+    ],
+)
+def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engine_args, named):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+    with pytest.raises(ValueError, match=named):
+        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
+
+
+def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="a draft model stored quantized"):
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)
+
+
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=str
+)
+def test_parallel_layouts_are_refused_by_name_before_any_process_starts(
+    tiny_llama, tmp_path, parallel
+):
+    from pagedllm.config import EngineArgs
+    from pagedllm.core.engine_config import load_engine_config
+
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+    ((name, size),) = parallel.items()
+    args = EngineArgs(model=str(quantized), max_model_len=128, **parallel)
+    with pytest.raises(ValueError, match=f"not served with {name}={size}"):
+        load_engine_config(args, log=False)

@@ -1,0 +1,74 @@
+"""Which checkpoint quantization a model asks for (config.json's `quantization_config`, as
+vLLM reads it), whether `quantization` agrees, and the refusal of what is not served: each
+message names the method and scheme and lists what is served."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagedllm.model.quantization.registry import METHODS, checkpoint_quantization
+
+GPTQ_4BIT = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}
+W8A8 = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token"},
+        }
+    },
+}
+
+
+def _config(quantization_config: dict | None) -> SimpleNamespace:
+    return SimpleNamespace(quantization_config=quantization_config)
+
+
+def test_the_registry_names_the_methods_vllm_detects():
+    assert set(METHODS) == {"gptq", "awq", "compressed-tensors", "fp8"}
+
+
+@pytest.mark.parametrize("requested", [None, "gptq"])
+def test_a_served_gptq_checkpoint_picks_gptq(requested):
+    assert checkpoint_quantization(_config(GPTQ_4BIT), requested) == "gptq"
+
+
+@pytest.mark.parametrize("requested", [None, "int8", "gguf"])
+def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
+    assert checkpoint_quantization(_config(None), requested) == requested
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "named"),
+    [
+        ({**GPTQ_4BIT, "bits": 8}, r"gptq 8-bit group 128.*8-bit GPTQ weights have no kernel"),
+        ({**GPTQ_4BIT, "bits": 3}, r"3-bit GPTQ weights"),
+        ({**GPTQ_4BIT, "group_size": 48}, r"group size 48 is not -1 or 32 \* 2\^n"),
+        ({**GPTQ_4BIT, "checkpoint_format": "marlin"}, r"checkpoint_format 'marlin'"),
+        ({**GPTQ_4BIT, "lm_head": True}, r"quantized lm_head"),
+        ({**GPTQ_4BIT, "dynamic": {"-:.*mlp.*": {}}}, r"'dynamic' overrides"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, r"awq 4-bit, group size 128"),
+        (W8A8, r"compressed-tensors int-quantized \(W8A8 int channel\)"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"fp8 e4m3 weights"),
+        ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),
+    ],
+)
+def test_what_is_not_served_is_refused_naming_it_and_what_is(quantization_config, named):
+    with pytest.raises(ValueError, match=named) as refusal:
+        checkpoint_quantization(_config(quantization_config), None)
+    assert "served: checkpoints stored quantized as gptq: gptq 4-bit" in str(refusal.value)
+
+
+def test_quantization_must_agree_with_the_checkpoint():
+    with pytest.raises(ValueError, match=r"quantization='int8' disagrees.*'gptq'"):
+        checkpoint_quantization(_config(GPTQ_4BIT), "int8")
+    with pytest.raises(ValueError, match=r"quantization='awq' disagrees"):
+        checkpoint_quantization(_config(GPTQ_4BIT), "awq")
+
+
+def test_a_checkpoint_method_needs_a_quantized_checkpoint():
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        checkpoint_quantization(_config(None), "gptq")
