@@ -85,10 +85,13 @@ async def answer_ok(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def new_protocol(http: str, loop: asyncio.AbstractEventLoop) -> asyncio.Protocol:
-    limits = uvicorn_limits(
-        ServerConfig(served_model_names=("m",), http=http, h11_max_incomplete_event_size=1024)
+def new_protocol(
+    http: str, loop: asyncio.AbstractEventLoop, header_limit: int | None
+) -> asyncio.Protocol:
+    config = ServerConfig(
+        served_model_names=("m",), http=http, h11_max_incomplete_event_size=header_limit
     )
+    limits = uvicorn_limits(config)
     app = RequestLimitsMiddleware(answer_ok, BODY_LIMIT, 30.0)
     config = uvicorn.Config(app, log_config=None, **limits)
     return limits["http"](config=config, server_state=ServerState(), app_state={}, _loop=loop)
@@ -103,9 +106,9 @@ async def until_answered(transport: FakeTransport) -> None:
     raise AssertionError(f"no response: {bytes(transport.written)!r}")
 
 
-def drive(http: str, scenario) -> None:
+def drive(http: str, scenario, header_limit: int | None = 1024) -> None:
     async def run() -> None:
-        protocol = new_protocol(http, asyncio.get_running_loop())
+        protocol = new_protocol(http, asyncio.get_running_loop(), header_limit)
         transport = FakeTransport()
         protocol.connection_made(transport)
         try:
@@ -145,10 +148,18 @@ def test_the_rest_of_an_answered_body_gets_the_body_deadline(http):
 
 
 @pytest.mark.parametrize("http", CLASSES)
-def test_a_header_block_over_the_bound_is_refused(http):
+@pytest.mark.parametrize(
+    "header_limit,padding,refused",
+    # The default bound (None) is h11's 16 KiB for both parsers.
+    [(1024, 2048, True), (None, 15 * 1024, False), (None, 17 * 1024, True)],
+)
+def test_a_header_block_over_the_bound_is_refused(http, header_limit, padding, refused):
     async def scenario(protocol, transport: FakeTransport) -> None:
-        protocol.data_received(b"GET / HTTP/1.1\r\nx-padding: " + b"p" * 2048)
-        assert transport.written.startswith(b"HTTP/1.1 400"), bytes(transport.written)
-        assert transport.closed
+        protocol.data_received(b"GET / HTTP/1.1\r\nx-padding: " + b"p" * padding)
+        if refused:
+            assert transport.written.startswith(b"HTTP/1.1 400"), bytes(transport.written)
+        else:
+            assert transport.written == b"" and protocol._waiting_for == HEADERS
+        assert transport.closed == refused
 
-    drive(http, scenario)
+    drive(http, scenario, header_limit)

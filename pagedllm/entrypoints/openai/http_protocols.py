@@ -38,6 +38,9 @@ except ImportError:  # pragma: no cover - the fallback environment
 
 logger = logging.getLogger("pagedllm")
 
+# h11's own default bound on a header block (private in h11), for httptools as for h11.
+DEFAULT_HEADER_BLOCK_BYTES = 16 * 1024
+
 
 class LimitedH11Protocol(ReadDeadlines, H11Protocol):
     """uvicorn's h11 protocol with the read deadlines; h11 bounds the header block."""
@@ -67,7 +70,7 @@ if HttpToolsProtocol is not None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             configured = self.config.h11_max_incomplete_event_size
-            self.max_header_bytes = configured or h11.DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
+            self.max_header_bytes = configured or DEFAULT_HEADER_BLOCK_BYTES
             self._phase = _BETWEEN
             self._header_bytes = 0
             self._finished_in_read = False  # a request ended in the read being parsed
