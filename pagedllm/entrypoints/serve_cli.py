@@ -10,6 +10,7 @@ import os
 from pagedllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 from pagedllm.entrypoints.flag_help import section
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.server_config import EVENT_LOOPS, HTTP_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.vllm_flags import (
     SERVE_FLAGS,
@@ -231,6 +232,20 @@ def _add_uvicorn_args(
         "proxy, e.g. /api: routes answer under PATH/v1/... as well as /v1/... (default: "
         "none)",
     )
+    frontend.add_argument(
+        "--http",
+        choices=HTTP_PARSERS,
+        default="auto",
+        help="uvicorn's: the HTTP/1.1 parser; auto is httptools (C) when installed, else h11 "
+        "(pure Python); both keep the header and body deadlines and the header-block limit",
+    )
+    frontend.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="uvicorn's: the API process's event loop; auto is uvloop when installed, else "
+        "asyncio's own",
+    )
 
 
 def _add_cors_args(frontend: argparse._ArgumentGroup) -> None:
@@ -360,8 +375,8 @@ def _add_admission_args(parser: argparse._ActionsContainer) -> None:
         "--h11-max-incomplete-event-size",
         type=int,
         default=None,
-        help="bytes of request line and headers h11 buffers before refusing the request with "
-        "a 400 (default: h11's 16 KiB)",
+        help="bytes of request line and headers the server buffers before refusing the "
+        "request with a 400, whichever parser runs (default: h11's 16 KiB)",
     )
 
 
@@ -521,6 +536,8 @@ def run_serve(args: argparse.Namespace) -> int:
         "request_header_timeout": args.request_header_timeout,
         "request_body_timeout": args.request_body_timeout,
         "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+        "http": args.http,
+        "loop": args.loop,
         "shutdown_timeout": args.shutdown_timeout,
         "engine_iteration_timeout": args.engine_iteration_timeout,
         "restart_on_engine_failure": args.restart_on_engine_failure,

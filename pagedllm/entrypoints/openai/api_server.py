@@ -44,7 +44,12 @@ from pagedllm.config import EngineArgs
 from pagedllm.entrypoints.openai.app import build_app, lora_registry
 from pagedllm.entrypoints.openai.audit_log import AuditLog
 from pagedllm.entrypoints.openai.drain import DrainingServer, graceful_shutdown_timeout
-from pagedllm.entrypoints.openai.limits import uvicorn_limits
+from pagedllm.entrypoints.openai.http_protocols import (
+    event_loop_factory,
+    resolve_event_loop,
+    resolve_http_parser,
+    uvicorn_limits,
+)
 from pagedllm.entrypoints.openai.server_config import ServerConfig
 from pagedllm.entrypoints.openai.tenants import TenantRegistry, redact_access_log
 from pagedllm.frontend.async_llm import AsyncLLM
@@ -210,4 +215,10 @@ def _tls_options(config: ServerConfig) -> dict:
 
 
 def run_server(engine_args: EngineArgs, config_overrides: dict) -> int:
-    return asyncio.run(serve(engine_args, config_overrides))
+    """Serve on the event loop `--loop` names; a parser or loop that is not installed is
+    refused here, before the engine starts."""
+    loop = config_overrides.get("loop", "auto")
+    parser = resolve_http_parser(config_overrides.get("http", "auto"))
+    logger.info("HTTP: %s parser on the %s event loop", parser, resolve_event_loop(loop))
+    with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+        return runner.run(serve(engine_args, config_overrides))

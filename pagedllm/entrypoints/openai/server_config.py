@@ -13,6 +13,9 @@ from pagedllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 
 # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, under our prefix: the default of the switch.
 RUNTIME_LORA_UPDATING_ENV = "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# uvicorn's choices for --http and --loop (`http_protocols.py` resolves "auto").
+HTTP_PARSERS = ("auto", "httptools", "h11")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,10 @@ class ServerConfig:
     request_header_timeout: float = 30.0
     request_body_timeout: float = 60.0
     h11_max_incomplete_event_size: int | None = None
+    # uvicorn's --http and --loop (`http_protocols.py`): "auto" is httptools on uvloop when
+    # installed, h11 on asyncio's loop otherwise.
+    http: str = "auto"
+    loop: str = "auto"
     # Unknown request fields, at any depth: logged and ignored (vLLM's behaviour), or, with
     # --strict-request-fields (False here), a 400 naming the field's path.
     allow_unknown_fields: bool = True
@@ -132,6 +139,9 @@ class ServerConfig:
                 "h11_max_incomplete_event_size must be >= 1024 (a header block needs room), "
                 f"got {self.h11_max_incomplete_event_size}"
             )
+        for name, choices in (("http", HTTP_PARSERS), ("loop", EVENT_LOOPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}")
         for name in ("request_header_timeout", "request_body_timeout"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
