@@ -1,6 +1,6 @@
 """Processes the tests start die with pytest however it ends (tests/process_guard.py): a
 pytest killed outright (SIGKILL) or by SIGTERM, which run no fixture teardown, leaves
-neither the session server of tests/entrypoints/conftest.py nor its engine core behind, nor
+neither the session server of tests/session_server.py nor its engine core behind, nor
 a child that a test's child starts (chromium under chromedriver) or a `multiprocessing`
 child. Each test runs the killed pytest (or program) in a subprocess, waits for what it
 started, kills it, and waits, bounded, until all of that is gone."""
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path[:0] = [{tests!r}, {entrypoints!r}]
-from entrypoints.conftest import server  # noqa: E402, F401 - the session server fixture
+from session_server import server  # noqa: E402, F401 - the session server fixture
 
 
 def test_hold_the_server(server):

@@ -123,8 +123,13 @@ def built_wheel(scratch: Path) -> Path:
 def fresh_venv(scratch: Path, wheel: Path) -> Path:
     """A virtualenv holding the wheel and its declared dependencies, at the locked versions."""
     venv = scratch / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    # Filled by this interpreter's pip (`--python`): a pip of its own would be one more
+    # package to install, which the test never runs.
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install"]
+    # No byte-compiling: thousands of files (transformers', torch's, sympy's), most never
+    # imported by the one run that follows; what it imports is compiled as it loads.
+    pip += ["--quiet", "--no-compile"]
     # Outside the checkout and without its PYTHONPATH: pip would take the checkout's
     # metadata (an egg-info a pip run left there) for pagedllm installed already.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
