@@ -208,7 +208,7 @@ def test_int8_greedy_agrees_with_fp32(engines):
     "kwargs, message",
     [
         ({"quantization": "int4"}, "choose one of None, 'int8'"),
-        ({"quantization": "fp8"}, "not supported"),
+        ({"quantization": "hqq"}, "not supported"),
         ({"quantization": "int8", "dtype": "bfloat16"}, "float32"),
         ({"quantization": "int8", "device": "cuda"}, "CPU only"),
     ],
