@@ -52,6 +52,7 @@ from pagedllm.ops.attention import AttentionLayout
 from pagedllm.parallel_config import pipeline_stage_layers
 from pagedllm.runner import kv_integrity
 from pagedllm.runner.input_batch import InputBatch, to_device
+from pagedllm.runner.kv_pool_ranges import publish_kv_pool_ranges
 from pagedllm.runner.kv_prefault import KVCachePrefaulter
 from pagedllm.runner.model_building import ModelBuilder
 from pagedllm.runner.pooler import Pooler
@@ -149,6 +150,7 @@ class ModelRunner:
         self.kv_cache_pool = self.builder.allocate_kv_cache(num_blocks)
         slots = self.kv_groups.layer_slots(self.layers)
         self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
+        publish_kv_pool_ranges(self.kv_block_tensors())  # only where a soak asks
 
     def kv_block_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the main pool, block id on dim 0: a block is row b of each."""
