@@ -1,7 +1,9 @@
-"""Publishing where the CPU KV pool lies in the engine's memory, for accounting outside it.
+"""Publishing where the CPU KV pool (and the host tier's buffers) lie in the engine's memory,
+for accounting outside them.
 
-The pool's pages are faulted in lazily (`ModelBuilder.zeros`, kv_prefault.py), so an engine
-core's RSS at a given age varies with how much of the pool it touched, by hundreds of MB.
+The pool's pages are faulted in lazily (`ModelBuilder.zeros`, kv_prefault.py), and the host
+tier's as blocks are offloaded to it, so an engine core's RSS at a given age varies with how
+much of them it touched, by hundreds of MB.
 A soak that compares RSS across cores wants the RSS outside the pool, and /proc/<pid>/smaps
 cannot say which pages are the pool's: its tensors come from calloc, which may place them in
 the brk heap beside everything else. So, when PAGEDLLM_KV_POOL_RANGES_DIR names a folder,

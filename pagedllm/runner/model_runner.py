@@ -150,7 +150,6 @@ class ModelRunner:
         self.kv_cache_pool = self.builder.allocate_kv_cache(num_blocks)
         slots = self.kv_groups.layer_slots(self.layers)
         self.kv_caches = [self.kv_cache_pool[slot] for _, slot in slots.values()]
-        publish_kv_pool_ranges(self.kv_block_tensors())  # only where a soak asks
 
     def kv_block_tensors(self) -> list[torch.Tensor]:
         """Every tensor of the main pool, block id on dim 0: a block is row b of each."""
@@ -192,6 +191,8 @@ class ModelRunner:
         if tiers is not None and tiers.enabled:
             # Every rank moves its own bytes; disk reads are agreed on over all ranks.
             self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
+        host_tier = self.kv_tiers.host if self.kv_tiers is not None else []
+        publish_kv_pool_ranges([*self.kv_block_tensors(), *host_tier])  # only where a soak asks
         # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
