@@ -180,10 +180,16 @@ class MPClient:
         atexit.register(_kill_at_exit, weakref.ref(self))
         self.dead = False
         self.closed = False
+        # Kept apart from the process object, which `kill` closes (its pipes go with it).
+        self._pid = self.process.pid
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return self._pid
+
+    def _alive(self) -> bool:
+        # A closed client's process was killed and reaped, and its object closed.
+        return not self.closed and self.process.is_alive()
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:
         started = time.monotonic()
@@ -228,7 +234,7 @@ class MPClient:
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Ask the core to exit; kill it if it does not within `timeout_s`."""
-        if self.process.is_alive() and not self.closed:
+        if self._alive():
             with contextlib.suppress(EngineDeadError, TimeoutError):
                 await asyncio.wait_for(self.send(Shutdown()), timeout_s)
             await asyncio.to_thread(self.process.join, timeout_s)
@@ -237,17 +243,21 @@ class MPClient:
     async def kill_now(self) -> None:
         """Kill the core (a dead or frozen one: SIGKILL ends a stopped process too) without
         blocking the event loop while it is reaped, then release the sockets."""
-        if self.process.is_alive():
+        if self._alive():
             self.process.kill()
             await asyncio.to_thread(self.process.join)
         self.kill()
 
     def kill(self) -> None:
-        """Stop the core at once and release the sockets."""
+        """Stop the core at once and release what it held here: the sockets, and the
+        process object's pipes (its sentinel), closed now rather than whenever the object
+        is collected, which a restart's exception tracebacks can put off."""
+        if self.closed:
+            return
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
-        if not self.closed:
-            self.closed = True
-            self.context.destroy(linger=0)
-            self._socket_dir.cleanup()
+        self.process.join()
+        self.closed = True
+        self.process.close()
+        self.context.destroy(linger=0)
+        self._socket_dir.cleanup()

@@ -52,6 +52,7 @@ from pagedllm.ops.attention import AttentionLayout
 from pagedllm.parallel_config import pipeline_stage_layers
 from pagedllm.runner import kv_integrity
 from pagedllm.runner.input_batch import InputBatch, to_device
+from pagedllm.runner.kv_pool_ranges import publish_kv_pool_ranges
 from pagedllm.runner.kv_prefault import KVCachePrefaulter
 from pagedllm.runner.model_building import ModelBuilder
 from pagedllm.runner.pooler import Pooler
@@ -190,6 +191,8 @@ class ModelRunner:
         if tiers is not None and tiers.enabled:
             # Every rank moves its own bytes; disk reads are agreed on over all ranks.
             self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
+        host_tier = self.kv_tiers.host if self.kv_tiers is not None else []
+        publish_kv_pool_ranges([*self.kv_block_tensors(), *host_tier])  # only where a soak asks
         # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
