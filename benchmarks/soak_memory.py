@@ -2,11 +2,11 @@
 
 The pool's pages are faulted in as blocks are first used (and ahead of use on idle CPU), so
 a core's RSS at a given age varies by hundreds of MB with how much of the pool it touched
-(2.57-3.07 GB across one soak's cores, no trend). What a leak would grow is the rest. The
-core publishes its pool's (and host tier's) address ranges when PAGEDLLM_KV_POOL_RANGES_DIR is set
-(pagedllm/runner/kv_pool_ranges.py); the pool's resident bytes are the pages of those
-ranges present in /proc/<pid>/pagemap (bit 63 of each page's 64-bit entry), and the RSS
-outside the pool is the RSS less them.
+(2.57-3.07 GB across one soak's cores, no trend), and so do the host tier's buffers as
+blocks are offloaded. What a leak would grow is the rest. The core publishes the address
+ranges of both when PAGEDLLM_KV_POOL_RANGES_DIR is set (pagedllm/runner/kv_pool_ranges.py);
+their resident bytes are the pages of those ranges present in /proc/<pid>/pagemap (bit 63
+of each page's 64-bit entry), and the RSS outside the pool is the RSS less them.
 """
 
 from __future__ import annotations
