@@ -10,6 +10,8 @@ Throughput and serving against other engines
                         `generate` on equal and on variable lengths?
     serve_vs_offline    What does the server (HTTP, SSE, two processes) cost against the
                         offline engine on one workload?
+    api_cpu_pairs       How much CPU does the API process spend per streamed token, and what
+                        do the served tokens/s reach, before and after a change?
     startup             How long from launching `pagedllm serve` until `/health` answers?
     embeddings          How many inputs and tokens per second does `/v1/embeddings` embed at
                         batch 1 and 64, against the offline `LLM.embed`?
