@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from model_utils import make_tiny_tokenizer
 from tiers import slow_fixture
-from tokenizer_utils import TRAINING_TEXT, make_sentencepiece_style_tokenizer
+from tokenizer_utils import TRAINING_TEXT
 
 from pagedllm.frontend.detokenizer import IncrementalDetokenizer
 from pagedllm.frontend.token_decoder import (
@@ -24,7 +24,7 @@ from pagedllm.frontend.token_decoder import (
 )
 from pagedllm.frontend.window_decoder import MAX_PENDING_TOKENS
 from pagedllm.model.gguf_loader import load_gguf_tokenizer
-from pagedllm.model.loader import default_model_path, gemma3_270m_path
+from pagedllm.model.loader import gemma3_270m_path
 
 TEXTS = [
     "🎉👍🏽 日本語のテキスト、中文文本 àéîõü ça déjà",
@@ -33,21 +33,6 @@ TEXTS = [
     "def f(x):\n    return x  # ok\n\n\n    \t  trailing   \n",
     "𓀀𠀋 ꙮ ﷽ Ⅻ 🏳️‍🌈 é",  # rare characters: byte fallback where the vocabulary lacks them
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_gguf_tokenizer(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return make_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_style():
-    return make_sentencepiece_style_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import pytest
-from model_utils import make_tiny_tokenizer
-from tokenizer_utils import TRAINING_TEXT, make_sentencepiece_style_tokenizer
+from tokenizer_utils import TRAINING_TEXT
 
 from pagedllm.frontend.detokenizer import IncrementalDetokenizer
-from pagedllm.model.gguf_loader import load_gguf_tokenizer
-from pagedllm.model.loader import default_model_path
 
 EMOJI = "🎉👍🏽"
 CJK = "日本語のテキスト、中文文本"
@@ -22,21 +19,6 @@ MIXED = "Hello, world! 42 × 3 = 126; naïve café — “quoted” 🎉 end.\n\
 TEXTS = [EMOJI, CJK, ACCENTED, MIXED, f"{EMOJI}{CJK}{ACCENTED}"]
 STORY = TRAINING_TEXT
 IM_END = 2  # SmolLM2's <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_gguf_tokenizer(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return make_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sentencepiece_style():
-    return make_sentencepiece_style_tokenizer()
 
 
 @pytest.fixture(params=["smollm2", "tiny", "sentencepiece_style"])

@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 from tiers import slow_fixture
 
+from pagedllm.entrypoints.openai import http_protocols
 from pagedllm.entrypoints.openai.http_protocols import (
     LimitedH11Protocol,
     LimitedHttpToolsProtocol,
@@ -264,6 +265,17 @@ def test_auto_picks_httptools_on_uvloop_when_installed():
         assert type(loop).__module__.startswith("uvloop")
     finally:
         loop.close()
+
+
+def test_without_the_fast_pair_auto_falls_back_and_naming_it_is_refused(monkeypatch):
+    monkeypatch.setattr(http_protocols, "HttpToolsProtocol", None)
+    monkeypatch.setattr(http_protocols, "uvloop", None)
+    assert resolve_http_parser("auto") == "h11"
+    assert resolve_event_loop("auto") == "asyncio"
+    with pytest.raises(ValueError, match="httptools is not installed"):
+        resolve_http_parser("httptools")
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        resolve_event_loop("uvloop")
 
 
 @pytest.mark.parametrize(

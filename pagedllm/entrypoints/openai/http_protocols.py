@@ -108,22 +108,24 @@ if HttpToolsProtocol is not None:
             super().on_message_complete()
 
 
+def _resolve(flag: str, name: str, fast: str, installed: bool, fallback: str) -> str:
+    """`auto` is the `fast` package when installed, else `fallback`; naming `fast` when it
+    is not installed is refused."""
+    if name == "auto":
+        return fast if installed else fallback
+    if name == fast and not installed:
+        raise ValueError(f"{flag} {fast}: {fast} is not installed (pip install {fast})")
+    return name
+
+
 def resolve_http_parser(name: str) -> str:
     """`--http`: "auto" is httptools when installed, else h11."""
-    if name == "auto":
-        return "h11" if HttpToolsProtocol is None else "httptools"
-    if name == "httptools" and HttpToolsProtocol is None:
-        raise ValueError("http httptools: httptools is not installed (pip install httptools)")
-    return name
+    return _resolve("http", name, "httptools", HttpToolsProtocol is not None, "h11")
 
 
 def resolve_event_loop(name: str) -> str:
     """`--loop`: "auto" is uvloop when installed, else asyncio's own."""
-    if name == "auto":
-        return "asyncio" if uvloop is None else "uvloop"
-    if name == "uvloop" and uvloop is None:
-        raise ValueError("loop uvloop: uvloop is not installed (pip install uvloop)")
-    return name
+    return _resolve("loop", name, "uvloop", uvloop is not None, "asyncio")
 
 
 def event_loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
