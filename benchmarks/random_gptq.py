@@ -27,7 +27,12 @@ import torch
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.peers.common import PeerPaths
 from benchmarks.random_gguf import SHAPES
-from benchmarks.real_size import _memory_and_decode, _rss_bytes, model_file
+from benchmarks.real_size import (
+    _memory_and_decode,
+    _rss_bytes,
+    model_file,
+    single_stream_decode_rate,
+)
 from pagedllm.utils import cache_root
 
 GROUP_SIZE = 128
@@ -99,7 +104,7 @@ def gptq_checkpoint(shape: str) -> Path:
 def child(path: str, decode_tokens: int) -> dict:
     import time
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     quantization = "gguf" if path.endswith(".gguf") else None
     started = time.perf_counter()
@@ -112,17 +117,7 @@ def child(path: str, decode_tokens: int) -> dict:
     model = llm.model_runner.model
     tensors = [*model.buffers(), *model.parameters()]
     weights = sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
-    prompt = [{"prompt_token_ids": [1000]}]
-
-    def run(tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    run(4)  # warm-up
-    first, whole = run(1), run(decode_tokens + 1)
-    return _memory_and_decode(load_s, rss, weights, decode_tokens / (whole - first))
+    return _memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens))
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def pagedllm_child(
 ) -> dict:
     """Runs in its own process: load, resident memory, single-stream decode, and where asked
     the batched run and the prefill rate."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM
 
     started = time.perf_counter()
     llm = LLM(
@@ -105,6 +105,18 @@ def pagedllm_child(
     rss = _rss_bytes()
     model = llm.model_runner.model
     weights = sum(t.nbytes for t in {t.data_ptr(): t for t in model.buffers()}.values())
+    return {
+        **_memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens)),
+        **({"batched": batched_run(llm, **batched)} if batched else {}),
+        **({"prefill_tok_s": prefill_rate(llm, prefill_tokens)} if prefill_tokens else {}),
+    }
+
+
+def single_stream_decode_rate(llm, decode_tokens: int) -> float:
+    """Tokens/s of one request decoding greedily from a 1-token prompt, after a warm-up; the
+    first token (the prefill) is timed apart and taken out."""
+    from pagedllm import SamplingParams
+
     prompt = [{"prompt_token_ids": [1000]}]
 
     def run(tokens: int) -> float:
@@ -115,11 +127,7 @@ def pagedllm_child(
 
     run(4)  # warm-up
     first, whole = run(1), run(decode_tokens + 1)
-    return {
-        **_memory_and_decode(load_s, rss, weights, decode_tokens / (whole - first)),
-        **({"batched": batched_run(llm, **batched)} if batched else {}),
-        **({"prefill_tok_s": prefill_rate(llm, prefill_tokens)} if prefill_tokens else {}),
-    }
+    return decode_tokens / (whole - first)
 
 
 def _memory_and_decode(load_s: float, rss: int, weights: int, decode_tok_s: float) -> dict:
