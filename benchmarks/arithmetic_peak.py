@@ -9,7 +9,8 @@ Builds a small C program (gcc, OpenMP) and runs register-only loops on every cor
               per cycle, two products and two adds per fp32 lane
 
 No memory is touched inside the loops, so these are the cores' issue rates, the bound above
-`ceiling.py`'s measured matmul rate. `--json PATH` writes the figures.
+`ceiling.py`'s measured matmul rate. Each thread is timed by its own CPU time: on cores
+shared with other work a rate is per second the loop actually ran. `--json PATH` writes the figures.
 
     .venv/bin/python -m benchmarks.arithmetic_peak [--seconds 1] [--threads N]
 """
@@ -30,9 +31,11 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <time.h>
 
+/* The calling thread's own CPU time: a loop's rate is per second it ran, so other processes
+   sharing the cores (time slices, a hypervisor's steal) do not bend the per-cycle ratios. */
 static double now(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
