@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +47,13 @@ class Scheme:
         return 1 if self.checkpoint_format == "gptq" else 0
 
 
-def _pack_int32(values: torch.Tensor, dim: int) -> torch.Tensor:
-    """uint 4-bit values -> int32, eight a word along `dim`, value j of a word in bits 4j."""
+def pack_int32(values: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """uint `bits`-bit values -> int32, 32 / bits a word along `dim`, value j of a word in
+    bits `bits * j` up."""
+    per_word = 32 // bits
     moved = values.long().movedim(dim, -1)
-    words = moved.reshape(*moved.shape[:-1], -1, 8)
-    packed = (words << (4 * torch.arange(8))).sum(-1)
+    words = moved.reshape(*moved.shape[:-1], -1, per_word)
+    packed = (words << (bits * torch.arange(per_word))).sum(-1)
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return packed.movedim(-1, dim).contiguous()
 
@@ -91,8 +94,8 @@ def quantize_weight(
         zeros[g] = zero
     stored_zeros = (zeros - scheme.zero_offset) & 0xF  # v1: minus 1, wrapping as the format does
     return {
-        "qweight": _pack_int32(q, 0),
-        "qzeros": _pack_int32(stored_zeros, 1),
+        "qweight": pack_int32(q, 0),
+        "qzeros": pack_int32(stored_zeros, 1),
         "scales": scales,
         "g_idx": g_idx,
     }
@@ -122,22 +125,46 @@ def write_gptq_checkpoint(
     """Quantize the decoder projections of the fp32 model in `source`: `quantized` gets the
     GPTQ checkpoint, `dequantized` the same model with `reference_dequantize`'s weights
     (unquantized, for Transformers and the fp32 engine). Returns the GPTQ tensors' bytes."""
+    return write_quantized_checkpoint(
+        source,
+        quantized,
+        dequantized,
+        lambda weight, generator: quantize_weight(weight, scheme, generator),
+        lambda tensors: reference_dequantize(tensors, scheme),
+        scheme.quantization_config(),
+        seed,
+    )
+
+
+def write_quantized_checkpoint(
+    source: Path,
+    quantized: Path,
+    dequantized: Path,
+    quantize: Callable[[torch.Tensor, torch.Generator], dict[str, torch.Tensor]],
+    dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    quantization_config: dict,
+    seed: int = 0,
+) -> int:
+    """Any format's checkpoint of the fp32 model in `source` (see `write_gptq_checkpoint`):
+    each decoder projection's weight becomes `quantize`'s tensors, named after the layer;
+    the dequantized model holds `dequantize`'s weights. Returns the quantized tensors'
+    bytes."""
     generator = torch.Generator().manual_seed(seed)
     state = load_file(source / "model.safetensors")
-    packed_state, plain_state, gptq_bytes = {}, {}, 0
+    packed_state, plain_state, quantized_bytes = {}, {}, 0
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
-            tensors = quantize_weight(tensor, scheme, generator)
+            tensors = quantize(tensor, generator)
             packed_state.update({f"{prefix}.{n}": t for n, t in tensors.items()})
-            plain_state[name] = reference_dequantize(tensors, scheme)
-            gptq_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            plain_state[name] = dequantize(tensors)
+            quantized_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         else:
             packed_state[name] = plain_state[name] = tensor
     for directory, weights in ((quantized, packed_state), (dequantized, plain_state)):
         shutil.copytree(source, directory, ignore=shutil.ignore_patterns("*.safetensors"))
         save_file(weights, directory / "model.safetensors")
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = scheme.quantization_config()
+    config["quantization_config"] = quantization_config
     (quantized / "config.json").write_text(json.dumps(config, indent=2))
-    return gptq_bytes
+    return quantized_bytes

@@ -19,6 +19,8 @@ import torch
 from pagedllm.config import EngineConfig, KVCacheGroups, ModelConfig
 from pagedllm.distributed.parallel_state import get_tp_group, single_rank_groups
 from pagedllm.model.gguf_loader import release_gguf_readers
+from pagedllm.model.layers.awq_swap import keep_awq_weights
+from pagedllm.model.layers.ct_pack_swap import keep_pack_quantized_weights
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
@@ -36,6 +38,13 @@ from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
 
 logger = logging.getLogger(__name__)
+
+# Checkpoints stored packed: method -> what swaps in its layers before the loader runs.
+KEEP_PACKED_WEIGHTS = {
+    "gptq": keep_gptq_weights,
+    "awq": keep_awq_weights,
+    "compressed-tensors": keep_pack_quantized_weights,
+}
 
 
 class BuiltModel(NamedTuple):
@@ -147,13 +156,14 @@ class ModelBuilder:
     ) -> None:
         quantization = model_config.quantization
         # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
-        # gptq: layers on the checkpoint's packed 4-bit weights, the same way (gptq_swap).
+        # gptq, awq, compressed-tensors: layers on the checkpoint's packed integer weights,
+        # the same way (packed_swap).
         on_blocks: set[str] = set()
         if quantization == "gguf":
             on_blocks = keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
-        elif quantization == "gptq":
+        elif quantization in KEEP_PACKED_WEIGHTS:
             config = quantization_config(model_config.hf_config)
-            on_blocks = keep_gptq_weights(model, source.path, config)
+            on_blocks = KEEP_PACKED_WEIGHTS[quantization](model, source.path, config)
         load_weights(
             model,
             source,

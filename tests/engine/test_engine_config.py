@@ -37,7 +37,7 @@ def test_unknown_backend_is_refused_by_name(tiny_llama):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "supported: Gemma3ForCausalLM"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 8}}, "8-bit GPTQ weights"),
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq 4-bit, group size"),
+        ({"quantization_config": {"quant_method": "awq", "version": "gemv"}}, "gemv packing"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' are not"),
     ],
 )

@@ -11,6 +11,28 @@ import pytest
 from pagedllm.model.quantization.registry import METHODS, checkpoint_quantization
 
 GPTQ_4BIT = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}
+AWQ_GEMM = {
+    "quant_method": "awq",
+    "bits": 4,
+    "group_size": 128,
+    "zero_point": True,
+    "version": "gemm",
+}
+W4A16 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                "group_size": 128,
+            },
+            "input_activations": None,
+        }
+    },
+    "ignore": ["lm_head"],
+}  # fmt: skip
 W8A8 = {
     "quant_method": "compressed-tensors",
     "format": "int-quantized",
@@ -36,6 +58,24 @@ def test_a_served_gptq_checkpoint_picks_gptq(requested):
     assert checkpoint_quantization(_config(GPTQ_4BIT), requested) == "gptq"
 
 
+@pytest.mark.parametrize(
+    "quantization_config",
+    [AWQ_GEMM, {**AWQ_GEMM, "version": "GEMM", "group_size": -1}, W4A16],
+    ids=["awq", "awq-channel", "w4a16"],
+)
+def test_served_awq_and_pack_quantized_checkpoints_pick_their_method(quantization_config):
+    name = quantization_config["quant_method"]
+    assert checkpoint_quantization(_config(quantization_config), None) == name
+    assert checkpoint_quantization(_config(quantization_config), name) == name
+
+
+def _w4a16(weights: dict | None = None, **group) -> dict:
+    """W4A16 with its one group's weights (or the group itself) changed."""
+    group_0 = W4A16["config_groups"]["group_0"]
+    changed = {**group_0, "weights": {**group_0["weights"], **(weights or {})}, **group}
+    return {**W4A16, "config_groups": {"group_0": changed}}
+
+
 @pytest.mark.parametrize("requested", [None, "int8", "gguf"])
 def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
     assert checkpoint_quantization(_config(None), requested) == requested
@@ -50,7 +90,19 @@ def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
         ({**GPTQ_4BIT, "checkpoint_format": "marlin"}, r"checkpoint_format 'marlin'"),
         ({**GPTQ_4BIT, "lm_head": True}, r"quantized lm_head"),
         ({**GPTQ_4BIT, "dynamic": {"-:.*mlp.*": {}}}, r"'dynamic' overrides"),
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, r"awq 4-bit, group size 128"),
+        ({**AWQ_GEMM, "version": "gemv"}, r"awq 4-bit, group size 128.*gemv packing is not"),
+        ({**AWQ_GEMM, "version": "gemv_fast"}, r"AWQ's gemv_fast packing is not read"),
+        ({**AWQ_GEMM, "bits": 8}, r"8-bit AWQ weights have no kernel"),
+        ({**AWQ_GEMM, "zero_point": False}, r"AWQ without zero points"),
+        ({**AWQ_GEMM, "group_size": 96}, r"AWQ group size 96 is not -1 or 32 \* 2\^n"),
+        (_w4a16({"num_bits": 2}), r"W2A16 int group 128.*2-bit weights have no kernel"),
+        (_w4a16({"strategy": "tensor"}), r"weight strategy 'tensor' is not served"),
+        (_w4a16({"group_size": 48}), r"group size 48 is not 32 \* 2\^n"),
+        (_w4a16({"type": "float"}), r"float weights are not packed integers"),
+        (_w4a16({"dynamic": True}), r"dynamic weight scales"),
+        (_w4a16(input_activations={"num_bits": 8}), r"activations quantized to 8 bits"),
+        ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme is not read"),
+        ({**W4A16, "format": "marlin-24"}, r"format 'marlin-24' is not read"),
         (W8A8, r"compressed-tensors int-quantized \(W8A8 int channel\)"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"fp8 e4m3 weights"),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),

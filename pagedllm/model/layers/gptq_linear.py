@@ -1,13 +1,17 @@
-"""GPTQ 4-bit linear layers: a checkpoint's packed weights kept 4-bit, multiplied by the
-GGUF block kernel (`torch.ops.pagedllm.gguf_linear`, `ops/csrc/gguf_linear.cpp`).
+"""Linear layers on a checkpoint's packed integer weights (GPTQ, AWQ and compressed-tensors
+pack-quantized: all read into `UnpackedGPTQ`), kept 4- or 8-bit and multiplied by the GGUF
+block kernel (`torch.ops.pagedllm.gguf_linear`, `ops/csrc/gguf_linear.cpp`).
 
-A GPTQ group's weights are w = scale * (q - zero) = d * q + m with d = scale and
-m = -scale * zero: the kernel's Q4_1 form, its 4-bit q in the same tile layout. The kernel
-keeps d and m as fp32 (exact here: the fp16 scale times an integer below 32), one pair per
-group of 2^shift blocks of 32 inputs (`scale_shift`), so a group of 128 costs 8 bytes per
-output column where a per-block table would cost 32. As for GGUF, the only approximation
-is the input: each 32-wide block of an activation row becomes two int8 digits with its own
-scale (~15 bits).
+A group's weights are w = scale * (q - zero) = d * q + m with d = scale and m = -scale * zero:
+the kernel's Q4_1 form, its 4-bit q in the same tile layout (8-bit q: Q8_0's layout, with a
+min of its own). The kernel keeps d and m as fp32, one pair per group of 2^shift blocks of
+32 inputs (`scale_shift`), so a group of 128 costs 8 bytes per output column where a
+per-block table would cost 32. They are exact for fp16 and bf16 scales (an 11- or 8-bit
+significand times an integer below 2^9); an fp32 scale's m is rounded once (2^-24). When
+every zero point is the midpoint 2^(bits-1) (symmetric schemes) the layer keeps no min
+table: the kernel derives m = -2^(bits-1) d, as for Q4_0 / Q8_0. As for GGUF, the only
+approximation is the input: each 32-wide block of an activation row becomes two int8
+digits with its own scale (~15 bits).
 
 Act-order layers keep their input order and gather the activation's columns by it first.
 A fused projection whose parts have different orders is one layer per part, writing its
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import (
+    _NO_MINS,
     BLOCK,
     DEFAULT_DIGITS,
     GGUFConcatLinear,
@@ -31,8 +36,6 @@ from pagedllm.model.layers.linear import SplitOutputs
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 from pagedllm.ops.extension import load
-
-BITS = 4
 
 
 def scale_shift(in_features: int, group_size: int) -> int:
@@ -52,11 +55,12 @@ def stack_parts(parts: list[UnpackedGPTQ]) -> UnpackedGPTQ:
         torch.cat([p.zeros for p in parts]),
         parts[0].order,
         parts[0].group_size,
+        parts[0].bits,
     )
 
 
 class GPTQLinear(nn.Module):
-    """y = x W^T (+ b) with W a GPTQ checkpoint's 4-bit weights (see the module docstring)."""
+    """y = x W^T (+ b) with W a checkpoint's packed weights (see the module docstring)."""
 
     def __init__(
         self, weights: UnpackedGPTQ, bias: torch.Tensor | None = None, digits: int = DEFAULT_DIGITS
@@ -65,12 +69,14 @@ class GPTQLinear(nn.Module):
         self.out_features, self.in_features = weights.q.shape
         if self.in_features % BLOCK:
             raise ValueError(f"GPTQ: {self.in_features} inputs are not whole blocks of {BLOCK}")
+        self.bits = weights.bits
         packed, scales, mins = pack_weights(
-            weights.q, weights.scales, -weights.scales * weights.zeros, BITS
+            weights.q, weights.scales, -weights.scales * weights.zeros, self.bits
         )
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
-        self.register_buffer("mins", mins)
+        # Zero points all at the midpoint: the kernel derives m = -2^(bits-1) d itself.
+        self.register_buffer("mins", _NO_MINS if weights.symmetric else mins)
         order = weights.order
         self.register_buffer("order", None if order is None else order.to(torch.int32))
         self.group_size = weights.group_size
@@ -94,7 +100,7 @@ class GPTQLinear(nn.Module):
         if self.order is not None:
             x2 = x2.index_select(1, self.order)
         self._ops.gguf_linear(
-            out, x2, self.packed, self.scales, self.mins, BITS, self.digits, self.isa,
+            out, x2, self.packed, self.scales, self.mins, self.bits, self.digits, self.isa,
             self.scale_shift,
         )  # fmt: skip
 
@@ -104,7 +110,7 @@ class GPTQLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, act_order={self.order is not None}"
+            f"bits={self.bits}, group_size={self.group_size}, act_order={self.order is not None}"
         )
 
 
@@ -132,6 +138,6 @@ def merged_gptq_layer(
         or (p.order is not None and first is not None and torch.equal(p.order, first))
         for p in parts
     )
-    if same_order and len({p.group_size for p in parts}) == 1:
+    if same_order and len({(p.group_size, p.bits) for p in parts}) == 1:
         return GPTQMergedLinear(stack_parts(parts), output_sizes, bias)
     return GGUFConcatLinear([GPTQLinear(p) for p in parts], output_sizes, bias)

@@ -52,6 +52,13 @@ class UnpackedGPTQ:
     zeros: torch.Tensor  # float32 [N, G], integers
     order: torch.Tensor | None  # int64 [K]: kernel input j is checkpoint input order[j]
     group_size: int  # input rows per group (K per channel)
+    bits: int = 4  # q below 2^bits (8: compressed-tensors W8A16)
+
+    @property
+    def symmetric(self) -> bool:
+        """Every zero point is the midpoint 2^(bits-1): the kernel derives the min from the
+        scale and the layer keeps no min table."""
+        return bool((self.zeros == 2 ** (self.bits - 1)).all())
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] in the checkpoint's input order: exact (see the module docstring)."""
@@ -71,9 +78,11 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1, packed.shape[1]).to(torch.uint8)
 
 
-def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> uint8 [R, 8C]: column c is bits 4 * (c % 8) of column c // 8."""
-    values = (packed[:, :, None] >> _SHIFTS[None, None, :]) & 0xF
+def unpack_columns(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, (32 / bits) C]: with p = 32 / bits values a word, column c
+    is bits `bits * (c % p)` up of column c // p (4 or 8 bits, which never straddle words)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    values = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
     return values.reshape(packed.shape[0], -1).to(torch.uint8)
 
 

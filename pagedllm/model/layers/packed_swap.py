@@ -1,0 +1,125 @@
+"""A checkpoint's packed integer layers (GPTQ, AWQ, compressed-tensors pack-quantized)
+swapped in before the loader reads any weight.
+
+`read_layer_tensors` gathers each quantized layer's tensors (by their leaf names) from the
+checkpoint's safetensors files; `swap_packed_layers` replaces the model's `Linear` for
+each with a `GPTQLinear` on the unpacked integers (fused q/k/v and gate/up from their
+separately quantized parts) and returns the tensor names it consumed, which the loader
+then skips. The replaced layers' fp32 storage is never written and never becomes
+resident; the loader fills the rest (embedding, norms, head, biases, layers left
+unquantized) as for an unquantized checkpoint. Each format's `keep_*_weights` (gptq_swap,
+awq_swap, ct_pack_swap) reads and unpacks; this module does the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.gguf_linear import distinct_bytes
+from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
+from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
+
+logger = logging.getLogger("pagedllm")
+
+LayerTensors = dict[str, torch.Tensor]
+# (checkpoint prefix, its tensors) -> the layer's integers and scales
+Unpack = Callable[[str, LayerTensors], UnpackedGPTQ]
+
+
+def read_layer_tensors(
+    directory: str, leaves: tuple[str, ...], required: tuple[str, ...], method: str
+) -> dict[str, LayerTensors]:
+    """Layer prefix (HF name without the leaf) -> its tensors named by `leaves`, for every
+    prefix holding `required[0]`, from every safetensors file of `directory`."""
+    from safetensors import safe_open
+
+    found: dict[str, LayerTensors] = {}
+    for file_name in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(directory, file_name), framework="pt") as checkpoint:
+            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
+                prefix, _, leaf = name.rpartition(".")
+                if leaf in leaves:
+                    found.setdefault(prefix, {})[leaf] = checkpoint.get_tensor(name)
+    layers = {p: t for p, t in found.items() if required[0] in t}
+    for prefix, tensors in layers.items():
+        missing = [n for n in required if n not in tensors]
+        if missing:
+            raise ValueError(f"{method} layer {prefix!r} lacks {', '.join(missing)}")
+    return layers
+
+
+def swap_packed_layers(
+    model: nn.Module, layers: dict[str, LayerTensors], unpack: Unpack, method: str
+) -> set[str]:
+    """Swap in the layers (see the module docstring); returns the checkpoint names they
+    hold. `method` names the format in messages."""
+    from pagedllm.ops.extension import load
+
+    try:
+        load()
+    except RuntimeError as error:
+        raise ValueError(f"quantization={method!r} needs the CPU kernels: {error}") from error
+    parts = _parts_by_module(model, layers, method)
+    consumed: set[str] = set()
+    for name, module_parts in parts.items():
+        module = model.get_submodule(name)
+        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
+        _replace(model, name, _packed_layer(name, module, unpacked, method))
+        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+    logger.info(
+        "quantization=%s: %d layers on packed integer weights (%.0f MB)",
+        method,
+        len(parts),
+        distinct_bytes(t for n in parts for t in model.get_submodule(n).buffers()) / 1e6,
+    )
+    return consumed
+
+
+def _parts_by_module(
+    model: nn.Module, layers: dict[str, LayerTensors], method: str
+) -> dict[str, dict[str | None, tuple[str, LayerTensors]]]:
+    """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)}."""
+    target = model.checkpoint_target
+    parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
+    for prefix, tensors in layers.items():
+        param_name, shard_id = target(f"{prefix}.weight")
+        module_name = param_name.removesuffix(".weight")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, Linear):
+            raise ValueError(
+                f"{method} layer {prefix!r} has no linear layer to run on in pagedllm's "
+                f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
+            )
+        parts.setdefault(module_name, {})[shard_id] = (prefix, tensors)
+    return parts
+
+
+def _packed_layer(
+    name: str, module: Linear, parts: dict[str | None, UnpackedGPTQ], method: str
+) -> nn.Module:
+    order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
+    if set(parts) != set(order):
+        raise ValueError(
+            f"{method} checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts "
+            f"are {sorted(map(str, order))}: a fused layer needs all of them quantized"
+        )
+    if not isinstance(module, MergedLinear):
+        return GPTQLinear(parts[None], module.bias)
+    layer = merged_gptq_layer([parts[s] for s in order], module.output_sizes, module.bias)
+    layer.shard_slices = dict(module.shard_slices)
+    return layer
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, layer)

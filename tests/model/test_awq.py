@@ -1,0 +1,83 @@
+"""AutoAWQ GEMM checkpoints served on their packed 4-bit weights: the reader undoes AWQ's
+interleaved nibble order and its dequantization equals the format's exactly, the kernel
+layer multiplies by those weights, and the engine's greedy tokens are Transformers' on the
+same model with the dequantized weights (log-probabilities within tolerance), with q/k/v and
+gate/up fused from separately quantized parts and the weights held within 10% of the
+checkpoint's bytes (groups of 128).
+
+The test checkpoints' packing (tests/awq_writer.py) was checked once against AutoAWQ
+0.2.9's own `awq.utils.packing_utils.dequantize_gemm` (AutoAWQ needs a GPU to quantize and
+is not a test dependency): equal bit for bit in its fp16 for groups of 128, 32 and per
+channel; run tests/format_library_check.py with AutoAWQ's sources to repeat it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from awq_writer import AWQScheme, quantize_awq, reference_dequantize, write_awq_checkpoint
+from model_utils import make_tiny_model
+from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
+
+from pagedllm.model.layers.gptq_linear import GPTQLinear
+from pagedllm.model.quantization.awq import AWQConfig
+from pagedllm.model.quantization.awq_format import AWQTensors, unpack_awq, unpack_awq_columns
+
+SCHEMES = [AWQScheme(128), AWQScheme(32), AWQScheme(-1)]
+
+
+def _unpacked(weight: torch.Tensor, scheme: AWQScheme):
+    tensors = quantize_awq(weight, scheme)
+    config = AWQConfig.from_dict(scheme.quantization_config())
+    return tensors, unpack_awq(AWQTensors(**tensors), config)
+
+
+def test_columns_are_read_in_awqs_interleaved_order():
+    """Columns 0..7 holding 0..7 pack as nibbles 0, 2, 4, 6, 1, 3, 5, 7 (AutoAWQ's order)."""
+    word = torch.tensor([[0x75316420]], dtype=torch.int32)
+    assert unpack_awq_columns(word).tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_dequantized_weights_are_the_formats_exactly(scheme):
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
+    tensors, unpacked = _unpacked(weight, scheme)
+    reference = reference_dequantize(tensors, scheme)
+    assert torch.equal(unpacked.dequantize(), reference)
+    assert unpacked.order is None and not unpacked.symmetric
+    # The round trip is a quantization of the weight (a wrong layout would be far off).
+    assert (reference - weight).abs().max() < 0.2 * weight.abs().max()
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "vnni"])
+def test_layer_multiplies_by_the_dequantized_weights(isa):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 256, generator=generator)
+    _, unpacked = _unpacked(weight, AWQScheme(64))
+    layer = GPTQLinear(unpacked)
+    layer.isa = isa  # lowered to what this CPU has
+    x = torch.randn(5, 256, generator=generator)
+    torch.testing.assert_close(layer(x), x @ unpacked.dequantize().T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "most"),
+    # Groups of 32 keep an fp32 scale and min per group and column: 8 bytes where the
+    # checkpoint stores 2.5, so 1.3x; from 128 up the tables are within 10%.
+    [(AWQScheme(128), 1.10), (AWQScheme(32), 1.35)],
+    ids=str,
+)
+def test_engine_is_transformers_on_the_dequantized_model(tiny_llama, tmp_path, scheme, most):
+    quantized, dequantized = tmp_path / "awq", tmp_path / "dequantized"
+    awq_bytes = write_awq_checkpoint(tiny_llama, quantized, dequantized, scheme)
+    check = check_engine(quantized, dequantized, "awq")
+    print(f"{scheme}: {check}, checkpoint {awq_bytes} bytes")
+    assert check.largest_logprob_error < LOGPROB_TOLERANCE
+    assert check.packed_layers == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    assert 0.9 * awq_bytes <= check.held_bytes <= most * awq_bytes
+    assert check.largest_layer_parameter <= SHAPE["hidden_size"]  # no fp32 copy left behind

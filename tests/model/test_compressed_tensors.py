@@ -1,0 +1,129 @@
+"""compressed-tensors `pack-quantized` checkpoints (llm-compressor's W4A16 and W8A16)
+served on their packed weights: the reader's dequantization equals the format's exactly
+(groups or channels, symmetric or not, with group activation order), the kernel layer
+multiplies by those weights (4-bit with no min table, 8-bit with and without one), layers
+find their config group's scheme by its targets, and the engine's greedy tokens are
+Transformers' on the same model with the dequantized weights (log-probabilities within
+tolerance), the ignored head unquantized and the weights held within 10% of the
+checkpoint's bytes.
+
+The test checkpoints' packing (tests/ct_writer.py) was checked once against
+compressed-tensors 0.20.1's own `PackedQuantizationCompressor.decompress` (not a test
+dependency: it needs loguru and pins torch>=2.10): equal bit for bit in the scale's dtype
+for W4 group 128 symmetric, W4 group 32 and per channel asymmetric, W8 per channel
+symmetric and W8 group 128 asymmetric; 0.20.1 no longer reads activation order "group"
+(weight_g_idx), which older llm-compressor checkpoints carry and pagedllm reads as GPTQ's
+g_idx. Run tests/format_library_check.py with the library to repeat it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ct_writer import CTScheme, quantize_packed, reference_dequantize, write_ct_checkpoint
+from model_utils import make_tiny_model
+from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
+
+from pagedllm.model.layers.gptq_linear import GPTQLinear
+from pagedllm.model.quantization.ct_pack_format import PackedTensors, unpack_pack_quantized
+from pagedllm.model.quantization.ct_pack_quantized import layer_scheme, packed_scheme
+
+SCHEMES = [
+    CTScheme(4, 128, symmetric=True),
+    CTScheme(4, 32, symmetric=False),
+    CTScheme(4, -1, symmetric=False),
+    CTScheme(4, 64, symmetric=False, actorder=True),
+    CTScheme(8, -1, symmetric=True),
+    CTScheme(8, 128, symmetric=False),
+]
+
+
+def _unpacked(weight: torch.Tensor, scheme: CTScheme, seed: int = 0):
+    tensors = quantize_packed(weight, scheme, torch.Generator().manual_seed(seed))
+    group = scheme.quantization_config()["config_groups"]["group_0"]
+    return tensors, unpack_pack_quantized(PackedTensors(**tensors), packed_scheme(group))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+def test_dequantized_weights_are_the_formats_exactly(scheme):
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
+    tensors, unpacked = _unpacked(weight, scheme)
+    reference = reference_dequantize(tensors, scheme)
+    assert torch.equal(unpacked.dequantize(), reference)
+    assert (unpacked.order is not None) == scheme.actorder
+    assert unpacked.symmetric == scheme.symmetric
+    # The round trip is a quantization of the weight (a wrong layout would be far off).
+    bound = (0.2 if scheme.bits == 4 else 0.02) * weight.abs().max()
+    assert (reference - weight).abs().max() < bound
+
+
+def test_values_are_stored_offset_and_packed_along_the_inputs():
+    """Row 0 of weight_packed holds input k's q + 8 at bits 4k: a weight of one scale step
+    at input 1 is 0x90 in the first word (0x8 at inputs 0, 2..7)."""
+    weight = torch.zeros(8, 32)
+    weight[:, 0] = -7.5  # sets the scale to 1 (symmetric: max |w| / 7.5)
+    weight[0, 1] = 1.0
+    tensors = quantize_packed(weight, CTScheme(4, 32), torch.Generator())
+    assert tensors["weight_packed"].shape == (8, 4)
+    assert tensors["weight_packed"][0, 0].item() == 0x88888890 - 2**32
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "vnni"])
+@pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4], SCHEMES[5]], ids=str)
+def test_layer_multiplies_by_the_dequantized_weights(scheme, isa):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 256, generator=generator)
+    _, unpacked = _unpacked(weight, scheme)
+    layer = GPTQLinear(unpacked)
+    assert (layer.mins.numel() == 0) == scheme.symmetric  # the kernel derives m then
+    layer.isa = isa  # lowered to what this CPU has
+    x = torch.randn(5, 256, generator=generator)
+    torch.testing.assert_close(layer(x), x @ unpacked.dequantize().T, rtol=1e-4, atol=1e-3)
+
+
+def test_a_layer_takes_the_scheme_of_the_first_group_its_name_matches():
+    groups = {
+        "attention": {
+            "targets": ["re:.*self_attn\\..*", "model.layers.1.mlp.down_proj"],
+            "weights": CTScheme(8, -1).quantization_config()["config_groups"]["group_0"]["weights"],
+        },
+        "rest": CTScheme(4, 128).quantization_config()["config_groups"]["group_0"],
+    }
+    config = {"config_groups": groups}
+    assert layer_scheme(config, "model.layers.0.self_attn.q_proj").bits == 8
+    assert layer_scheme(config, "model.layers.1.mlp.down_proj").bits == 8
+    assert layer_scheme(config, "model.layers.0.mlp.down_proj").group_size == 128
+    with pytest.raises(ValueError, match="matches no config group"):
+        layer_scheme(
+            {"config_groups": {"g": {**groups["attention"]}}}, "model.layers.0.mlp.up_proj"
+        )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "layers", "most"),
+    [
+        # Symmetric: no min table, one fp32 scale per group where the checkpoint has bf16.
+        (CTScheme(4, 128, symmetric=True), 4, 1.10),
+        (CTScheme(8, -1, symmetric=True), 4, 1.10),
+        # Per part act-orders: q, k, v and gate, up one layer each; groups of 32 keep an
+        # fp32 scale and min where the checkpoint stores 2.5 bytes: 1.3x.
+        (CTScheme(4, 32, symmetric=False, actorder=True), 7, 1.35),
+    ],
+    ids=str,
+)
+def test_engine_is_transformers_on_the_dequantized_model(
+    tiny_llama, tmp_path, scheme, layers, most
+):
+    quantized, dequantized = tmp_path / "ct", tmp_path / "dequantized"
+    ct_bytes = write_ct_checkpoint(tiny_llama, quantized, dequantized, scheme)
+    check = check_engine(quantized, dequantized, "compressed-tensors")
+    print(f"{scheme}: {check}, checkpoint {ct_bytes} bytes")
+    assert check.largest_logprob_error < LOGPROB_TOLERANCE
+    assert check.packed_layers == 2 * layers
+    assert 0.9 * ct_bytes <= check.held_bytes <= most * ct_bytes
+    assert check.largest_layer_parameter <= SHAPE["hidden_size"]  # no fp32 copy left behind

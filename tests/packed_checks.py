@@ -1,0 +1,79 @@
+"""What the AWQ and compressed-tensors tests check of an engine on a checkpoint stored
+packed (tests/awq_writer.py, tests/ct_writer.py): its greedy tokens are Transformers' on the
+same model with the dequantized weights (ties counted), the log-probabilities of its tokens
+are Transformers' within a tolerance, and what its packed layers hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from model_utils import compare_greedy, greedy_with_logprobs, hf_greedy, model_runner
+
+# Inputs and outputs of whole groups of 128; head_dim 64 so that o_proj has 256 inputs.
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+PROMPT_LENGTHS = (5, 19, 33)
+MAX_NEW_TOKENS = 12
+TIE_TOLERANCE = 1e-3
+# The kernel's two int8 digits per activation block (~15 bits) are the only difference
+# from Transformers' fp32 product on the same weights.
+LOGPROB_TOLERANCE = 2e-3
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    ties: int  # sequences that met a numerical tie before their end
+    largest_logprob_error: float  # |engine - Transformers| of the engine's chosen tokens
+    packed_layers: int  # GPTQLinear modules (parts of fused layers counted apiece)
+    held_bytes: int  # their kernel tables' bytes
+    largest_layer_parameter: int  # elements of the largest parameter left in the layers
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _transformers_logprobs(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Transformers' log-probability of each of `tokens` following `prompt` (teacher forced)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def check_engine(quantized: Path, dequantized: Path, method: str) -> EngineCheck:
+    """Run the engine on `quantized` against Transformers on `dequantized` (see the module
+    docstring); asserts the tokens and returns the measurements."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM
+    from pagedllm.model.layers.gptq_linear import GPTQLinear
+
+    prompts = _prompts()
+    hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    llm = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+    assert llm.llm_engine.model_config.quantization == method
+    outputs = greedy_with_logprobs(llm, prompts, MAX_NEW_TOKENS)
+    ties = sum(
+        compare_greedy(out.token_ids, ref, TIE_TOLERANCE)
+        for out, ref in zip(outputs, references, strict=True)
+    )
+    errors = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        theirs = _transformers_logprobs(hf_model, prompt, list(out.token_ids))
+        ours = torch.tensor(
+            [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+        )
+        errors.append(float((ours - theirs).abs().max()))
+    model = model_runner(llm).model
+    layers = [m for m in model.modules() if isinstance(m, GPTQLinear)]
+    return EngineCheck(
+        ties,
+        max(errors),
+        len(layers),
+        sum(layer.weight_bytes() for layer in layers),
+        max(p.numel() for n, p in model.named_parameters() if "layers" in n),
+    )
