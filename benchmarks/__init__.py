@@ -45,9 +45,9 @@ Quantization and real sizes
     real_size           At Llama-3.2-1B and -3.1-8B shapes on Q4_K_M blocks: load time and
                         memory, single-stream decode against llama.cpp and the bandwidth bound,
                         32 concurrent requests against llama.cpp's server.
-    random_gptq         A random-weight GPTQ 4-bit g128 checkpoint of a real Llama shape:
-                        single-stream decode, memory and load against the same shape as
-                        GGUF Q4_K_M.
+    random_gptq         Random-weight GPTQ 4-bit, AWQ 4-bit and compressed-tensors W4A16
+                        (g128) checkpoints of a real Llama shape: single-stream decode,
+                        memory and load against the same shape as GGUF Q4_K_M.
 
 Features' costs and gains
     prefix_caching      What does prefix caching save on a shared prefix and cost without one?

@@ -1,14 +1,16 @@
-"""Single-stream decode of a random-weight GPTQ 4-bit checkpoint against the same shape as
-GGUF Q4_K_M, both in pagedllm.
+"""Single-stream decode of random-weight checkpoints stored packed (GPTQ 4-bit, AWQ 4-bit,
+compressed-tensors W4A16; group 128) against the same shape as GGUF Q4_K_M, all in pagedllm.
 
-The GPTQ checkpoint (group 128, symmetric, no act-order, the head unquantized and tied to an
-fp16 embedding, as GPTQ tools write Llama-3.2-1B) holds random packed integers and scales:
-decode speed does not depend on the values. It is written once under pagedllm's cache root;
-the Q4_K_M file is `benchmarks.real_size`'s (written into the peers' cache on first use).
-Each engine runs in a child process of its own: load, the weight buffers' bytes, then
-tokens/s of a 64-token greedy decode from a 1-token prompt.
+Each packed checkpoint (group 128, symmetric where the format has the choice, no
+act-order, the head unquantized and tied to an fp16 embedding, as the tools write
+Llama-3.2-1B) holds random packed integers and scales: decode speed does not depend on the
+values. It is written once under pagedllm's cache root; the Q4_K_M file is
+`benchmarks.real_size`'s (written into the peers' cache on first use). Each engine runs in a
+child process of its own: load, the weight buffers' bytes, then tokens/s of a 64-token
+greedy decode from a 1-token prompt.
 
     .venv/bin/python -m benchmarks.random_gptq [--shape llama-3.2-1b] [--decode-tokens 64]
+        [--formats gptq-4bit-g128 awq-4bit-g128 w4a16-g128] [--no-gguf]
 
 Prints one JSON object; record the CPU's flags (`lscpu`) and the load (`uptime`) beside it.
 """
@@ -20,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,22 +50,78 @@ PROJECTIONS = {  # name -> (inputs, outputs) as functions of the shape
 }
 
 
+def _random_words(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31 - 1, (rows, cols), generator=generator).to(torch.int32)
+
+
+def _scales(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(rows, cols, generator=generator) * 2e-3 + 1e-3
+
+
 def _gptq_layer(inputs: int, outputs: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
     groups = inputs // GROUP_SIZE
-    words = torch.randint(-(2**31), 2**31 - 1, (inputs // 8, outputs), generator=generator)
-    scales = torch.rand(groups, outputs, generator=generator) * 2e-3 + 1e-3
     return {
-        "qweight": words.to(torch.int32),
+        "qweight": _random_words(inputs // 8, outputs, generator),
         "qzeros": torch.full((groups, outputs // 8), 0x77777777, dtype=torch.int32),
-        "scales": scales.half(),
+        "scales": _scales(groups, outputs, generator).half(),
         "g_idx": (torch.arange(inputs) // GROUP_SIZE).to(torch.int32),
     }
 
 
-def write_random_gptq(directory: Path, shape: LlamaShape, seed: int = 0) -> Path:
-    """A GPTQ 4-bit g128 checkpoint of `shape` with random packed weights, one file a layer."""
+def _awq_layer(inputs: int, outputs: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    groups = inputs // GROUP_SIZE
+    return {
+        "qweight": _random_words(inputs, outputs // 8, generator),
+        "qzeros": torch.full((groups, outputs // 8), 0x88888888 - 2**32, dtype=torch.int32),
+        "scales": _scales(groups, outputs, generator).half(),
+    }
+
+
+def _w4a16_layer(inputs: int, outputs: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "weight_packed": _random_words(outputs, inputs // 8, generator),
+        "weight_scale": _scales(outputs, inputs // GROUP_SIZE, generator).bfloat16(),
+        "weight_shape": torch.tensor([outputs, inputs]),
+    }
+
+
+W4A16_WEIGHTS = {
+    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+    "group_size": GROUP_SIZE, "dynamic": False, "actorder": None,
+}  # fmt: skip
+# name -> (one projection's packed tensors, the checkpoint's quantization_config)
+FORMATS: dict[str, tuple[Callable[..., dict[str, torch.Tensor]], dict]] = {
+    "gptq-4bit-g128": (
+        _gptq_layer,
+        {
+            "quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "desc_act": False,
+            "sym": True, "checkpoint_format": "gptq",
+        },
+    ),
+    "awq-4bit-g128": (
+        _awq_layer,
+        {
+            "quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE, "zero_point": True,
+            "version": "gemm",
+        },
+    ),
+    "w4a16-g128": (
+        _w4a16_layer,
+        {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": W4A16_WEIGHTS}},
+            "ignore": ["lm_head"],
+        },
+    ),
+}  # fmt: skip
+
+
+def write_random_packed(directory: Path, shape: LlamaShape, fmt: str, seed: int = 0) -> Path:
+    """A checkpoint of `shape` in `fmt` (a FORMATS name) with random packed weights, one file a
+    layer."""
     from safetensors.torch import save_file
 
+    packed_layer, quantization_config = FORMATS[fmt]
     generator = torch.Generator().manual_seed(seed)
     directory.mkdir(parents=True, exist_ok=True)
     hidden = shape.hidden_size
@@ -72,6 +131,9 @@ def write_random_gptq(directory: Path, shape: LlamaShape, seed: int = 0) -> Path
         ).half(),
         "model.norm.weight": torch.ones(hidden, dtype=torch.float16),
     }
+    if not shape.tie_word_embeddings:  # the head is never quantized (ignored, not converted)
+        head = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
+        rest["lm_head.weight"] = head.half()
     save_file(rest, directory / "model-rest.safetensors")
     for layer in range(shape.num_layers):
         tensors = {
@@ -79,25 +141,22 @@ def write_random_gptq(directory: Path, shape: LlamaShape, seed: int = 0) -> Path
             for norm in ("input_layernorm", "post_attention_layernorm")
         }
         for name, size in PROJECTIONS.items():
-            for leaf, tensor in _gptq_layer(*size(shape), generator).items():
+            for leaf, tensor in packed_layer(*size(shape), generator).items():
                 tensors[f"model.layers.{layer}.{name}.{leaf}"] = tensor
         save_file(tensors, directory / f"model-layer-{layer:03d}.safetensors")
     config = {
         **shape.hf_config(),
         "torch_dtype": "float16",
-        "quantization_config": {
-            "quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE, "desc_act": False,
-            "sym": True, "checkpoint_format": "gptq",
-        },
-    }  # fmt: skip
+        "quantization_config": quantization_config,
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 
 
-def gptq_checkpoint(shape: str) -> Path:
-    directory = cache_root() / "models" / f"random-{shape}-gptq-4bit-g128"
+def packed_checkpoint(shape: str, fmt: str) -> Path:
+    directory = cache_root() / "models" / f"random-{shape}-{fmt}"
     if not (directory / "config.json").exists():
-        write_random_gptq(directory, SHAPES[shape])  # config.json last: a whole checkpoint
+        write_random_packed(directory, SHAPES[shape], fmt)  # config.json last: a whole checkpoint
     return directory
 
 
@@ -124,17 +183,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    parser.add_argument("--no-gguf", action="store_true", help="leave out GGUF Q4_K_M")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.decode_tokens)))
         return
-    peers = PeerPaths().root
     results = {"shape": args.shape, "uptime": os.getloadavg()}
-    for name, path in (
-        ("gptq-4bit-g128", gptq_checkpoint(args.shape)),
-        ("gguf-q4_k_m", model_file(args.shape, peers)),
-    ):
+    runs = [(fmt, packed_checkpoint(args.shape, fmt)) for fmt in args.formats]
+    if not args.no_gguf:
+        runs.append(("gguf-q4_k_m", model_file(args.shape, PeerPaths().root)))
+    for name, path in runs:
         command = [sys.executable, "-m", "benchmarks.random_gptq", "--child", str(path)]
         command += ["--decode-tokens", str(args.decode_tokens)]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout

@@ -9,7 +9,7 @@ checkpoint's bytes.
 
 The test checkpoints' packing (tests/ct_writer.py) was checked once against
 compressed-tensors 0.20.1's own `PackedQuantizationCompressor.decompress` (not a test
-dependency: it needs loguru and pins torch>=2.10): equal bit for bit in the scale's dtype
+dependency: it pulls loguru and pydantic in): equal bit for bit in the scale's dtype
 for W4 group 128 symmetric, W4 group 32 and per channel asymmetric, W8 per channel
 symmetric and W8 group 128 asymmetric; 0.20.1 no longer reads activation order "group"
 (weight_g_idx), which older llm-compressor checkpoints carry and pagedllm reads as GPTQ's
