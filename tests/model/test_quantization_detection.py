@@ -103,6 +103,7 @@ def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
         (_w4a16(input_activations={"num_bits": 8}), r"activations quantized to 8 bits"),
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme is not read"),
         ({**W4A16, "format": "marlin-24"}, r"format 'marlin-24' is not read"),
+        ({**W4A16, "quantization_status": "frozen"}, r"quantization_status 'frozen'"),
         (W8A8, r"compressed-tensors int-quantized \(W8A8 int channel\)"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"fp8 e4m3 weights"),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),

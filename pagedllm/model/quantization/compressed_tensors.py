@@ -34,6 +34,9 @@ class CompressedTensorsMethod(CheckpointMethod):
         groups = config.get("config_groups") or {}
         if not groups:
             return "a compressed-tensors checkpoint without config_groups is not read"
+        status = config.get("quantization_status", "compressed")
+        if status != "compressed":
+            return f"quantization_status {status!r} (weights not stored compressed) is not read"
         for what in ("sparsity_config", "transform_config", "kv_cache_scheme"):
             if config.get(what):
                 return f"compressed-tensors' {what} is not read"
