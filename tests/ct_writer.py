@@ -109,31 +109,29 @@ def quantize_packed(
     return tensors
 
 
-def _bits_at(words: np.ndarray, index: int, bits: int) -> np.ndarray:
-    """Value `index` of densely packed `bits`-bit values along the last axis of `words`."""
-    word = words[..., index * bits // 32].view(np.uint32)
-    return ((word >> np.uint32(index * bits % 32)) & np.uint32(2**bits - 1)).astype(np.int64)
+def _values(words: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """The first `count` densely packed `bits`-bit values along the last axis of int32
+    `words`: value i is bits `bits * i % 32` up of word `bits * i // 32`."""
+    starts = np.arange(count) * bits
+    chosen = words.view(np.uint32)[..., starts // 32]
+    return ((chosen >> (starts % 32).astype(np.uint32)) & np.uint32(2**bits - 1)).astype(np.int64)
 
 
 def reference_dequantize(tensors: dict[str, torch.Tensor], scheme: CTScheme) -> torch.Tensor:
     """float32 [N, K]: scale[n, g] * (q[n, k] - zero[n, g]) with g the group of input k."""
     out_features, in_features = tensors["weight_shape"].tolist()
-    packed = tensors["weight_packed"].numpy()
     scales = tensors["weight_scale"].double().numpy()
     offset = 2 ** (scheme.bits - 1)
+    q = _values(tensors["weight_packed"].numpy(), in_features, scheme.bits) - offset
     if scheme.symmetric:
         zeros = np.zeros(scales.shape, dtype=np.int64)
     else:
         zero_words = np.ascontiguousarray(tensors["weight_zero_point"].numpy().T)  # [G, words]
-        zeros = np.stack([_bits_at(zero_words, n, scheme.bits) for n in range(out_features)])
-        zeros -= offset
+        zeros = _values(zero_words, out_features, scheme.bits).T - offset
     group_size = in_features // scales.shape[1]
-    g_idx = tensors.get("weight_g_idx", torch.arange(in_features) // group_size).numpy()
-    weight = np.empty((out_features, in_features))
-    for k in range(in_features):
-        q = _bits_at(packed, k, scheme.bits) - offset
-        weight[:, k] = scales[:, g_idx[k]] * (q - zeros[:, g_idx[k]])
-    return torch.from_numpy(weight.astype(np.float32))
+    g_idx = tensors.get("weight_g_idx", torch.arange(in_features) // group_size).long().numpy()
+    weight = scales[:, g_idx] * (q - zeros[:, g_idx])
+    return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
 def write_ct_checkpoint(
