@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gptq_writer import write_quantized_checkpoint
+from gptq_writer import QUANTIZED_LAYERS, write_quantized_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8w + AWQ_ORDER[i]
 MAX_Q = 15
@@ -28,6 +28,7 @@ MAX_Q = 15
 class AWQScheme:
     group_size: int = 128
     version: str = "gemm"
+    not_converted: tuple[str, ...] = ()  # projections left fp32 (`modules_to_not_convert`)
 
     def quantization_config(self) -> dict:
         return {
@@ -36,11 +37,11 @@ class AWQScheme:
             "group_size": self.group_size,
             "zero_point": True,
             "version": self.version,
-            "modules_to_not_convert": None,
+            "modules_to_not_convert": list(self.not_converted) or None,
         }
 
     def __str__(self) -> str:
-        return f"awq-g{self.group_size}"
+        return f"awq-g{self.group_size}" + "".join(f"-{m}-fp32" for m in self.not_converted)
 
 
 def pack_awq(values: torch.Tensor) -> torch.Tensor:
@@ -100,4 +101,5 @@ def write_awq_checkpoint(
         lambda tensors: reference_dequantize(tensors, scheme),
         scheme.quantization_config(),
         seed,
+        tuple(layer for layer in QUANTIZED_LAYERS if layer not in scheme.not_converted),
     )

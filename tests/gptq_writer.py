@@ -144,17 +144,18 @@ def write_quantized_checkpoint(
     dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     quantization_config: dict,
     seed: int = 0,
+    quantized_layers: tuple[str, ...] = QUANTIZED_LAYERS,
 ) -> int:
     """Any format's checkpoint of the fp32 model in `source` (see `write_gptq_checkpoint`):
-    each decoder projection's weight becomes `quantize`'s tensors, named after the layer;
-    the dequantized model holds `dequantize`'s weights. Returns the quantized tensors'
-    bytes."""
+    each decoder projection named in `quantized_layers` becomes `quantize`'s tensors, named
+    after the layer (the others stay fp32); the dequantized model holds `dequantize`'s
+    weights. Returns the quantized tensors' bytes."""
     generator = torch.Generator().manual_seed(seed)
     state = load_file(source / "model.safetensors")
     packed_state, plain_state, quantized_bytes = {}, {}, 0
     for name, tensor in state.items():
         prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
+        if leaf == "weight" and prefix.rpartition(".")[2] in quantized_layers:
             tensors = quantize(tensor, generator)
             packed_state.update({f"{prefix}.{n}": t for n, t in tensors.items()})
             plain_state[name] = dequantize(tensors)
