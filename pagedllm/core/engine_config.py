@@ -38,6 +38,7 @@ from pagedllm.parallel_config import (
     verify_cpu_binding,
     verify_parallel_layout,
 )
+from pagedllm.spec_decode.core.head_config import build_head_config
 
 logger = logging.getLogger("pagedllm")
 
@@ -189,7 +190,7 @@ def build_engine_config(
     )
     lora_config = args.lora_config()
     verify_lora_config(args, model_config)
-    draft_model_config = build_draft_model_config(args, model_config)
+    draft_model_config = build_draft_model_config(args, model_config, parallel_config.world_size)
     cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -271,13 +272,20 @@ def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
             raise ValueError(f"enable_lora is not supported with {what} (yet)")
 
 
-def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
-    """The model that proposes for method "draft_model" (its own path) or "self_quantized"
-    (the target's own file, quantized); None for the model-free methods. Refused: another
+def build_draft_model_config(
+    args: EngineArgs, target: ModelConfig, world_size: int = 1
+) -> ModelConfig | None:
+    """The model that proposes for method "draft_model" (its own path), "self_quantized"
+    (the target's own file, quantized) or an EAGLE head ("eagle3", "eagle": its directory,
+    spec_decode/head_config.py); None for the model-free methods. Refused: another
     vocabulary, a shorter context than the target's, sliding windows."""
     spec = args.speculative_config
     if spec is None or not spec.uses_draft_model:
         return None
+    if spec.uses_head:
+        head = build_head_config(spec, target, world_size)
+        _check_no_windows(target)
+        return head
     if spec.method == "self_quantized":
         source = resolve_model(target.model)
         if target.quantization is not None:
@@ -330,12 +338,17 @@ def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str)
             f"speculative_config: the draft model's context ({draft_len} tokens) is shorter "
             f"than max_model_len={target.max_model_len}; lower max_model_len"
         )
-    for name, config in (("target", target), ("draft", draft)):
+    _check_no_windows(target, draft)
+
+
+def _check_no_windows(target: ModelConfig, draft: ModelConfig | None = None) -> None:
+    models = [("target", target)] + ([("draft", draft)] if draft is not None else [])
+    for name, config in models:
         groups = model_kv_groups(config.hf_config, target.max_model_len)
         if groups.num_groups > 1 or groups.has_windows:
             raise ValueError(
                 f"speculative_config: the {name} model has sliding-window attention, which a "
-                "draft model does not support yet (use method 'ngram' or 'suffix')"
+                "draft model or head does not support yet (use method 'ngram' or 'suffix')"
             )
 
 

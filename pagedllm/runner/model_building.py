@@ -1,6 +1,6 @@
 """What a `ModelRunner` runs on, built once at start-up: the paged KV pool, the model with its
-weights, kernels and attention backend, a speculative draft model with a pool of its own,
-and the decode step through torch.compile.
+weights, kernels and attention backend, a speculative draft model (or EAGLE head) with a
+pool of its own, and the decode step through torch.compile.
 
 `ModelBuilder` owns the decisions of that build (which kernels, which layout, zeroed memory
 and its prefaulting, when compiling is given up); the runner keeps what it returns.
@@ -35,7 +35,9 @@ from pagedllm.parallel_config import num_kv_heads_per_rank
 from pagedllm.runner.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.runner.huge_pages import place_weights_on_huge_pages, release_free_heap
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
+from pagedllm.spec_decode.runner import eagle_loading
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
+from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +218,43 @@ class ModelBuilder:
             self.config.model_config.max_model_len,
             self.device,
             compiled,
+        )
+        return proposer, pool
+
+    def build_head(
+        self, head_config: ModelConfig, num_blocks: int, target: BuiltModel
+    ) -> tuple[EagleDrafts, list[KVCache]]:
+        """An EAGLE head's proposer (method "eagle3" / "eagle"), on the target's kernels and
+        sharing what its checkpoint lacks with the target, and its KV pool of the same
+        `num_blocks` blocks as the target's (as a draft model's)."""
+        speculative_config = self.config.speculative_config
+        assert speculative_config is not None
+        tensors = eagle_loading.read_head_tensors(head_config.model)
+        with torch.device(self.device):
+            head, target_states = eagle_loading.build_head(
+                speculative_config.method,
+                head_config.hf_config,
+                tensors,
+                target.model,
+                target.attention_backend,
+                head_config.dtype,
+                head_config.max_model_len,
+                target.kernels,
+            )
+        if self.device.type == "cpu":
+            pack_linear_weights(head)  # its own layers only: what it shares is packed already
+        shape = (num_blocks, self.block_size, head_config.num_kv_heads, head_config.head_dim)
+        dtype = self.config.cache_config.cache_dtype
+        pool = [kv_cache_entry(shape, dtype, self.zeros) for _ in range(head_config.num_layers)]
+        head.bind_kv_cache(pool)
+        proposer = EagleDrafts(
+            speculative_config,
+            head,
+            target_states,
+            target.attention_backend,
+            self.block_size,
+            self.config.model_config.max_model_len,
+            self.device,
         )
         return proposer, pool
 

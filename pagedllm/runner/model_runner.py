@@ -23,7 +23,9 @@ batch before laying it out. A stage after the first receives the previous stage'
 on; the last stage's ranks compute logits together (only the sampling rank gets them) and
 only the sampling rank samples. It alone proposes speculative drafts: a draft model is
 loaded there only, whole (model_building.py), with its own KV of every layer and head, and
-reads the full token history the sampling rank's batch holds.
+reads the full token history the sampling rank's batch holds. An EAGLE head (one rank only)
+is also handed the target's hidden states of every forward (`_hand_target_states`: the
+output, or the layers `HiddenStateTap` keeps), so it needs no second pass.
 
 Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
 benchmarks time and capture steps without patching the runner.
@@ -47,6 +49,7 @@ from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group, get_
 from pagedllm.errors import describe_error
 from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
 from pagedllm.lora.runner.model_manager import LoRAModelManager
+from pagedllm.model.hidden_tap import HiddenStateTap
 from pagedllm.model.loader import ModelSource
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.parallel_config import pipeline_stage_layers
@@ -54,7 +57,7 @@ from pagedllm.runner import kv_integrity
 from pagedllm.runner.input_batch import InputBatch, to_device
 from pagedllm.runner.kv_pool_ranges import publish_kv_pool_ranges
 from pagedllm.runner.kv_prefault import KVCachePrefaulter
-from pagedllm.runner.model_building import ModelBuilder
+from pagedllm.runner.model_building import BuiltModel, ModelBuilder
 from pagedllm.runner.pooler import Pooler
 from pagedllm.runner.sampling_stage import (
     SamplingStage,
@@ -137,6 +140,8 @@ class ModelRunner:
         self._forward_observers: list[ForwardObserver] = []
         # Speculative decoding: what proposes each request's next tokens (None: off).
         self.proposer = build_proposer(config.speculative_config)
+        # The target's layers an EAGLE-3 head reads, kept during each forward (None: none).
+        self._target_tap: HiddenStateTap | None = None
         # LoRA: the adapters and the model's LoRA layers (None: enable_lora is off).
         self.lora_manager: LoRAModelManager | None = None
         # KV tiers: host memory, disk, a peer instance (None: off).
@@ -175,13 +180,14 @@ class ModelRunner:
         # Drafts are proposed where tokens are sampled and verified; the other ranks run the
         # verification step's rows from the scheduler's token ids, as with ngram.
         if draft_config is not None and self.is_sampling_rank:
-            num_blocks = self.kv_cache_pool[0][0].shape[0]
-            self.proposer, self.draft_kv_pool = builder.build_draft_model(
-                draft_config, num_blocks, self.attention_backend
-            )
+            self._build_draft(draft_config)
         # Eager with several ranks: a compiled graph traces neither the collectives of
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
         compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
+        if compile_decode and self._target_tap is not None:
+            # The compiled graph would not hand the tapped layers' states over.
+            logger.warning("compile: an EAGLE-3 head reads the target's layers; steps stay eager")
+            compile_decode = False
         self.compiled_decode = (
             builder.compile_decode(self.model, self.attention_backend, self.num_kv_groups)
             if compile_decode
@@ -195,6 +201,36 @@ class ModelRunner:
         publish_kv_pool_ranges([*self.kv_block_tensors(), *host_tier])  # only where a soak asks
         # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
+
+    def _build_draft(self, draft_config) -> None:
+        """The draft model or EAGLE head with its KV pool; an EAGLE-3 head's tap on the
+        target's layers."""
+        num_blocks = self.kv_cache_pool[0][0].shape[0]
+        spec = self.config.speculative_config
+        assert spec is not None
+        if not spec.uses_head:
+            self.proposer, self.draft_kv_pool = self.builder.build_draft_model(
+                draft_config, num_blocks, self.attention_backend
+            )
+            return
+        target = BuiltModel(self.model, self.kernels, self.attention_backend)
+        self.proposer, self.draft_kv_pool = self.builder.build_head(
+            draft_config, num_blocks, target
+        )
+        states = self.proposer.target_states
+        if states is not None and states.layers:
+            self._target_tap = HiddenStateTap(states.layers)
+            self.model.model.hidden_tap = self._target_tap
+
+    def _hand_target_states(self, req_ids, rows, num_scheduled, hidden_states) -> None:
+        """The step's target hidden states to a proposer that reads them (an EAGLE head)."""
+        proposer = self.proposer
+        if proposer is None or proposer.target_states is None:
+            return
+        tap = self._target_tap
+        states = tap.take() if tap is not None else hidden_states
+        first_positions = self.input_batch.num_computed_tokens[rows]
+        proposer.observe_target(req_ids, first_positions, num_scheduled, states)
 
     # ---- observers and checks -----------------------------------------------------------
     def add_forward_observer(self, observer: ForwardObserver) -> None:
@@ -267,6 +303,7 @@ class ModelRunner:
         if not self.is_last_stage:
             self._send_to_next_stage(hidden_states)
             return output
+        self._hand_target_states(req_ids, rows, num_scheduled, hidden_states)
         if self.pooler is not None:
             if self.is_sampling_rank:
                 starts = self.input_batch.num_computed_tokens[rows].tolist()

@@ -14,7 +14,11 @@ import numpy as np
 
 from pagedllm.value_checks import check_known_keys, json_object
 
-METHODS = ("ngram", "suffix", "draft_model", "self_quantized")
+METHODS = ("ngram", "suffix", "draft_model", "self_quantized", "eagle", "eagle3")
+# Methods whose `model` is a light head on the target's hidden states.
+HEAD_METHODS = ("eagle", "eagle3")
+# Methods with a `model` of their own (a directory).
+MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 SELF_QUANTIZATIONS = ("gguf", "int8")
 # vLLM's defaults for prompt lookup when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -37,6 +41,12 @@ class SpeculativeConfig:
     - "self_quantized": the target's own weights, quantized (`quantization` "gguf": the GGUF
       file's blocks kept quantized; "int8": int8 weights), propose for the full-precision
       target.
+    - "eagle3" / "eagle": an EAGLE-3 / EAGLE head (`model`, its directory) drafts from the
+      target's hidden states of the step that verified (EAGLE-3: three of its layers;
+      EAGLE: its last, normed), chained token by token.
+
+    `draft_tensor_parallel_size`: the draft (a model or a head) runs whole on the sampling
+    rank, so only 1 is accepted (vLLM's key; other values are refused, not ignored).
 
     The target verifies every proposal in one forward pass; the rejection sampler keeps its
     output distribution exact (greedy output is token for token the same).
@@ -49,6 +59,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
     disable_by_batch_size: int | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
@@ -115,17 +126,18 @@ class SpeculativeConfig:
             )
 
     def _check_model(self) -> None:
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             if not isinstance(self.model, str) or not self.model:
+                what = "head's directory" if self.method in HEAD_METHODS else "draft model's path"
                 raise ValueError(
-                    "speculative_config.model (the draft model's path) is required for "
-                    "method 'draft_model'"
+                    f"speculative_config.model (the {what}) is required for method {self.method!r}"
                 )
         elif self.model is not None:
             raise ValueError(
-                f"speculative_config.model applies to method 'draft_model' only, got method "
-                f"{self.method!r}"
+                f"speculative_config.model applies to methods {list(MODEL_METHODS)} only, got "
+                f"method {self.method!r}"
             )
+        self._check_draft_tensor_parallel_size()
         if self.method == "self_quantized":
             if self.quantization not in SELF_QUANTIZATIONS:
                 raise ValueError(
@@ -139,10 +151,32 @@ class SpeculativeConfig:
                 f"'draft_model', got method {self.method!r}"
             )
 
+    def _check_draft_tensor_parallel_size(self) -> None:
+        size = self.draft_tensor_parallel_size
+        if size is None:
+            return
+        if not self.uses_draft_model:
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size applies to methods with a draft "
+                f"model or head, got method {self.method!r}"
+            )
+        _check_positive("draft_tensor_parallel_size", size)
+        if size != 1:
+            raise ValueError(
+                "speculative_config.draft_tensor_parallel_size must be 1: the draft runs whole "
+                f"on the sampling rank (a split draft is not served yet), got {size}"
+            )
+
     @property
     def uses_draft_model(self) -> bool:
-        """True when a second model proposes (its KV cache needs lookahead slots)."""
-        return self.method in ("draft_model", "self_quantized")
+        """True when a second model proposes (its KV cache needs lookahead slots): a draft
+        model, the quantized self-draft, or an EAGLE head."""
+        return self.method in ("draft_model", "self_quantized", *HEAD_METHODS)
+
+    @property
+    def uses_head(self) -> bool:
+        """True when the proposer reads the target's hidden states (EAGLE heads)."""
+        return self.method in HEAD_METHODS
 
     @property
     def num_lookahead_tokens(self) -> int:

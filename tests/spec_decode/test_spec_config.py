@@ -57,7 +57,7 @@ def test_parse_from_dict_and_json():
         ),
         ({"method": "suffix", "prompt_lookup_min": 2}, "applies to method 'ngram' only"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'draft_model' only"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'eagle3'] only"),
         ({"method": "self_quantized", "num_speculative_tokens": 2}, "quantization"),
         (
             {"method": "self_quantized", "num_speculative_tokens": 2, "quantization": "fp4"},

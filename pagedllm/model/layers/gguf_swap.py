@@ -93,14 +93,14 @@ def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
 def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shard]]:
     """Module name -> {shard id (None unless fused): (HF name, GGUF type, raw rows)}."""
     from pagedllm.model.gguf_loader import iter_gguf_raw_weights
-    from pagedllm.model.models.llama import _fused_name
+    from pagedllm.model.models.llama import fused_param_name
 
     tied = getattr(model, "tie_word_embeddings", False)
     shards: dict[str, dict[str | None, Shard]] = {}
     kernel_types = frozenset(KERNEL_TYPES) | frozenset(REPACKED_TYPES)
     for hf_name, file_type, file_raw in iter_gguf_raw_weights(path, model.config, kernel_types):
         raw, ggml_type = as_kernel_type(file_raw, file_type)
-        param_name, shard_id = _fused_name(hf_name)
+        param_name, shard_id = fused_param_name(hf_name)
         module = param_name.removesuffix(".weight")
         shards.setdefault(module, {})[shard_id] = (hf_name, ggml_type, raw)
         if tied and module == EMBEDDING:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.model.hidden_tap import HiddenStateTap
 from pagedllm.model.layers.attention import Attention, bind_kv_caches, layer_sliding_windows
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.norm import RMSNorm
@@ -207,6 +208,8 @@ class LlamaModel(nn.Module):
         if self.is_last_stage:
             self.norm = self.make_norm(config, dtype, kernels)
         self.rotary = self.make_rotary(config, max_len, kernels)
+        # Layers whose residual stream a speculative head reads (None: no reader).
+        self.hidden_tap: HiddenStateTap | None = None
 
     def make_norm(self, config: Any, dtype: torch.dtype, kernels: KernelSelection) -> nn.Module:
         """The final norm."""
@@ -221,6 +224,21 @@ class LlamaModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def _tapped_layers(self, layers, x, residual, positions, metadata):
+        """The layer loop, the stream kept at the tap's layers (a speculative head reads
+        them; see hidden_tap.py)."""
+        tap = self.hidden_tap
+        assert tap is not None
+        tap.clear()  # what a forward nobody read (one that raised, say) left behind
+        first = self.stage_layers.start if self.pipelined else 0
+        for index, layer in enumerate(layers, start=first):
+            if index in tap.layers:
+                tap.keep(x, residual)
+            x, residual = layer(x, residual, positions, self.rotary_for(layer), metadata)
+        if first + len(layers) in tap.layers:
+            tap.keep(x, residual)
+        return x, residual
 
     def own_layers(self) -> list[nn.Module]:
         """This stage's decoder layers, in order."""
@@ -241,8 +259,11 @@ class LlamaModel(nn.Module):
         layers = self.layers
         if self.pipelined:  # one stage: the plain loop, as the compiled decode step traces it
             layers = self.layers[self.stage_layers.start : self.stage_layers.stop]
-        for layer in layers:
-            x, residual = layer(x, residual, positions, self.rotary_for(layer), metadata)
+        if self.hidden_tap is None:
+            for layer in layers:
+                x, residual = layer(x, residual, positions, self.rotary_for(layer), metadata)
+        else:
+            x, residual = self._tapped_layers(layers, x, residual, positions, metadata)
         if not self.is_last_stage:
             return IntermediateTensors(x, residual)
         return self.norm(x, residual)[0]
@@ -359,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
         """(parameter name, shard id or None) that checkpoint tensor `name` loads into. A
         subclass maps its own names first (an MoE's per-expert tensors, whose gate_proj and
         up_proj are no dense gate/up shards)."""
-        return _fused_name(name)
+        return fused_param_name(name)
 
     def _on_other_stage(self, param_name: str) -> bool:
         """A parameter another pipeline stage holds (this one skips it)."""
@@ -371,7 +392,9 @@ class LlamaForCausalLM(nn.Module):
         return parts[:2] in (["model", "embed_tokens"], ["model", "norm"]) or parts[0] == "lm_head"
 
 
-def _fused_name(name: str) -> tuple[str, str | None]:
+def fused_param_name(name: str) -> tuple[str, str | None]:
+    """(parameter name, shard id or None) of checkpoint tensor `name`: q/k/v and gate/up
+    projections load into their fused parameters."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in _FUSED_SHARDS:

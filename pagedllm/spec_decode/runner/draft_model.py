@@ -13,7 +13,7 @@ is caught up later. A preempted request's blocks are new, so its draft KV starts
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,6 +26,15 @@ from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
 if TYPE_CHECKING:
     from pagedllm.runner.compiled_forward import CompiledDecode
     from pagedllm.runner.input_batch import InputBatch
+
+
+class Spans(NamedTuple):
+    """Positions [start, end) of several requests as one flattened forward."""
+
+    metadata: Any  # the attention backend's
+    positions: np.ndarray  # per token
+    token_row: np.ndarray  # per token: its request's index among the spans
+    last_rows: np.ndarray  # per request: its last token's index in the forward
 
 
 class DraftModelDrafts(Proposer):
@@ -102,6 +111,19 @@ class DraftModelDrafts(Proposer):
         """The tokens at positions [start, end) of each row through the draft (their KV
         written): the logits at each row's last position. `token_ids`: one token per row
         to run instead of the batch's (a draft, not yet one of the request's tokens)."""
+        spans = self._spans(batch, rows, starts, ends)
+        if token_ids is None:
+            token_ids = batch.token_ids[rows[spans.token_row], spans.positions]
+        input_ids, positions = self._tensor(token_ids), self._tensor(spans.positions)
+        if self.compiled is not None and self.compiled.applies(ends - starts):
+            hidden = self.compiled(input_ids, positions, spans.metadata)
+        else:
+            hidden = self.model(input_ids, positions, spans.metadata)
+        return self.model.compute_logits(hidden[self._tensor(spans.last_rows)])
+
+    def _spans(self, batch: InputBatch, rows, starts, ends) -> Spans:
+        """The layout of positions [start, end) of each row, flattened, on the draft's KV
+        (the rows' block tables: the same blocks as the target's)."""
         counts = ends - starts
         query_start_loc = np.concatenate(([0], np.cumsum(counts)))
         token_row = np.repeat(np.arange(len(rows)), counts)
@@ -116,14 +138,7 @@ class DraftModelDrafts(Proposer):
             seq_lens=ends,
         )
         metadata = self.attention_backend.build_metadata(layout, self.device)
-        if token_ids is None:
-            token_ids = batch.token_ids[rows[token_row], positions]
-        input_ids, positions = self._tensor(token_ids), self._tensor(positions)
-        if self.compiled is not None and self.compiled.applies(counts):
-            hidden = self.compiled(input_ids, positions, metadata)
-        else:
-            hidden = self.model(input_ids, positions, metadata)
-        return self.model.compute_logits(hidden[self._tensor(query_start_loc[1:] - 1)])
+        return Spans(metadata, positions, token_row, query_start_loc[1:] - 1)
 
     def _keep_probs(self, request_ids: list[str], probs: list[torch.Tensor | None]) -> None:
         if probs[0] is None:  # every request is greedy

@@ -4,11 +4,14 @@ The runner tells a proposer which requests it holds (`add_request`, `remove_requ
 after each step, asks it for the tokens to follow each request that sampled (`propose`),
 from the request's verified tokens in the runner's persistent batch. `draft_probs` gives the
 probabilities a proposal was sampled from (None: a deterministic proposal), which the
-rejection sampler needs for requests that sample.
+rejection sampler needs for requests that sample. A proposer that reads the target's hidden
+states (an EAGLE head) names them (`target_states`) and is handed them after each forward
+(`observe_target`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,11 +26,35 @@ if TYPE_CHECKING:
     from pagedllm.runner.input_batch import InputBatch
 
 
+@dataclass(frozen=True)
+class TargetStates:
+    """The target's hidden states a proposer reads after every forward, without a second
+    pass: `layers` empty, the model's output (after the final norm: EAGLE, Medusa); else the
+    residual stream entering those layers, side by side (EAGLE-3; model/hidden_tap.py)."""
+
+    layers: tuple[int, ...] = ()
+
+
 class Proposer:
     """The interface; the default hooks do nothing (a stateless proposer)."""
 
+    # What `observe_target` is handed (None: it is never called).
+    target_states: TargetStates | None = None
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+
+    def observe_target(
+        self,
+        request_ids: list[str],
+        first_positions: np.ndarray,
+        num_tokens: np.ndarray,
+        states: torch.Tensor,
+    ) -> None:
+        """After every forward of the target (before sampling): `states` [tokens, width]
+        of the step's flattened tokens, request i's `num_tokens[i]` rows at positions from
+        `first_positions[i]` (drafts the step verifies included: rows past what is
+        accepted are not the request's)."""
 
     def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
         pass

@@ -1,0 +1,76 @@
+"""What an EAGLE head's directory must hold to draft for a target, checked when the engine
+config is built: its config (a Llama layer or a few; `LlamaForCausalLMEagle3`-style for
+"eagle3"), the target layers an EAGLE-3 head reads, and what does not compose yet.
+
+The head's `ModelConfig` sizes its KV in the pool (its own layers, same blocks as the
+target's) as a draft model's does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import ModelConfig
+from pagedllm.model.loader import load_hf_config, resolve_model
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.head_layers import aux_layers
+
+
+def build_head_config(
+    spec: SpeculativeConfig, target: ModelConfig, parallel_world_size: int
+) -> ModelConfig:
+    """The head's `ModelConfig`; a ValueError naming what does not fit the target."""
+    assert spec.uses_head and spec.model is not None
+    if parallel_world_size > 1:
+        raise ValueError(
+            f"speculative_config: method {spec.method!r} is served with one rank only for now "
+            "(tensor_parallel_size=1, pipeline_parallel_size=1): the head reads the target's "
+            "hidden states and shares its embedding on one rank"
+        )
+    source = resolve_model(spec.model)
+    if source.is_gguf:
+        raise ValueError(f"speculative_config: an EAGLE head is a directory, got {spec.model!r}")
+    config = load_hf_config(source)
+    _check_head(spec.method, config, target, source.path)
+    return ModelConfig(
+        model=source.path,
+        hf_config=config,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        eos_token_ids=target.eos_token_ids,
+        seed=target.seed,
+        max_logprobs=target.max_logprobs,
+    )
+
+
+def _check_head(method: str, config: Any, target: ModelConfig, path: str) -> None:
+    where = f"speculative_config: the {method} head {path!r}"
+    if getattr(config, "num_hidden_layers", 0) < 1:
+        raise ValueError(f"{where} has no decoder layer (num_hidden_layers)")
+    if config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{where} has vocab_size {config.vocab_size}, the target {target.vocab_size}: a "
+            "head drafts in its target's vocabulary (a smaller one is draft_vocab_size)"
+        )
+    if getattr(config, "add_para_norm", False):
+        raise ValueError(f"{where} is a HASS head (add_para_norm), which is not served yet")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"{where} has sliding-window attention, which is not served")
+    target_hidden = target.hf_config.hidden_size
+    if method == "eagle":
+        if config.hidden_size != target_hidden:
+            raise ValueError(
+                f"{where} has hidden_size {config.hidden_size}, the target {target_hidden}: an "
+                "EAGLE head reads the target's hidden states as they are"
+            )
+        return
+    eagle_config = getattr(config, "eagle_config", None) or {}
+    if eagle_config.get("use_aux_hidden_state") is False:
+        raise ValueError(f"{where} reads no auxiliary layers (use_aux_hidden_state), not served")
+    aux_layers(config, target.num_layers)
+    own_target_hidden = getattr(config, "target_hidden_size", None)
+    if own_target_hidden is not None and own_target_hidden != target_hidden:
+        raise ValueError(
+            f"{where} was trained on a target of hidden size {own_target_hidden}, this one "
+            f"has {target_hidden}"
+        )

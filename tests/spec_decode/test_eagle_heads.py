@@ -1,0 +1,434 @@
+"""EAGLE-3 and EAGLE heads on tiny random targets, with random heads written in each
+published layout (tests/eagle_writer.py): loading, greedy output equal to no speculation
+(under chunked prefill, preemption, prefix caching, n > 1, structured output), seeded
+sampling reproducible, the draft vocabulary's proposals under rejection sampling distributed
+as the target's, and a head that copies its target accepting every draft."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from eagle_writer import write_eagle3_head, write_eagle_head
+from model_utils import (
+    compare_to_reference_engine,
+    greedy_with_logprobs,
+    make_tiny_model,
+    model_runner,
+)
+from test_rejection_sampler import TARGET_ROWS, assert_frequencies_match, uniform_metadata
+from transformers import AutoConfig
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.model.hidden_tap import HiddenStateTap
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.runner.eagle_head import Eagle3Head
+from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
+from pagedllm.spec_decode.runner.rejection_sampler import (
+    draft_sample,
+    rejection_sample,
+    target_probs,
+)
+from pagedllm.spec_decode.runner.target_state_buffer import PendingStates
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11] * 5,
+    [40, 41, 42, 43] * 6 + [17, 18],
+    list(range(100, 130)),
+    [3, 200, 7, 90, 45, 300, 12, 8],
+    [70, 71, 72, 73, 74, 75] * 4,
+    list(range(250, 262)),
+]
+MAX_TOKENS = 40
+# The tiny target has 2 layers: vLLM's default (2, 1, -1) does not fit it.
+AUX_LAYERS = [0, 1, 2]
+
+
+def engine(directory, speculative_config=None, **engine_args) -> LLM:
+    settings = {"max_model_len": 256, "kv_cache_memory": "8MiB", **engine_args}
+    return LLM(str(directory), speculative_config=speculative_config, **settings)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_llama, tmp_path_factory) -> dict[str, dict]:
+    """A speculative_config per head layout."""
+    target = AutoConfig.from_pretrained(tiny_llama)
+    root = tmp_path_factory.mktemp("eagle-heads")
+    eagle3 = write_eagle3_head(root / "eagle3", target, draft_vocab_size=200, aux_layers=AUX_LAYERS)
+    shared_vocab = write_eagle3_head(
+        root / "eagle3-own-embeddings", target, aux_layers=AUX_LAYERS, own_embeddings=True
+    )
+    eagle = write_eagle_head(root / "eagle", target, bin_file=True)  # pytorch_model.bin
+    return {
+        "eagle3": {"method": "eagle3", "model": str(eagle3), "num_speculative_tokens": 3},
+        "eagle3-full-vocab": {
+            "method": "eagle3",
+            "model": str(shared_vocab),
+            "num_speculative_tokens": 2,
+        },
+        "eagle": {"method": "eagle", "model": str(eagle), "num_speculative_tokens": 4},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    return greedy_with_logprobs(engine(tiny_llama), PROMPTS, MAX_TOKENS)
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def test_heads_load_in_each_layout(tiny_llama, heads):
+    llm = engine(tiny_llama, heads["eagle3"])
+    runner = model_runner(llm)
+    head = runner.proposer.model
+    assert isinstance(runner.proposer, EagleDrafts)
+    assert runner.proposer.target_states.layers == tuple(AUX_LAYERS)
+    assert runner.model.model.hidden_tap.layers == tuple(AUX_LAYERS)
+    assert head.embed_tokens is None and head.draft_vocab_size == 200
+    # d2t as written: the draft vocabulary's tokens, in order, among the target's.
+    targets = torch.arange(200) + head.d2t
+    assert bool((targets[1:] > targets[:-1]).all()) and int(targets[-1]) < 512
+    # One layer of KV, of the target's blocks.
+    assert len(runner.draft_kv_pool) == 1
+    assert runner.draft_kv_pool[0][0].shape == runner.kv_cache_pool[0][0].shape
+
+    own = model_runner(engine(tiny_llama, heads["eagle3-full-vocab"])).proposer.model
+    assert own.embed_tokens is not None and not bool(own.d2t.any())
+
+    eagle = model_runner(engine(tiny_llama, heads["eagle"]))
+    assert eagle.proposer.target_states.layers == ()  # the target's normed output
+    assert eagle.model.model.hidden_tap is None
+    assert eagle.proposer.model.fc.bias is not None
+    assert eagle.proposer.model.embed_tokens is None  # vLLM serves EAGLE on the target's
+
+
+def test_eagle3_reads_vllms_default_layers(tmp_path):
+    """Without layer ids in its config, an EAGLE-3 head reads layers 2, L // 2 and L - 3."""
+    target_dir = make_tiny_model("LlamaForCausalLM", tmp_path / "target", num_hidden_layers=8)
+    head = write_eagle3_head(tmp_path / "head", AutoConfig.from_pretrained(target_dir))
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    runner = model_runner(engine(target_dir, config))
+    assert runner.proposer.target_states.layers == (2, 4, 5)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "head's directory"),
+        (
+            {"method": "eagle", "model": "x", "num_speculative_tokens": 2, "quantization": "int8"},
+            "quantization applies",
+        ),
+        (
+            {
+                "method": "eagle3",
+                "model": "x",
+                "num_speculative_tokens": 2,
+                "draft_tensor_parallel_size": 2,
+            },
+            "must be 1",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "applies to methods with a draft",
+        ),
+    ],
+)
+def test_head_configs_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(config)
+
+
+def test_what_does_not_fit_the_target_is_refused(tiny_llama, tiny_model_factory, tmp_path):
+    target = AutoConfig.from_pretrained(tiny_llama)
+    # Default layers of a 2-layer target: (2, 1, -1).
+    head = write_eagle3_head(tmp_path / "defaults", target)
+    with pytest.raises(ValueError, match="reads target layers"):
+        engine(tiny_llama, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+    other = AutoConfig.from_pretrained(tiny_model_factory("Qwen2ForCausalLM"))
+    other.vocab_size = 1000
+    head = write_eagle_head(tmp_path / "vocab", other)
+    with pytest.raises(ValueError, match="vocab_size 1000"):
+        engine(tiny_llama, {"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
+    good = write_eagle_head(tmp_path / "good", target)
+    config = {"method": "eagle", "model": str(good), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="one rank only"):
+        engine(tiny_llama, config, tensor_parallel_size=2)
+
+
+# ---- exactness --------------------------------------------------------------------------
+
+
+# Prompts prefilled in chunks, drafts clipped by the budget, and a pool too small for every
+# request at once (the head's KV shares it): preemption.
+CHUNKED_PREEMPTED = {
+    "max_num_batched_tokens": 16,
+    "max_model_len": 96,
+    "kv_cache_memory": 14 * 8192,
+}
+
+
+@pytest.mark.parametrize(
+    ("head", "layout"),
+    [
+        ("eagle3", {}),
+        ("eagle3-full-vocab", {}),
+        ("eagle", {}),
+        ("eagle3", CHUNKED_PREEMPTED),
+        # ~12 s each on two busy cores.
+        pytest.param("eagle3-full-vocab", CHUNKED_PREEMPTED, marks=pytest.mark.slow),
+        pytest.param("eagle", CHUNKED_PREEMPTED, marks=pytest.mark.slow),
+    ],
+    ids=lambda value: (
+        value if isinstance(value, str) else ("chunked-preempted" if value else "plain")
+    ),
+)
+def test_greedy_equals_no_speculation(tiny_llama, heads, reference, report_ties, head, layout):
+    llm = engine(tiny_llama, heads[head], **layout)
+    actual = greedy_with_logprobs(llm, PROMPTS, MAX_TOKENS)
+    ties, _ = compare_to_reference_engine(reference, actual, tie_tolerance=1e-4)
+    report_ties(ties, len(PROMPTS))
+    stats = llm.get_stats()
+    assert stats.spec_decode is not None and stats.spec_decode.num_drafts > 0
+    if layout:
+        assert stats.num_preemptions > 0
+    kv = llm.llm_engine.engine_core.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
+
+
+@pytest.mark.slow  # ~18 s on two busy cores
+def test_prefix_hits_parallel_samples_and_seeds(tiny_llama, heads):
+    """Prompts again (prefix-cache hits: the head has no target states there), n = 3, and a
+    seeded request sampling the same tokens whatever else is in the batch."""
+    plain, spec = engine(tiny_llama), engine(tiny_llama, heads["eagle3"])
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),  # cached now
+        SamplingParams(temperature=0, max_tokens=16, n=3, ignore_eos=True),
+    ):
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = spec.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(want, got, strict=True):
+            assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert spec.get_stats().prefix_cache_hits > 0
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11)
+    alone = spec.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
+    batch = spec.generate(
+        [prompts[0], {"prompt_token_ids": PROMPTS[1]}, prompts[2]],
+        [SamplingParams(temperature=1.0, max_tokens=24), seeded, SamplingParams(max_tokens=5)],
+        use_tqdm=False,
+    )
+    assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert spec.get_stats().spec_decode.num_drafts > 0
+
+
+def test_structured_output_with_a_head(tiny_llama, heads):
+    """Drafts the grammar forbids (a digit) are cut, the others verified; greedy output is
+    the same as without speculation and matches the pattern."""
+    pattern = r"[^0-9]{10,40}"
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    prompts = ["No digits: ", "Still none 12"]
+    want = engine(tiny_llama).generate(prompts, params, use_tqdm=False)
+    spec = engine(tiny_llama, heads["eagle"])
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
+    assert spec.get_stats().spec_decode.num_drafts > 0
+
+
+@pytest.fixture(scope="module")
+def bigram_target(tmp_path_factory):
+    """A one-layer target whose attention adds nothing (o_proj zero): each token's logits
+    depend on that token alone."""
+    from safetensors.torch import load_file, save_file
+
+    directory = make_tiny_model(
+        "LlamaForCausalLM", tmp_path_factory.mktemp("bigram"), num_hidden_layers=1
+    )
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.weight"].zero_()
+    tensors["model.norm.weight"].fill_(1.0)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory, tensors
+
+
+def test_an_eagle_head_that_copies_its_target_accepts_every_draft(bigram_target, tmp_path):
+    """An EAGLE head whose fc passes the embedding through and whose layer is the target's
+    proposes exactly the target's greedy tokens (the head at position p reads token p + 1),
+    chained: every draft is accepted."""
+    from eagle_writer import head_config, write_head
+
+    directory, target = bigram_target
+    config = AutoConfig.from_pretrained(directory)
+    hidden = config.hidden_size
+    tensors = {
+        name.removeprefix("model."): tensor
+        for name, tensor in target.items()
+        if name.startswith("model.layers.0.")
+    }
+    tensors["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    head = write_head(tmp_path / "copy", head_config(config), tensors)
+    spec_config = {"method": "eagle", "model": str(head), "num_speculative_tokens": 4}
+    plain, spec = engine(directory), engine(directory, spec_config)
+    want = greedy_with_logprobs(plain, PROMPTS, 24)
+    got = greedy_with_logprobs(spec, PROMPTS, 24)
+    compare_to_reference_engine(want, got, tie_tolerance=1e-4)
+    counts = spec.get_stats().spec_decode
+    assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
+
+
+def test_a_head_proposes_for_lora_requests(tiny_llama, heads, tmp_path):
+    """The head reads the hidden states of the target with each request's adapter and
+    proposes without adapters of its own; the target verifies: tokens as without a head."""
+    from lora_utils import make_peft_adapter
+
+    adapter = make_peft_adapter(tiny_llama, tmp_path / "adapter", seed=7)
+    loras = [None, LoRARequest("a", 1, str(adapter))] * 2
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[0], PROMPTS[2], PROMPTS[2])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = engine(tiny_llama, enable_lora=True)
+    spec = engine(tiny_llama, heads["eagle3"], enable_lora=True)
+    want = plain.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    got = spec.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert want[0].outputs[0].token_ids != want[1].outputs[0].token_ids  # the adapter counts
+    assert spec.get_stats().spec_decode.num_drafts > 0
+
+
+def test_steps_that_do_not_speculate_still_consume_the_states(tiny_llama, heads):
+    """With disable_by_batch_size the head proposes nothing in large steps but catches up,
+    so a request's target states are never held longer than its prompt's; a request alone
+    then speculates."""
+    config = {**heads["eagle3"], "disable_by_batch_size": 2}
+    llm = engine(tiny_llama, config, max_num_batched_tokens=16)  # prompts held over steps
+    runner = model_runner(llm)
+    held: list[int] = []
+
+    def record(step) -> None:
+        pending = runner.proposer._pending.values()
+        held.append(max((p.end - p.start for p in pending), default=0))
+
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with runner.forward_observer(record):
+        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert llm.get_stats().spec_decode.num_drafts == 0
+    assert 0 < max(held) <= max(len(p) for p in PROMPTS)
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert llm.get_stats().spec_decode.num_drafts > 0
+
+
+def test_compile_leaves_steps_eager_for_an_eagle3_head(tiny_llama, heads, pagedllm_log):
+    """A compiled step would not hand the tapped layers over: the target stays eager."""
+    llm = engine(tiny_llama, heads["eagle3"], compile=True)
+    assert model_runner(llm).compiled_decode is None
+    assert "steps stay eager" in pagedllm_log.text
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = engine(tiny_llama).generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    got = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+# ---- sampling through a draft vocabulary --------------------------------------------------
+
+
+def test_draft_vocabulary_proposals_keep_the_target_distribution():
+    """An EAGLE-3 head's logits over 5 of the target's 8 tokens (d2t) become -inf elsewhere;
+    its sampled drafts, verified by the rejection sampler, emit the target's distribution,
+    tokens outside the draft vocabulary included."""
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=8,
+        intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        vocab_size=8,
+        draft_vocab_size=5,
+    )
+    head = Eagle3Head(config, None, torch.float32, 16, _torch_kernels(), False, True, 8, 3)
+    kept = torch.tensor([0, 2, 3, 5, 7])
+    head.d2t.copy_(kept - torch.arange(5))
+    torch.manual_seed(3)
+    head.lm_head.weight.copy_(torch.randn(5, 8))
+    logits = head.compute_logits(torch.randn(2, 8))
+    assert torch.isinf(logits[:, [1, 4, 6]]).all() and torch.isfinite(logits[:, kept]).all()
+
+    num_trials = 4000
+    temps = torch.ones(num_trials)
+    steps = [draft_sample(row.repeat(num_trials, 1), temps, {}) for row in logits]
+    drafts = torch.stack([ids for ids, _ in steps], dim=1)
+    assert bool(torch.isin(drafts, kept).all())
+    q = torch.stack([probs for _, probs in steps], dim=1)
+    out = rejection_sample(
+        TARGET_ROWS.repeat(num_trials, 1),
+        drafts.tolist(),
+        list(q),
+        uniform_metadata(num_trials, 1.0),
+    )
+    p = target_probs(TARGET_ROWS, torch.ones(3)).double()
+    assert_frequencies_match(torch.tensor([tokens[0] for tokens in out]), p[0])
+    second = torch.tensor([tokens[1] for tokens in out if len(tokens) >= 2])
+    assert_frequencies_match(second, p[1])
+
+
+def _torch_kernels():
+    from pagedllm.ops.kernel_selection import TORCH_KERNELS
+
+    return TORCH_KERNELS
+
+
+# ---- the hidden states handed over ----------------------------------------------------------
+
+
+def test_tap_keeps_the_stream_entering_each_layer(tiny_llama):
+    """Layer i's tapped state is the residual stream entering it; index num_layers is the
+    last layer's output before the final norm (Transformers' hidden_states agree)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = engine(tiny_llama)
+    model = model_runner(llm).model
+    tap = HiddenStateTap((2, 0, 1))
+    model.model.hidden_tap = tap
+    tokens = [5, 6, 7, 8, 9]
+    captured = []
+    with model_runner(llm).forward_observer(lambda step: captured.append(tap.take())):
+        llm.generate({"prompt_token_ids": tokens}, SamplingParams(max_tokens=1), use_tqdm=False)
+    model.model.hidden_tap = None
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    # Transformers' last entry is after the final norm; the one before, the stream.
+    hidden = states[0].shape[-1]
+    got = captured[0]
+    for slot, layer in enumerate((0, 1)):
+        want = states[layer][0]
+        assert torch.allclose(got[:, slot * hidden : (slot + 1) * hidden], want, atol=1e-4)
+    pre_norm = got[:, 2 * hidden :]
+    normed = hf.model.norm(pre_norm)
+    assert torch.allclose(normed, states[2][0], atol=1e-4)
+
+
+def test_pending_states_follow_rejections_and_gaps():
+    pending = PendingStates()
+    rows = torch.arange(10.0)[:, None]
+    pending.receive(0, rows[:6])  # a prompt of 6
+    assert (pending.start, pending.end) == (0, 6)
+    pending.receive(6, rows[6:10])  # a step verifying 3 drafts after the sampled token
+    pending.receive(7, rows[:2] + 100)  # only the first was accepted: computed again from 7
+    assert (pending.start, pending.end) == (0, 9)
+    taken = pending.take(0, 8)
+    assert taken[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 100]
+    assert (pending.start, pending.end) == (8, 8)
+    pending.receive(20, rows[:3])  # a gap: positions 8..19 were never computed here
+    assert (pending.start, pending.end) == (20, 23)
+    pending.truncate(21)
+    assert (pending.start, pending.end) == (20, 21)
+    pending.truncate(0)
+    assert pending.end == pending.start
