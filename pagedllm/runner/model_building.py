@@ -23,6 +23,7 @@ from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
+from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, keep_w8a8_weights
 from pagedllm.model.loader import ModelSource, load_weights
 from pagedllm.model.quantization.registry import quantization_config
 from pagedllm.model.registry import resolve_model_class
@@ -154,6 +155,9 @@ class ModelBuilder:
         elif quantization == "gptq":
             config = quantization_config(model_config.hf_config)
             on_blocks = keep_gptq_weights(model, source.path, config)
+        elif quantization in ("compressed-tensors", "fp8"):  # 8-bit layers kept (w8a8_swap)
+            scheme = checkpoint_scheme(quantization, quantization_config(model_config.hf_config))
+            on_blocks = keep_w8a8_weights(model, source.path, scheme)
         load_weights(
             model,
             source,

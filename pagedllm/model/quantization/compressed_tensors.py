@@ -1,21 +1,27 @@
 """compressed-tensors checkpoints (llm-compressor's `quant_method` "compressed-tensors"):
-detected and refused, naming each config group's weight and activation scheme and the
-checkpoint's `format` (pack-quantized, int-quantized, float-quantized, ...)."""
+the scheme named by each config group's weight and activation scheme and the checkpoint's
+`format` (pack-quantized, int-quantized, float-quantized, ...). The 8-bit formats are
+served (`ct_w8a8.py`); the others are refused by that name."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pagedllm.model.quantization import ct_w8a8
 from pagedllm.model.quantization.method import CheckpointMethod
 
 
 class CompressedTensorsMethod(CheckpointMethod):
     name = "compressed-tensors"
+    served = ct_w8a8.SERVED
 
     def scheme(self, config: dict[str, Any]) -> str:
         groups = config.get("config_groups") or {}
         schemes = sorted({_group_scheme(group) for group in groups.values()}) or ["no groups"]
         return f"compressed-tensors {config.get('format', '?')} ({'; '.join(schemes)})"
+
+    def refusal(self, config: dict[str, Any]) -> str | None:
+        return ct_w8a8.refusal(config)
 
 
 def _group_scheme(group: dict[str, Any]) -> str:

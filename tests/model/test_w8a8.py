@@ -1,0 +1,171 @@
+"""8-bit checkpoints (compressed-tensors int8 W8A8 and FP8, `quant_method` "fp8") served on
+their 8-bit weights: the reader's dequantization is the format's exactly, each layer
+computes the reference math (dequantized weights times the fake-quantized activation)
+within fp32 rounding on every kernel path, the weights held in memory are the checkpoint's
+bytes within 10%, and the engine's greedy tokens are Transformers' on the dequantized model
+with the same activation quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
+from w8a8_writer import (
+    Format,
+    add_activation_quantization,
+    fake_quantize_activation,
+    quantize_weight,
+    reference_dequantize,
+    write_w8a8_checkpoint,
+)
+
+import pagedllm.model.layers.w8a8_linear as w8a8_linear
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
+from pagedllm.model.layers.linear import MergedLinear
+from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
+from pagedllm.model.layers.w8a8_swap import _w8a8_layer, checkpoint_scheme, layer_weights
+
+FORMATS = [
+    Format("ct-int8-token", "compressed-tensors", "int", "channel", "token"),
+    Format("ct-int8-static", "compressed-tensors", "int", "tensor", "static"),
+    Format("ct-int8-weight-only", "compressed-tensors", "int", "channel", None),
+    Format("ct-fp8-dynamic", "compressed-tensors", "float", "channel", "token"),
+    Format("ct-fp8-static", "compressed-tensors", "float", "tensor", "static"),
+    Format("ct-fp8-block", "compressed-tensors", "float", "block", "group"),
+    Format("fp8-block", "fp8", "float", "block", "group"),
+    Format("fp8-tensor", "fp8", "float", "tensor", "tensor"),
+    Format("fp8-static", "fp8", "float", "tensor", "static"),
+]
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+TIE_TOLERANCE = 1e-3
+MAX_NEW_TOKENS = 12
+
+
+def _weights(weight: torch.Tensor, fmt: Format):
+    tensors = quantize_weight(weight, fmt)
+    scheme = checkpoint_scheme(fmt.method, fmt.quantization_config())
+    return tensors, layer_weights("layer", tensors, scheme)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_dequantized_weights_are_the_formats_exactly(fmt):
+    # 300 outputs: a last block of rows cut short.
+    weight = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
+    tensors, weights = _weights(weight, fmt)
+    reference = reference_dequantize(tensors, fmt)
+    assert torch.equal(weights.dequantize(), reference)
+    assert torch.equal(weights.dequantize_rows(100, 230), reference[100:230])
+    # The round trip is a quantization of the weight (a wrong layout would be far off).
+    assert (reference - weight).abs().max() < 0.1 * weight.abs().max()
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, fmt: Format) -> torch.Tensor:
+    activation = x if fmt.activations is None else fake_quantize_activation(x, fmt)
+    return activation.double() @ weight.double().T
+
+
+def _on_int8_gemm(fmt: Format) -> bool:
+    return fmt.weight_type == "int" and fmt.activations is not None
+
+
+# The int8 GEMM's two paths: fbgemm (VNNI CPUs) and torch._int_mm (the others).
+KERNEL_CASES = [
+    pytest.param(fmt, on_fbgemm, id=f"{fmt}-{kernel}")
+    for fmt in FORMATS
+    for on_fbgemm, kernel in ((True, "fbgemm"), (False, "int_mm"))
+    if _on_int8_gemm(fmt) or on_fbgemm
+]
+
+
+@pytest.mark.parametrize(("fmt", "on_fbgemm"), KERNEL_CASES)
+def test_layer_computes_the_reference_math(fmt, on_fbgemm, monkeypatch):
+    # Without VNNI fbgemm is not exact on full-range inputs; the fallback is what runs there.
+    on_fbgemm = on_fbgemm and w8a8_linear.use_fbgemm()
+    monkeypatch.setattr(w8a8_linear, "use_fbgemm", lambda: on_fbgemm)
+    generator = torch.Generator().manual_seed(3)
+    tensors, weights = _weights(torch.randn(300, 256, generator=generator), fmt)
+    layer = w8a8_linear.w8a8_layer(weights)
+    assert isinstance(layer, Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear)
+    if _on_int8_gemm(fmt):
+        assert (layer._packed is not None) == on_fbgemm
+    if isinstance(layer, TiledDequantLinear):
+        layer.band_rows = 128  # several bands, the last one short
+    # A first token 30x the others, as real first tokens are: per-token scales keep theirs.
+    x = torch.randn(6, 256, generator=generator) * 0.3
+    x[0] *= 30
+    expected = _expected(x, reference_dequantize(tensors, fmt), fmt)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_parts_whose_blocks_do_not_stack_are_one_layer_each():
+    fmt = Format("fp8-block", "fp8", "float", "block", "group")
+    generator = torch.Generator().manual_seed(4)
+    parts = {
+        s: _weights(torch.randn(n, 256, generator=generator), fmt)
+        for s, n in (("q", 96), ("k", 128))
+    }
+
+    fused = MergedLinear(256, [96, 128], ["q", "k"], bias=False, dtype=torch.float32)
+    layer = _w8a8_layer("qk", fused, {s: w for s, (_, w) in parts.items()})
+    assert isinstance(layer, GGUFConcatLinear)  # 96 rows are not whole blocks of 128
+    x = torch.randn(3, 256, generator=generator)
+    weight = torch.cat([reference_dequantize(t, fmt) for t, _ in parts.values()])
+    torch.testing.assert_close(layer(x).double(), _expected(x, weight, fmt), rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+
+
+def _checkpoints(tiny_llama, tmp_path, fmt):
+    quantized, dequantized = tmp_path / "w8a8", tmp_path / "dequantized"
+    checkpoint_bytes = write_w8a8_checkpoint(tiny_llama, quantized, dequantized, fmt)
+    return quantized, dequantized, checkpoint_bytes
+
+
+def _engine(quantized, fmt: Format) -> LLM:
+    # A per-tensor dynamic scale spans the whole batch: one sequence at a time, as the
+    # reference runs them.
+    seqs = 1 if fmt.activations == "tensor" else 8
+    return LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=seqs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, tmp_path, fmt):
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, fmt)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
+    hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    add_activation_quantization(hf_model, fmt)
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    llm = _engine(quantized, fmt)
+    assert llm.llm_engine.model_config.quantization == fmt.method
+    layer_class = Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear
+    assert sum(isinstance(m, layer_class) for m in model_runner(llm).model.modules()) == 8
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ties = sum(
+        compare_greedy(out.outputs[0].token_ids, ref, TIE_TOLERANCE)
+        for out, ref in zip(outputs, references, strict=True)
+    )
+    print(f"{fmt}: ties {ties}")
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], FORMATS[6]], ids=str)
+def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
+    quantized, _, checkpoint_bytes = _checkpoints(tiny_llama, tmp_path, fmt)
+    model = model_runner(_engine(quantized, fmt)).model
+    layers = [m for m in model.modules() if isinstance(m, (Int8W8A8Linear, TiledDequantLinear))]
+    assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    held = sum(layer.weight_bytes() for layer in layers)
+    print(
+        f"{fmt}: checkpoint {checkpoint_bytes} bytes, held {held} ({held / checkpoint_bytes:.3f}x)"
+    )
+    assert 0.9 * checkpoint_bytes <= held <= 1.1 * checkpoint_bytes
+    # No fp32 copy of a quantized weight is left behind.
+    largest = max(p.numel() for n, p in model.named_parameters() if "layers" in n)
+    assert largest <= SHAPE["hidden_size"]
