@@ -20,6 +20,7 @@ from w8a8_writer import (
 )
 
 import pagedllm.model.layers.w8a8_linear as w8a8_linear
+import pagedllm.model.layers.w8a8_weights as w8a8_weights
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
 from pagedllm.model.layers.linear import MergedLinear
@@ -58,6 +59,25 @@ def test_dequantized_weights_are_the_formats_exactly(fmt):
     assert torch.equal(weights.dequantize_rows(100, 230), reference[100:230])
     # The round trip is a quantization of the weight (a wrong layout would be far off).
     assert (reference - weight).abs().max() < 0.1 * weight.abs().max()
+
+
+def test_the_fp8_kernel_decodes_every_code_as_torch_does():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = codes.reshape(8, 32)
+    out = torch.empty(8, 32)
+    w8a8_weights.fp8_kernel()(out, values, torch.ones(8, 1), 1, 32)
+    # Subnormals, both zeros and the two NaNs (0x7F, 0xFF) included.
+    torch.testing.assert_close(out, values.float(), rtol=0, atol=0, equal_nan=True)
+    assert torch.signbit(out.view(-1)[128])  # -0.0
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.weight_type == "float"], ids=str)
+def test_the_fp8_kernel_dequantizes_as_the_torch_path(fmt, monkeypatch):
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))  # cut blocks
+    _, weights = _weights(weight, fmt)
+    by_kernel = weights.dequantize()
+    monkeypatch.setattr(w8a8_weights, "_KERNEL", [None])  # where the extension is missing
+    assert torch.equal(by_kernel, weights.dequantize())
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, fmt: Format) -> torch.Tensor:
@@ -169,3 +189,24 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
     # No fp32 copy of a quantized weight is left behind.
     largest = max(p.numel() for n, p in model.named_parameters() if "layers" in n)
     assert largest <= SHAPE["hidden_size"]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "named"),
+    [
+        ({"enable_lora": True}, "with enable_lora"),
+        ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
+        ({"quantization": "fp8"}, "quantization='fp8' disagrees"),
+    ],
+)
+def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engine_args, named):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[0])
+    with pytest.raises(ValueError, match=named):
+        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
+
+
+def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[3])
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="a draft model stored quantized"):
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)

@@ -39,6 +39,17 @@ BAND_BYTES = 1 << 20  # fp32 bytes of dequantized rows made at a time
 INT8_ENGINE = "fbgemm"
 
 
+_SCRATCH: list[torch.Tensor] = [torch.empty(0)]
+
+
+def _scratch(rows: int, cols: int) -> torch.Tensor:
+    """One band's fp32 buffer, shared by every layer (the forward pass runs one at a time),
+    so a band costs neither an allocation nor fresh pages."""
+    if _SCRATCH[0].numel() < rows * cols:
+        _SCRATCH[0] = torch.empty(rows * cols)
+    return _SCRATCH[0][: rows * cols].view(rows, cols)
+
+
 def use_fbgemm() -> bool:
     """fbgemm's int8 GEMM is exact on full-range inputs only with VNNI (see the module doc)."""
     is_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
@@ -83,7 +94,9 @@ class TiledDequantLinear(nn.Module):
             x2 = fake_quantize(x2, activations, self.weights.scheme.weight_type, self.input_scale)
         for start in range(0, self.out_features, self.band_rows):
             stop = min(start + self.band_rows, self.out_features)
-            band = self.weights.dequantize_rows(start, stop)
+            band = self.weights.dequantize_rows(
+                start, stop, _scratch(stop - start, self.in_features)
+            )
             torch.mm(x2, band.T, out=out[:, start:stop])
 
     def weight_bytes(self) -> int:

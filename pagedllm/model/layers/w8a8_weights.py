@@ -15,6 +15,17 @@ import torch
 
 from pagedllm.model.quantization.w8a8_scheme import W8A8Scheme
 
+_KERNEL: list = []  # [the fp8_dequant op or None], filled on first use
+
+
+def fp8_kernel():
+    """`torch.ops.pagedllm.fp8_dequant`, or None where the CPU extension does not load."""
+    if not _KERNEL:
+        from pagedllm.ops.extension import available, load
+
+        _KERNEL.append(load().fp8_dequant if available() else None)
+    return _KERNEL[0]
+
 
 @dataclass(frozen=True)
 class W8A8Weights:
@@ -48,9 +59,29 @@ class W8A8Weights:
             :, : self.in_features
         ]
 
-    def dequantize_rows(self, start: int, stop: int) -> torch.Tensor:
-        """fp32 [stop - start, K]: rows [start, stop) of the dequantized weight (exact)."""
-        return self.values[start:stop].to(torch.float32).mul_(self.row_scales(start, stop))
+    def dequantize_rows(
+        self, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 [stop - start, K]: rows [start, stop) of the dequantized weight (exact), into
+        `out` when given. fp8 bands go through the `fp8_dequant` kernel where it loads (a
+        band of blocks must start on a block's first row); the rest through torch."""
+        if out is None:
+            out = torch.empty(stop - start, self.in_features)
+        kernel = fp8_kernel() if self.values.dtype == torch.float8_e4m3fn else None
+        block_rows = self.scheme.block[0] if self.scheme.block else 1
+        if kernel is not None and start % block_rows == 0:
+            scales, block_cols = self._kernel_scales(start, stop)
+            kernel(out, self.values[start:stop], scales, block_rows, block_cols)
+            return out
+        torch.mul(self.values[start:stop].to(torch.float32), self.row_scales(start, stop), out=out)
+        return out
+
+    def _kernel_scales(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
+        """The band's scales as the kernel reads them, and the columns one scale covers."""
+        if self.scheme.block is None:
+            return self.scales[start:stop], self.in_features
+        rows, cols = self.scheme.block
+        return self.scales[start // rows : -(-stop // rows)], cols
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_rows(0, self.out_features)
