@@ -152,11 +152,10 @@ def _engine(quantized, fmt: Format) -> LLM:
     return LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=seqs)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, tmp_path, fmt):
+def _assert_greedy_tokens_match(source, tmp_path, fmt: Format) -> None:
     from transformers import AutoModelForCausalLM
 
-    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, fmt)
+    quantized, dequantized, _ = _checkpoints(source, tmp_path, fmt)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
     hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
@@ -173,6 +172,34 @@ def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, t
         for out, ref in zip(outputs, references, strict=True)
     )
     print(f"{fmt}: ties {ties}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, tmp_path, fmt):
+    _assert_greedy_tokens_match(tiny_llama, tmp_path, fmt)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[5]], ids=str)
+def test_projections_with_biases_keep_them(tmp_path, fmt):
+    """Qwen2's q/k/v have biases: the fused 8-bit layer adds the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
+    qwen2 = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", **SHAPE)
+    state = load_file(qwen2 / "model.safetensors")
+    generator = torch.Generator().manual_seed(6)
+    biases = [name for name in state if name.endswith("_proj.bias")]
+    assert biases  # initialised to zero: made random so that a lost bias shows
+    for name in biases:
+        state[name] = torch.randn(state[name].shape, generator=generator)
+    save_file(state, qwen2 / "model.safetensors")
+    _assert_greedy_tokens_match(qwen2, tmp_path, fmt)
+
+
+def test_quantized_moe_experts_are_refused_by_name(tmp_path):
+    moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe")
+    quantized, _, _ = _checkpoints(moe, tmp_path, FORMATS[3])
+    with pytest.raises(ValueError, match="quantized MoE experts and heads are not served"):
+        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], FORMATS[6]], ids=str)
