@@ -98,8 +98,10 @@ KERNEL_CASES = [
 ]
 
 
+# fp8: up to FUSED_MAX_ROWS rows multiplied in registers, more through bands and torch.mm.
+@pytest.mark.parametrize("rows", [w8a8_linear.FUSED_MAX_ROWS - 1, w8a8_linear.FUSED_MAX_ROWS + 2])
 @pytest.mark.parametrize(("fmt", "on_fbgemm"), KERNEL_CASES)
-def test_layer_computes_the_reference_math(fmt, on_fbgemm, monkeypatch):
+def test_layer_computes_the_reference_math(fmt, on_fbgemm, rows, monkeypatch):
     # Without VNNI fbgemm is not exact on full-range inputs; the fallback is what runs there.
     on_fbgemm = on_fbgemm and w8a8_linear.use_fbgemm()
     monkeypatch.setattr(w8a8_linear, "use_fbgemm", lambda: on_fbgemm)
@@ -112,7 +114,7 @@ def test_layer_computes_the_reference_math(fmt, on_fbgemm, monkeypatch):
     if isinstance(layer, TiledDequantLinear):
         layer.band_rows = 128  # several bands, the last one short
     # A first token 30x the others, as real first tokens are: per-token scales keep theirs.
-    x = torch.randn(6, 256, generator=generator) * 0.3
+    x = torch.randn(rows, 256, generator=generator) * 0.3
     x[0] *= 30
     expected = _expected(x, reference_dequantize(tensors, fmt), fmt)
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)

@@ -14,7 +14,9 @@ is the reference's sum of (q_x s_x)(q_w s_w) up to fp32 rounding.
 `TiledDequantLinear` (fp8 weights, or int8 weights with unquantized activations): the
 activation is fake-quantized to the checkpoint's grid (values * scales, as fp32), then each
 band of ~1 MiB of dequantized rows is made in fp32 and multiplied into its columns of the
-output; only one band is ever held in fp32.
+output; only one band is ever held in fp32. Up to `FUSED_MAX_ROWS` rows (decode) fp8
+weights are instead dequantized in registers and multiplied there (`fp8_linear`,
+ops/csrc/fp8_dequant.cpp), each weight the same fp32 value the band would hold.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from pagedllm.model.layers.w8a8_activations import (
     fake_quantize,
     quantize_activations,
 )
-from pagedllm.model.layers.w8a8_weights import W8A8Weights
+from pagedllm.model.layers.w8a8_weights import W8A8Weights, fp8_ops
 from pagedllm.model.quantization.w8a8_scheme import INT8
 
 BAND_BYTES = 1 << 20  # fp32 bytes of dequantized rows made at a time
+# Up to this many input rows fp8 weights are multiplied in registers (`fp8_linear`: a byte
+# read per weight); from 8 rows a band in fp32 and torch.mm took less time (one thread,
+# Llama-3.2-1B's q/k/v and down projections).
+FUSED_MAX_ROWS = 4
 INT8_ENGINE = "fbgemm"
 
 
@@ -92,6 +98,12 @@ class TiledDequantLinear(nn.Module):
         activations = self.weights.scheme.activations
         if activations is not None:
             x2 = fake_quantize(x2, activations, self.weights.scheme.weight_type, self.input_scale)
+        ops = fp8_ops() if self.values.dtype == torch.float8_e4m3fn else None
+        if ops is not None and x2.shape[0] <= FUSED_MAX_ROWS:
+            weights = self.weights
+            scales = weights.kernel_scales(0, self.out_features)
+            ops.fp8_linear(out, x2, self.values, scales, *weights.kernel_blocks())
+            return
         for start in range(0, self.out_features, self.band_rows):
             stop = min(start + self.band_rows, self.out_features)
             band = self.weights.dequantize_rows(

@@ -15,16 +15,23 @@ import torch
 
 from pagedllm.model.quantization.w8a8_scheme import W8A8Scheme
 
-_KERNEL: list = []  # [the fp8_dequant op or None], filled on first use
+_KERNEL: list = []  # [torch.ops.pagedllm or None], filled on first use
+
+
+def fp8_ops():
+    """`torch.ops.pagedllm` (fp8_dequant, fp8_linear), or None where the CPU extension does
+    not load."""
+    if not _KERNEL:
+        from pagedllm.ops.extension import available, load
+
+        _KERNEL.append(load() if available() else None)
+    return _KERNEL[0]
 
 
 def fp8_kernel():
     """`torch.ops.pagedllm.fp8_dequant`, or None where the CPU extension does not load."""
-    if not _KERNEL:
-        from pagedllm.ops.extension import available, load
-
-        _KERNEL.append(load().fp8_dequant if available() else None)
-    return _KERNEL[0]
+    ops = fp8_ops()
+    return None if ops is None else ops.fp8_dequant
 
 
 @dataclass(frozen=True)
@@ -68,20 +75,22 @@ class W8A8Weights:
         if out is None:
             out = torch.empty(stop - start, self.in_features)
         kernel = fp8_kernel() if self.values.dtype == torch.float8_e4m3fn else None
-        block_rows = self.scheme.block[0] if self.scheme.block else 1
-        if kernel is not None and start % block_rows == 0:
-            scales, block_cols = self._kernel_scales(start, stop)
-            kernel(out, self.values[start:stop], scales, block_rows, block_cols)
+        if kernel is not None and start % self.kernel_blocks()[0] == 0:
+            kernel(
+                out, self.values[start:stop], self.kernel_scales(start, stop), *self.kernel_blocks()
+            )
             return out
         torch.mul(self.values[start:stop].to(torch.float32), self.row_scales(start, stop), out=out)
         return out
 
-    def _kernel_scales(self, start: int, stop: int) -> tuple[torch.Tensor, int]:
-        """The band's scales as the kernel reads them, and the columns one scale covers."""
-        if self.scheme.block is None:
-            return self.scales[start:stop], self.in_features
-        rows, cols = self.scheme.block
-        return self.scales[start // rows : -(-stop // rows)], cols
+    def kernel_blocks(self) -> tuple[int, int]:
+        """(rows, columns) one scale covers, as the fp8 kernels take them."""
+        return self.scheme.block or (1, self.in_features)
+
+    def kernel_scales(self, start: int, stop: int) -> torch.Tensor:
+        """The scales of rows [start, stop) as the kernels read them (start on a block)."""
+        rows = self.kernel_blocks()[0]
+        return self.scales[start // rows : -(-stop // rows)]
 
     def dequantize(self) -> torch.Tensor:
         return self.dequantize_rows(0, self.out_features)

@@ -1,5 +1,8 @@
-// fp8 e4m3 weights dequantized into fp32 (CPU): the band step of the FP8 checkpoint layers
-// (pagedllm/model/layers/w8a8_linear.py), which multiply each band of rows by torch.mm.
+// fp8 e4m3 weights dequantized into fp32 (CPU) for the FP8 checkpoint layers
+// (pagedllm/model/layers/w8a8_linear.py): `fp8_dequant` makes a band of rows for torch.mm
+// (many input rows), `fp8_linear` multiplies a few input rows by the weights directly, each
+// weight decoded and scaled in registers once per pass of up to four input rows, so a decode
+// step reads one byte a weight.
 //
 // out[r, k] = e4m3(values[r, k]) * scales[r / row_block, k / col_block]: per output channel
 // (row_block 1, col_block K) or per block (128 x 128). The e4m3 value is made exactly from its
@@ -20,12 +23,17 @@
 #include <cstdint>
 #include <limits>
 
+#include "vec_avx2.h"
+
 namespace {
 
 constexpr int kExponentShift = 20;         // e4m3's 7 magnitude bits under fp32's exponent
 constexpr int32_t kBiasRaise = 120 << 23;  // fp32 bias 127 minus e4m3 bias 7
 constexpr int32_t kNanMagnitude = 0x7F;
 constexpr int64_t kRowGrain = 16;
+// fp8_linear: input rows sharing one pass over a weight row (their sums take 4 registers).
+constexpr int kRowsPerPass = 4;
+constexpr int64_t kWeightRowGrain = 64;
 
 float decode_scalar(uint8_t byte) {
   const int magnitude = byte & 0x7F;
@@ -108,10 +116,95 @@ void fp8_dequant(at::Tensor out, const at::Tensor& values, const at::Tensor& sca
   });
 }
 
+struct LinearOperands {
+  const float* x;
+  int64_t x_stride;
+  const uint8_t* w;
+  int64_t w_stride;
+  const float* scales;
+  int64_t scale_cols;
+  int64_t row_block;
+  int64_t col_block;
+  float* out;
+  int64_t out_stride;
+  int64_t k;
+};
+
+// out[m..m+MR, n] = x[m..m+MR] . (e4m3(w[n]) * scale): each weight is dequantized exactly as
+// fp8_dequant makes it, then multiplied in.
+template <int MR>
+void weight_row(const LinearOperands& a, int64_t m, int64_t n) {
+  const float* x = a.x + m * a.x_stride;
+  const uint8_t* w = a.w + n * a.w_stride;
+  const float* row_scales = a.scales + (n / a.row_block) * a.scale_cols;
+  const auto& table = decode_table();
+  __m256 acc[MR];
+  float tail[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
+  for (int64_t c = 0; c < a.scale_cols; ++c) {
+    const int64_t end = std::min(a.k, (c + 1) * a.col_block);
+    const __m256 scale = _mm256_set1_ps(row_scales[c]);
+    int64_t kk = c * a.col_block;
+    for (; kk + 8 <= end; kk += 8) {
+      const __m256 weight = _mm256_mul_ps(decode8(w + kk), scale);
+      for (int i = 0; i < MR; ++i) {
+        acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + i * a.x_stride + kk), acc[i]);
+      }
+    }
+    for (; kk < end; ++kk) {
+      const float weight = table[w[kk]] * row_scales[c];
+      for (int i = 0; i < MR; ++i) tail[i] += x[i * a.x_stride + kk] * weight;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    a.out[(m + i) * a.out_stride + n] = pagedllm_vec::hsum(acc[i]) + tail[i];
+  }
+}
+
+// out [M, N] (rows may be strided) = x [M, K] @ dequant(values [N, K])^T, scales as in
+// fp8_dequant.
+void fp8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& values,
+                const at::Tensor& scales, int64_t row_block, int64_t col_block) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  out.dim() == 2 && x.dim() == 2 && out.stride(1) == 1 && x.stride(1) == 1,
+              "fp8_linear: out and x must be 2-D fp32 with unit stride in the last dimension");
+  TORCH_CHECK(values.dim() == 2 && values.element_size() == 1 && values.stride(1) == 1 &&
+                  values.size(1) == x.size(1) && out.size(0) == x.size(0) &&
+                  out.size(1) == values.size(0),
+              "fp8_linear: shapes do not match: out ", out.sizes(), ", x ", x.sizes(),
+              ", values ", values.sizes());
+  const int64_t n_rows = values.size(0), cols = values.size(1);
+  TORCH_CHECK(row_block > 0 && col_block > 0 && scales.scalar_type() == at::kFloat &&
+                  scales.dim() == 2 && scales.is_contiguous() &&
+                  scales.size(0) == (n_rows + row_block - 1) / row_block &&
+                  scales.size(1) == (cols + col_block - 1) / col_block,
+              "fp8_linear: scales ", scales.sizes(), " do not fit ", values.sizes(),
+              " in blocks of ", row_block, " x ", col_block);
+  decode_table();
+  const LinearOperands a{x.data_ptr<float>(), x.stride(0), static_cast<const uint8_t*>(values.data_ptr()),
+                         values.stride(0), scales.data_ptr<float>(), scales.size(1), row_block,
+                         col_block, out.data_ptr<float>(), out.stride(0), cols};
+  const int64_t rows = x.size(0);
+  at::parallel_for(0, n_rows, kWeightRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      int64_t m = 0;
+      for (; m + kRowsPerPass <= rows; m += kRowsPerPass) weight_row<kRowsPerPass>(a, m, n);
+      for (; m + 2 <= rows; m += 2) weight_row<2>(a, m, n);
+      for (; m < rows; ++m) weight_row<1>(a, m, n);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("fp8_dequant(Tensor(a!) out, Tensor values, Tensor scales, int row_block, int col_block) -> ()");
+  m.def(
+      "fp8_linear(Tensor(a!) out, Tensor x, Tensor values, Tensor scales, int row_block, "
+      "int col_block) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("fp8_dequant", &fp8_dequant); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("fp8_dequant", &fp8_dequant);
+  m.impl("fp8_linear", &fp8_linear);
+}
