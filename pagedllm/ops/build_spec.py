@@ -18,6 +18,7 @@ SOURCE_NAMES = (
     "paged_attention.cpp",
     "cpu_ops.cpp",
     "skinny_linear.cpp",
+    "fp8_dequant.cpp",
     "gguf_linear.cpp",
     "gguf_pack.cpp",
     "lora.cpp",

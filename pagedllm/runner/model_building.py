@@ -25,7 +25,9 @@ from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.quantization import quantize_model
+from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, keep_w8a8_weights
 from pagedllm.model.loader import ModelSource, load_weights
+from pagedllm.model.quantization.compressed_tensors import is_pack_quantized
 from pagedllm.model.quantization.registry import quantization_config
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import get_attention_backend
@@ -41,11 +43,26 @@ from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
 
 logger = logging.getLogger(__name__)
 
-# Checkpoints stored packed: method -> what swaps in its layers before the loader runs.
+
+def keep_compressed_tensors_weights(
+    model: torch.nn.Module, directory: str, config: dict
+) -> set[str]:
+    """pack-quantized checkpoints on the packed layers, the 8-bit formats on W8A8 / FP8."""
+    if is_pack_quantized(config):
+        return keep_pack_quantized_weights(model, directory, config)
+    return keep_w8a8_weights(model, directory, checkpoint_scheme("compressed-tensors", config))
+
+
+def keep_fp8_weights(model: torch.nn.Module, directory: str, config: dict) -> set[str]:
+    return keep_w8a8_weights(model, directory, checkpoint_scheme("fp8", config))
+
+
+# Checkpoints stored quantized: method -> what swaps in its layers before the loader runs.
 KEEP_PACKED_WEIGHTS = {
     "gptq": keep_gptq_weights,
     "awq": keep_awq_weights,
-    "compressed-tensors": keep_pack_quantized_weights,
+    "compressed-tensors": keep_compressed_tensors_weights,
+    "fp8": keep_fp8_weights,
 }
 
 
@@ -158,8 +175,8 @@ class ModelBuilder:
     ) -> None:
         quantization = model_config.quantization
         # gguf: layers on the file's blocks before any weight is read (see gguf_swap).
-        # gptq, awq, compressed-tensors: layers on the checkpoint's packed integer weights,
-        # the same way (packed_swap).
+        # gptq, awq, compressed-tensors, fp8: layers on the checkpoint's stored integer or
+        # fp8 weights, the same way (packed_swap, w8a8_swap).
         on_blocks: set[str] = set()
         if quantization == "gguf":
             on_blocks = keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)

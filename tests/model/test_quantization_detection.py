@@ -39,10 +39,23 @@ W8A8 = {
     "config_groups": {
         "group_0": {
             "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-            "input_activations": {"num_bits": 8, "type": "int", "strategy": "token"},
+            "input_activations": {
+                "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+            },
         }
     },
-}
+}  # fmt: skip
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def _w8a8(weights: dict | None = None, activations: dict | None = None, **top) -> dict:
+    """W8A8 with some of its weight / activation arguments (or top-level keys) changed."""
+    group = W8A8["config_groups"]["group_0"]
+    changed = {
+        "weights": {**group["weights"], **(weights or {})},
+        "input_activations": {**group["input_activations"], **(activations or {})},
+    }
+    return {**W8A8, "config_groups": {"group_0": changed}, **top}
 
 
 def _config(quantization_config: dict | None) -> SimpleNamespace:
@@ -104,8 +117,18 @@ def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, r"kv_cache_scheme is not read"),
         ({**W4A16, "format": "marlin-24"}, r"format 'marlin-24' is not read"),
         ({**W4A16, "quantization_status": "frozen"}, r"quantization_status 'frozen'"),
-        (W8A8, r"compressed-tensors int-quantized \(W8A8 int channel\)"),
-        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, r"fp8 e4m3 weights"),
+        (
+            _w8a8(activations={"symmetric": False}),
+            r"\(W8A8 int channel\) is not served \(asymmetric",
+        ),
+        (_w8a8(weights={"num_bits": 4}), r"4-bit weights are not 8-bit"),
+        (_w8a8(weights={"strategy": "group", "group_size": 128}), r"weights quantized per group"),
+        (_w8a8(activations={"strategy": "group"}), r"dynamic int activations per group"),
+        (_w8a8(activations={"dynamic": "local"}), r"local int activations per token"),
+        (_w8a8(activations={"type": "float"}), r"float activations with int weights"),
+        (_w8a8(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme is not"),
+        ({**FP8_BLOCK, "fmt": "e5m2"}, r"fp8 e5m2 weights \(blocks.*no reader"),
+        ({**FP8_BLOCK, "activation_scheme": "static"}, r"static activation scales with block"),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),
     ],
 )
@@ -113,6 +136,29 @@ def test_what_is_not_served_is_refused_naming_it_and_what_is(quantization_config
     with pytest.raises(ValueError, match=named) as refusal:
         checkpoint_quantization(_config(quantization_config), None)
     assert "served: checkpoints stored quantized as gptq: gptq 4-bit" in str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    ("quantization_config", "method"),
+    [
+        (W8A8, "compressed-tensors"),
+        (_w8a8(weights={"type": "float"}, activations={"type": "float"}, format="float-quantized"),
+         "compressed-tensors"),
+        (FP8_BLOCK, "fp8"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8"),
+    ],
+)  # fmt: skip
+def test_served_8bit_checkpoints_pick_their_method(quantization_config, method):
+    assert checkpoint_quantization(_config(quantization_config), None) == method
+    assert checkpoint_quantization(_config(quantization_config), method) == method
+
+
+def test_a_config_mixing_8bit_schemes_is_refused():
+    per_tensor = _w8a8(weights={"strategy": "tensor"})["config_groups"]["group_0"]
+    groups = {"a": W8A8["config_groups"]["group_0"], "b": per_tensor}
+    mixed = {**W8A8, "config_groups": groups}
+    with pytest.raises(ValueError, match="config groups with different schemes"):
+        checkpoint_quantization(_config(mixed), None)
 
 
 def test_quantization_must_agree_with_the_checkpoint():

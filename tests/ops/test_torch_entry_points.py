@@ -93,6 +93,41 @@ def test_fbgemm_dynamic_int8_linear(weight, x):
         assert torch.equal(unpacked.int_repr(), quantize_weight(weight).int_repr())
 
 
+def _integer_operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 activations and weights over their full range, and their exact int64 product."""
+    generator = torch.Generator().manual_seed(0)
+    q_x = torch.randint(-128, 128, (5, 64), generator=generator, dtype=torch.int8)
+    q_w = torch.randint(-128, 128, (24, 64), generator=generator, dtype=torch.int8)
+    return q_x, q_w, q_x.long() @ q_w.long().T
+
+
+def test_int_mm_multiplies_int8_exactly():
+    with entry_point("torch._int_mm", "model/layers/w8a8_linear.py (int8 W8A8, no VNNI)"):
+        q_x, q_w, exact = _integer_operands()
+        assert torch.equal(torch._int_mm(q_x, q_w.T).long(), exact)
+
+
+def test_fbgemm_keeps_integer_inputs_with_a_range_row():
+    """Int8W8A8Linear feeds fbgemm integers plus a row of -128 and 127, which makes fbgemm's
+    per-tensor input quantization the identity (used where the CPU has VNNI)."""
+    with entry_point(
+        "torch._make_per_channel_quantized_tensor and torch.ops.quantized.linear_dynamic "
+        "(reduce_range False) on integer-valued inputs",
+        "model/layers/w8a8_linear.py (int8 W8A8 checkpoints)",
+    ):
+        q_x, q_w, exact = _integer_operands()
+        scales = torch.ones(q_w.shape[0], dtype=torch.double)
+        zero_points = torch.zeros(q_w.shape[0], dtype=torch.long)
+        weight = torch._make_per_channel_quantized_tensor(q_w, scales, zero_points, 0)
+        with _quantized_engine("fbgemm"):
+            packed = torch.ops.quantized.linear_prepack(weight, None)
+            rows = torch.cat([q_x.float(), torch.zeros(1, q_x.shape[1])])
+            rows[-1, :2] = torch.tensor([-128.0, 127.0])
+            product = torch.ops.quantized.linear_dynamic(rows, packed, False)[:-1]
+        if torch.cpu._is_vnni_supported():  # without VNNI the layer takes torch._int_mm
+            assert torch.equal(product.long(), exact)
+
+
 def test_quantized_engine_can_be_switched():
     with (
         entry_point("torch.backends.quantized.engine", "model/layers/quantization.py"),
@@ -104,7 +139,10 @@ def test_quantized_engine_can_be_switched():
 @pytest.mark.parametrize(
     ("path", "used_by"),
     [
-        ("cpu._is_vnni_supported", "ops/cpu_features.py, model/layers/quantization.py"),
+        (
+            "cpu._is_vnni_supported",
+            "ops/cpu_features.py, model/layers/quantization.py, model/layers/w8a8_linear.py",
+        ),
         ("cpu._is_avx512_bf16_supported", "ops/cpu_features.py"),
         ("cpu._is_amx_tile_supported", "ops/cpu_features.py"),
         ("backends.cpu.get_cpu_capability", "ops/cpu_features.py"),

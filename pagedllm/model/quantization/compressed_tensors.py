@@ -2,28 +2,27 @@
 each config group's scheme named (weight and activation bits, strategy, group size) and the
 checkpoint's `format` (pack-quantized, int-quantized, float-quantized, ...).
 
-A group's format is its own `format`, else the checkpoint's. `FORMAT_REFUSALS` maps each
-format read to the check of one group's scheme (`ct_pack_quantized.py` for
-pack-quantized); a format not listed is refused by name.
+A group's format is its own `format`, else the checkpoint's. A checkpoint is served by one
+family of layers: pack-quantized groups by the packed 4/8-bit layers, each group checked
+on its own (`ct_pack_quantized.py`); the 8-bit formats (int-, float- and naive-quantized)
+by the W8A8 / FP8 layers, every group one scheme (`ct_w8a8.py`). Other formats, and a
+checkpoint mixing the two families, are refused by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from pagedllm.model.quantization import ct_pack_quantized
+from pagedllm.model.quantization import ct_pack_quantized, ct_w8a8
 from pagedllm.model.quantization.method import CheckpointMethod
 
-# format -> why a config group's scheme is not served in it (None when it is).
-FORMAT_REFUSALS: dict[str, Callable[[dict[str, Any]], str | None]] = {
-    ct_pack_quantized.PACK_QUANTIZED: ct_pack_quantized.group_refusal,
-}
+PACKED_FORMATS = frozenset({ct_pack_quantized.PACK_QUANTIZED})
+EIGHT_BIT_FORMATS = frozenset(ct_w8a8.SERVED_FORMATS)
 
 
 class CompressedTensorsMethod(CheckpointMethod):
     name = "compressed-tensors"
-    served = f"compressed-tensors {ct_pack_quantized.SERVED}"
+    served = f"compressed-tensors {ct_pack_quantized.SERVED}; {ct_w8a8.SERVED}"
 
     def scheme(self, config: dict[str, Any]) -> str:
         groups = config.get("config_groups") or {}
@@ -40,13 +39,26 @@ class CompressedTensorsMethod(CheckpointMethod):
         for what in ("sparsity_config", "transform_config", "kv_cache_scheme"):
             if config.get(what):
                 return f"compressed-tensors' {what} is not read"
+        formats = {group_format(config, group) for group in groups.values()}
+        if formats <= EIGHT_BIT_FORMATS:
+            return ct_w8a8.refusal(config)
+        unread = formats - PACKED_FORMATS - EIGHT_BIT_FORMATS
+        if unread:
+            return f"format {', '.join(map(repr, sorted(unread)))} is not read"
+        if not formats <= PACKED_FORMATS:
+            return f"formats {', '.join(map(repr, sorted(formats)))} are not served together"
         for name, group in groups.items():
-            fmt = group_format(config, group)
-            check = FORMAT_REFUSALS.get(fmt)
-            why = f"format {fmt!r} is not read" if check is None else check(group)
+            why = ct_pack_quantized.group_refusal(group)
             if why is not None:
                 return f"config group {name!r}: {why}"
         return None
+
+
+def is_pack_quantized(config: dict[str, Any]) -> bool:
+    """Whether a served compressed-tensors checkpoint is read by the packed layers (else by
+    the 8-bit ones)."""
+    groups = (config.get("config_groups") or {}).values()
+    return all(group_format(config, group) in PACKED_FORMATS for group in groups)
 
 
 def group_format(config: dict[str, Any], group: dict[str, Any]) -> str:

@@ -1,0 +1,159 @@
+"""`quantization="compressed-tensors"` (int8 W8A8, FP8) and `"fp8"`: a checkpoint's 8-bit
+linear layers kept 8-bit.
+
+`keep_w8a8_weights` finds every layer the checkpoint stores quantized (a `weight` with a
+`weight_scale` or `weight_scale_inv` beside it; layers a config ignores have none and load
+as usual), replaces the model's `Linear` for it with its 8-bit layer (`w8a8_linear.py`;
+fused q/k/v and gate/up from their parts) before any weight is read, and returns the tensor
+names it consumed, which the loader then skips.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, distinct_bytes
+from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.w8a8_linear import w8a8_layer
+from pagedllm.model.layers.w8a8_weights import W8A8Weights, can_stack, stack_weights
+from pagedllm.model.quantization.ct_w8a8 import w8a8_scheme
+from pagedllm.model.quantization.fp8 import fp8_scheme
+from pagedllm.model.quantization.w8a8_scheme import FP8, WEIGHT_BLOCK, W8A8Scheme
+
+logger = logging.getLogger("pagedllm")
+
+SCALE_NAMES = ("weight_scale", "weight_scale_inv")
+TENSOR_NAMES = ("weight", *SCALE_NAMES, "input_scale", "weight_zero_point", "input_zero_point")
+STORED_DTYPES = {FP8: torch.float8_e4m3fn}
+
+
+def read_w8a8_tensors(directory: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Layer prefix -> its tensors (`TENSOR_NAMES`), for the layers stored quantized."""
+    from safetensors import safe_open
+
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for file_name in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(directory, file_name), framework="pt") as checkpoint:
+            names = list(checkpoint.keys())
+            quantized = {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in SCALE_NAMES}
+            for name in names:
+                prefix, _, leaf = name.rpartition(".")
+                if prefix in quantized and leaf in TENSOR_NAMES:
+                    found.setdefault(prefix, {})[leaf] = checkpoint.get_tensor(name)
+    return found
+
+
+def layer_weights(prefix: str, tensors: dict[str, torch.Tensor], scheme: W8A8Scheme) -> W8A8Weights:
+    """One layer's `W8A8Weights`, its tensors checked against the scheme."""
+    values = tensors.get("weight")
+    expected = STORED_DTYPES.get(scheme.weight_type, torch.int8)
+    if values is None or values.dtype != expected or values.dim() != 2:
+        got = None if values is None else f"{values.dtype} {tuple(values.shape)}"
+        raise ValueError(f"{prefix}: expected a 2-D {expected} weight, found {got}")
+    for zero_point in ("weight_zero_point", "input_zero_point"):
+        if zero_point in tensors and bool(tensors[zero_point].any()):
+            raise ValueError(f"{prefix}: nonzero {zero_point} (asymmetric) is not served")
+    scale = tensors.get("weight_scale_inv", tensors.get("weight_scale")).to(torch.float32)
+    input_scale = tensors.get("input_scale")
+    if scheme.activations is not None and not scheme.activations.dynamic and input_scale is None:
+        raise ValueError(f"{prefix}: static activations without an input_scale")
+    if input_scale is not None:
+        input_scale = input_scale.to(torch.float32).reshape(())
+    return W8A8Weights(
+        values, _layer_scales(prefix, scale, values.shape, scheme), scheme, input_scale
+    )
+
+
+def _layer_scales(
+    prefix: str, scale: torch.Tensor, shape: torch.Size, scheme: W8A8Scheme
+) -> torch.Tensor:
+    rows, cols = shape
+    if scheme.weight_strategy == WEIGHT_BLOCK:
+        block_rows, block_cols = scheme.block
+        blocks = (-(-rows // block_rows), -(-cols // block_cols))
+        if tuple(scale.shape) != blocks:
+            raise ValueError(f"{prefix}: block scales {tuple(scale.shape)}, expected {blocks}")
+        return scale.contiguous()
+    if scale.numel() == 1:  # per tensor: one scale, kept per row (fused parts differ)
+        return scale.reshape(1, 1).expand(rows, 1).contiguous()
+    if scale.numel() != rows:
+        raise ValueError(f"{prefix}: {scale.numel()} weight scales for {rows} output channels")
+    return scale.reshape(rows, 1).contiguous()
+
+
+def checkpoint_scheme(method: str, config: dict[str, Any]) -> W8A8Scheme:
+    """The 8-bit scheme of a checkpoint's `quantization_config` (the registry served it)."""
+    return fp8_scheme(config) if method == "fp8" else w8a8_scheme(config)
+
+
+def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> set[str]:
+    """Swap in the 8-bit layers (see the module docstring); returns the names they hold."""
+    layers = read_w8a8_tensors(directory)
+    parts = _parts_by_module(model, layers)
+    consumed: set[str] = set()
+    for name, module_parts in parts.items():
+        module = model.get_submodule(name)
+        weights = {
+            shard: layer_weights(prefix, layers[prefix], scheme)
+            for shard, prefix in module_parts.items()
+        }
+        _replace(model, name, _w8a8_layer(name, module, weights))
+        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+        consumed |= {
+            f"{prefix}.{leaf}" for prefix in module_parts.values() for leaf in layers[prefix]
+        }
+    logger.info(
+        "checkpoint 8-bit layers (%s): %d layers (%.0f MB)",
+        scheme.describe(),
+        len(parts),
+        distinct_bytes(t for n in parts for t in model.get_submodule(n).buffers() if t is not None)
+        / 1e6,
+    )
+    return consumed
+
+
+def _parts_by_module(model: nn.Module, layers: dict[str, Any]) -> dict[str, dict[str | None, str]]:
+    """Model module name -> {shard id (None unless fused): checkpoint prefix}."""
+    parts: dict[str, dict[str | None, str]] = {}
+    for prefix in layers:
+        param_name, shard_id = model.checkpoint_target(f"{prefix}.weight")
+        module_name = param_name.removesuffix(".weight")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, Linear) or module_name == "lm_head":
+            raise ValueError(
+                f"8-bit layer {prefix!r} has no linear layer to run on in pagedllm's "
+                f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
+            )
+        parts.setdefault(module_name, {})[shard_id] = prefix
+    return parts
+
+
+def _w8a8_layer(name: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
+    order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
+    if set(parts) != set(order):
+        raise ValueError(
+            f"the checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts are "
+            f"{sorted(map(str, order))}: a fused layer needs all of them quantized"
+        )
+    if not isinstance(module, MergedLinear):
+        return w8a8_layer(parts[None], module.bias)
+    ordered = [parts[s] for s in order]
+    if can_stack(ordered):
+        layer = w8a8_layer(stack_weights(ordered), module.bias, module.output_sizes)
+    else:
+        layer = GGUFConcatLinear([w8a8_layer(p) for p in ordered], module.output_sizes, module.bias)
+    layer.shard_slices = dict(module.shard_slices)
+    return layer
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, layer)

@@ -1,0 +1,241 @@
+"""8-bit checkpoints (compressed-tensors int8 W8A8 and FP8, `quant_method` "fp8") served on
+their 8-bit weights: the reader's dequantization is the format's exactly, each layer
+computes the reference math (dequantized weights times the fake-quantized activation)
+within fp32 rounding on every kernel path, the weights held in memory are the checkpoint's
+bytes within 10%, and the engine's greedy tokens are Transformers' on the dequantized model
+with the same activation quantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
+from w8a8_writer import (
+    Format,
+    add_activation_quantization,
+    fake_quantize_activation,
+    quantize_weight,
+    reference_dequantize,
+    write_w8a8_checkpoint,
+)
+
+import pagedllm.model.layers.w8a8_linear as w8a8_linear
+import pagedllm.model.layers.w8a8_weights as w8a8_weights
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
+from pagedllm.model.layers.linear import MergedLinear
+from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
+from pagedllm.model.layers.w8a8_swap import _w8a8_layer, checkpoint_scheme, layer_weights
+
+FORMATS = [
+    Format("ct-int8-token", "compressed-tensors", "int", "channel", "token"),
+    Format("ct-int8-static", "compressed-tensors", "int", "tensor", "static"),
+    Format("ct-int8-weight-only", "compressed-tensors", "int", "channel", None),
+    Format("ct-fp8-dynamic", "compressed-tensors", "float", "channel", "token"),
+    Format("ct-fp8-static", "compressed-tensors", "float", "tensor", "static"),
+    Format("ct-fp8-block", "compressed-tensors", "float", "block", "group"),
+    Format("fp8-block", "fp8", "float", "block", "group"),
+    Format("fp8-tensor", "fp8", "float", "tensor", "tensor"),
+    Format("fp8-static", "fp8", "float", "tensor", "static"),
+]
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+TIE_TOLERANCE = 1e-3
+MAX_NEW_TOKENS = 12
+
+
+def _weights(weight: torch.Tensor, fmt: Format):
+    tensors = quantize_weight(weight, fmt)
+    scheme = checkpoint_scheme(fmt.method, fmt.quantization_config())
+    return tensors, layer_weights("layer", tensors, scheme)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_dequantized_weights_are_the_formats_exactly(fmt):
+    # 300 outputs: a last block of rows cut short.
+    weight = torch.randn(300, 256, generator=torch.Generator().manual_seed(1))
+    tensors, weights = _weights(weight, fmt)
+    reference = reference_dequantize(tensors, fmt)
+    assert torch.equal(weights.dequantize(), reference)
+    assert torch.equal(weights.dequantize_rows(100, 230), reference[100:230])
+    # The round trip is a quantization of the weight (a wrong layout would be far off).
+    assert (reference - weight).abs().max() < 0.1 * weight.abs().max()
+
+
+def test_the_fp8_kernel_decodes_every_code_as_torch_does():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    values = codes.reshape(8, 32)
+    out = torch.empty(8, 32)
+    w8a8_weights.fp8_kernel()(out, values, torch.ones(8, 1), 1, 32)
+    # Subnormals, both zeros and the two NaNs (0x7F, 0xFF) included.
+    torch.testing.assert_close(out, values.float(), rtol=0, atol=0, equal_nan=True)
+    assert torch.signbit(out.view(-1)[128])  # -0.0
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.weight_type == "float"], ids=str)
+def test_the_fp8_kernel_dequantizes_as_the_torch_path(fmt, monkeypatch):
+    weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))  # cut blocks
+    _, weights = _weights(weight, fmt)
+    by_kernel = weights.dequantize()
+    monkeypatch.setattr(w8a8_weights, "_KERNEL", [None])  # where the extension is missing
+    assert torch.equal(by_kernel, weights.dequantize())
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, fmt: Format) -> torch.Tensor:
+    activation = x if fmt.activations is None else fake_quantize_activation(x, fmt)
+    return activation.double() @ weight.double().T
+
+
+def _on_int8_gemm(fmt: Format) -> bool:
+    return fmt.weight_type == "int" and fmt.activations is not None
+
+
+# The int8 GEMM's two paths: fbgemm (VNNI CPUs) and torch._int_mm (the others).
+KERNEL_CASES = [
+    pytest.param(fmt, on_fbgemm, id=f"{fmt}-{kernel}")
+    for fmt in FORMATS
+    for on_fbgemm, kernel in ((True, "fbgemm"), (False, "int_mm"))
+    if _on_int8_gemm(fmt) or on_fbgemm
+]
+
+
+# fp8: up to FUSED_MAX_ROWS rows multiplied in registers, more through bands and torch.mm.
+@pytest.mark.parametrize("rows", [w8a8_linear.FUSED_MAX_ROWS - 1, w8a8_linear.FUSED_MAX_ROWS + 2])
+@pytest.mark.parametrize(("fmt", "on_fbgemm"), KERNEL_CASES)
+def test_layer_computes_the_reference_math(fmt, on_fbgemm, rows, monkeypatch):
+    # Without VNNI fbgemm is not exact on full-range inputs; the fallback is what runs there.
+    on_fbgemm = on_fbgemm and w8a8_linear.use_fbgemm()
+    monkeypatch.setattr(w8a8_linear, "use_fbgemm", lambda: on_fbgemm)
+    generator = torch.Generator().manual_seed(3)
+    tensors, weights = _weights(torch.randn(300, 256, generator=generator), fmt)
+    layer = w8a8_linear.w8a8_layer(weights)
+    assert isinstance(layer, Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear)
+    if _on_int8_gemm(fmt):
+        assert (layer._packed is not None) == on_fbgemm
+    if isinstance(layer, TiledDequantLinear):
+        layer.band_rows = 128  # several bands, the last one short
+    # A first token 30x the others, as real first tokens are: per-token scales keep theirs.
+    x = torch.randn(rows, 256, generator=generator) * 0.3
+    x[0] *= 30
+    expected = _expected(x, reference_dequantize(tensors, fmt), fmt)
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fused_parts_whose_blocks_do_not_stack_are_one_layer_each():
+    fmt = Format("fp8-block", "fp8", "float", "block", "group")
+    generator = torch.Generator().manual_seed(4)
+    parts = {
+        s: _weights(torch.randn(n, 256, generator=generator), fmt)
+        for s, n in (("q", 96), ("k", 128))
+    }
+
+    fused = MergedLinear(256, [96, 128], ["q", "k"], bias=False, dtype=torch.float32)
+    layer = _w8a8_layer("qk", fused, {s: w for s, (_, w) in parts.items()})
+    assert isinstance(layer, GGUFConcatLinear)  # 96 rows are not whole blocks of 128
+    x = torch.randn(3, 256, generator=generator)
+    weight = torch.cat([reference_dequantize(t, fmt) for t, _ in parts.values()])
+    torch.testing.assert_close(layer(x).double(), _expected(x, weight, fmt), rtol=1e-5, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+
+
+def _checkpoints(tiny_llama, tmp_path, fmt):
+    quantized, dequantized = tmp_path / "w8a8", tmp_path / "dequantized"
+    checkpoint_bytes = write_w8a8_checkpoint(tiny_llama, quantized, dequantized, fmt)
+    return quantized, dequantized, checkpoint_bytes
+
+
+def _engine(quantized, fmt: Format) -> LLM:
+    # A per-tensor dynamic scale spans the whole batch: one sequence at a time, as the
+    # reference runs them.
+    seqs = 1 if fmt.activations == "tensor" else 8
+    return LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=seqs)
+
+
+def _assert_greedy_tokens_match(source, tmp_path, fmt: Format) -> None:
+    from transformers import AutoModelForCausalLM
+
+    quantized, dequantized, _ = _checkpoints(source, tmp_path, fmt)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
+    hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    add_activation_quantization(hf_model, fmt)
+    references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
+    llm = _engine(quantized, fmt)
+    assert llm.llm_engine.model_config.quantization == fmt.method
+    layer_class = Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear
+    assert sum(isinstance(m, layer_class) for m in model_runner(llm).model.modules()) == 8
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ties = sum(
+        compare_greedy(out.outputs[0].token_ids, ref, TIE_TOLERANCE)
+        for out, ref in zip(outputs, references, strict=True)
+    )
+    print(f"{fmt}: ties {ties}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, tmp_path, fmt):
+    _assert_greedy_tokens_match(tiny_llama, tmp_path, fmt)
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[5]], ids=str)
+def test_projections_with_biases_keep_them(tmp_path, fmt):
+    """Qwen2's q/k/v have biases: the fused 8-bit layer adds the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
+    qwen2 = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", **SHAPE)
+    state = load_file(qwen2 / "model.safetensors")
+    generator = torch.Generator().manual_seed(6)
+    biases = [name for name in state if name.endswith("_proj.bias")]
+    assert biases  # initialised to zero: made random so that a lost bias shows
+    for name in biases:
+        state[name] = torch.randn(state[name].shape, generator=generator)
+    save_file(state, qwen2 / "model.safetensors")
+    _assert_greedy_tokens_match(qwen2, tmp_path, fmt)
+
+
+def test_quantized_moe_experts_are_refused_by_name(tmp_path):
+    moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe")
+    quantized, _, _ = _checkpoints(moe, tmp_path, FORMATS[3])
+    with pytest.raises(ValueError, match="quantized MoE experts and heads are not served"):
+        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+
+
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], FORMATS[6]], ids=str)
+def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
+    quantized, _, checkpoint_bytes = _checkpoints(tiny_llama, tmp_path, fmt)
+    model = model_runner(_engine(quantized, fmt)).model
+    layers = [m for m in model.modules() if isinstance(m, (Int8W8A8Linear, TiledDequantLinear))]
+    assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    held = sum(layer.weight_bytes() for layer in layers)
+    print(
+        f"{fmt}: checkpoint {checkpoint_bytes} bytes, held {held} ({held / checkpoint_bytes:.3f}x)"
+    )
+    assert 0.9 * checkpoint_bytes <= held <= 1.1 * checkpoint_bytes
+    # No fp32 copy of a quantized weight is left behind.
+    largest = max(p.numel() for n, p in model.named_parameters() if "layers" in n)
+    assert largest <= SHAPE["hidden_size"]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "named"),
+    [
+        ({"enable_lora": True}, "with enable_lora"),
+        ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
+        ({"quantization": "fp8"}, "quantization='fp8' disagrees"),
+    ],
+)
+def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engine_args, named):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[0])
+    with pytest.raises(ValueError, match=named):
+        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
+
+
+def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[3])
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="a draft model stored quantized"):
+        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)
