@@ -235,12 +235,12 @@ def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
     refused = [
-        (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size}"),
         (
-            args.pipeline_parallel_size > 1,
-            f"pipeline_parallel_size={args.pipeline_parallel_size}",
+            # A row-parallel packed layer computes its output rows over the gathered input
+            # (`packed_parallel.py`): it has no partial product for a rank's LoRA delta.
+            args.enable_lora and args.tensor_parallel_size > 1,
+            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
         ),
-        (args.enable_lora, "enable_lora"),
         (args.load_format == "dummy", "load_format='dummy' (its weights are read packed)"),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
