@@ -294,27 +294,44 @@ def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConf
         source = resolve_model(spec.model)
     verify_quantization(spec.quantization)
     hf_config = load_hf_config(source)
-    if quantization_config(hf_config) is not None or (
-        spec.quantization in CHECKPOINT_QUANTIZATION_METHODS
-    ):
-        raise ValueError(
-            f"speculative_config: a draft model stored quantized ({source.path!r}) is not "
-            "served yet; give an unquantized draft (or method 'self_quantized')"
-        )
+    # A draft stored quantized runs on its packed weights, as a target does.
+    quantization = _draft_quantization(args, hf_config, spec.quantization, source.path)
     resolve_model_class(getattr(hf_config, "architectures", None))
     draft = ModelConfig(
         model=source.path,
         hf_config=hf_config,
-        dtype=torch.float32 if spec.quantization else target.dtype,
+        dtype=torch.float32 if quantization else target.dtype,
         max_model_len=target.max_model_len,
         eos_token_ids=target.eos_token_ids,
         seed=target.seed,
         max_logprobs=target.max_logprobs,
-        quantization=spec.quantization,
+        quantization=quantization,
         load_format=target.load_format,
     )
     _check_draft_fits_target(draft, target, source.path)
     return draft
+
+
+def _draft_quantization(
+    args: EngineArgs, hf_config: Any, requested: str | None, path: str
+) -> str | None:
+    """The draft's quantization: its checkpoint's method (refused by name as a target's
+    would be, `checkpoint_quantization`), else `requested`; a draft stored quantized is
+    read from its packed tensors, so neither dummy weights nor another device serve it."""
+    quantization = checkpoint_quantization(hf_config, requested)
+    if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
+        return quantization
+    refused = [
+        (args.load_format == "dummy", "load_format='dummy'"),
+        (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
+    ]
+    for is_refused, what in refused:
+        if is_refused:
+            raise ValueError(
+                f"speculative_config: the draft model {path!r}, stored quantized with "
+                f"{quantization!r}, is not served with {what} (yet)"
+            )
+    return quantization
 
 
 def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str) -> None:

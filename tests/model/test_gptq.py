@@ -160,11 +160,40 @@ def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engin
         LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
 
 
-def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
+def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(tiny_llama, tmp_path):
+    """The GPTQ checkpoint drafting for the fp32 model it was dequantized into: the draft runs
+    on packed layers, the target's greedy tokens are unchanged, and nearly every draft is
+    accepted (the two differ only by the kernel's 16-bit activations)."""
+    from model_utils import compare_to_reference_engine, greedy_with_logprobs
+
+    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, True, False))
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [3, 200, 7, 90, 45, 300, 12, 8]]
+    common = dict(max_model_len=128, kv_cache_memory="8MiB")
+    expected = greedy_with_logprobs(LLM(str(dequantized), **common), prompts, 24)
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    llm = LLM(str(dequantized), speculative_config=draft, **common)
+    assert llm.llm_engine.model_config.quantization is None  # the target stays fp32
+    draft_model = model_runner(llm).proposer.model
+    assert any(isinstance(m, GPTQLinear) for m in draft_model.modules())
+    actual = greedy_with_logprobs(llm, prompts, 24)
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    print(f"ties {ties}")
+    counts = llm.get_stats().spec_decode
+    assert counts.num_drafts > 0
+    assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens
+
+
+def test_a_quantized_draft_model_is_refused_with_dummy_weights(tiny_llama, tmp_path):
+    from pagedllm.config import EngineArgs
+    from pagedllm.core.engine_config import load_engine_config
+
     quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    with pytest.raises(ValueError, match="a draft model stored quantized"):
-        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)
+    args = EngineArgs(
+        model=str(tiny_llama), max_model_len=128, load_format="dummy", speculative_config=draft
+    )
+    with pytest.raises(ValueError, match="stored quantized with 'gptq', is not served with load"):
+        load_engine_config(args, log=False)
 
 
 def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(
