@@ -241,7 +241,10 @@ def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -
             args.enable_lora and args.tensor_parallel_size > 1,
             f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
         ),
-        (args.load_format == "dummy", "load_format='dummy' (its weights are read packed)"),
+        (
+            args.load_format == "dummy" and quantization != "gptq",
+            "load_format='dummy' (random packed weights are made for 'gptq' only)",
+        ),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
@@ -316,13 +319,13 @@ def _draft_quantization(
     args: EngineArgs, hf_config: Any, requested: str | None, path: str
 ) -> str | None:
     """The draft's quantization: its checkpoint's method (refused by name as a target's
-    would be, `checkpoint_quantization`), else `requested`; a draft stored quantized is
-    read from its packed tensors, so neither dummy weights nor another device serve it."""
+    would be, `checkpoint_quantization`), else `requested`; a draft stored quantized runs on
+    the CPU kernels, and takes dummy weights as a target does (GPTQ only)."""
     quantization = checkpoint_quantization(hf_config, requested)
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return quantization
     refused = [
-        (args.load_format == "dummy", "load_format='dummy'"),
+        (args.load_format == "dummy" and quantization != "gptq", "load_format='dummy'"),
         (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
     ]
     for is_refused, what in refused:

@@ -6,6 +6,8 @@ of 32 / 128 / per channel, with and without act-order, symmetric or not."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gptq_writer import (
@@ -149,7 +151,6 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, schem
 @pytest.mark.parametrize(
     ("engine_args", "named"),
     [
-        ({"load_format": "dummy"}, "with load_format='dummy'"),
         ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
         ({"quantization": "int8"}, "quantization='int8' disagrees"),
     ],
@@ -183,17 +184,32 @@ def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(tiny_llama, t
     assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens
 
 
-def test_a_quantized_draft_model_is_refused_with_dummy_weights(tiny_llama, tmp_path):
-    from pagedllm.config import EngineArgs
-    from pagedllm.core.engine_config import load_engine_config
+def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_llama, tmp_path):
+    """A config.json alone with load_format="dummy": the same packed layers, holding the same
+    bytes, as the checkpoint of that config; the model generates."""
+    import json
 
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
-    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    args = EngineArgs(
-        model=str(tiny_llama), max_model_len=128, load_format="dummy", speculative_config=draft
+    from pagedllm.model.loader import write_config_dir
+
+    scheme = Scheme(128, desc_act=True, sym=False)
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, scheme)
+    config = json.loads((quantized / "config.json").read_text())
+    shapes = write_config_dir(str(tmp_path / "shape-only"), config)
+    held = {}
+    for name, path, extra in (
+        ("checkpoint", quantized, {}),
+        ("dummy", shapes, {"load_format": "dummy", "skip_tokenizer_init": True}),
+    ):
+        llm = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", **extra)
+        layers = [m for m in model_runner(llm).model.modules() if isinstance(m, GPTQLinear)]
+        held[name] = [(layer.extra_repr(), layer.weight_bytes()) for layer in layers]
+    assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * 7
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    (output,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    assert all(
+        math.isfinite(lp.logprob) for step in output.outputs[0].logprobs for lp in step.values()
     )
-    with pytest.raises(ValueError, match="stored quantized with 'gptq', is not served with load"):
-        load_engine_config(args, log=False)
 
 
 def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(

@@ -62,28 +62,43 @@ def swap_packed_layers(
 ) -> set[str]:
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
+    require_kernels(method)
+    parts, elsewhere = _parts_by_module(model, layers, method)
+    # Another pipeline stage's layers: never read here (that stage swaps its own).
+    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
+    for name, module_parts in parts.items():
+        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
+        swap_in(model, name, unpacked, method)
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+    log_swapped(model, list(parts), method)
+    return consumed
+
+
+def require_kernels(method: str) -> None:
+    """The CPU kernels the packed layers run on, built or loaded; refused by name without."""
     from pagedllm.ops.extension import load
 
     try:
         load()
     except RuntimeError as error:
         raise ValueError(f"quantization={method!r} needs the CPU kernels: {error}") from error
-    parts, elsewhere = _parts_by_module(model, layers, method)
-    # Another pipeline stage's layers: never read here (that stage swaps its own).
-    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
-    for name, module_parts in parts.items():
-        module = model.get_submodule(name)
-        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
-        _replace(model, name, _packed_layer(name, module, unpacked, method))
-        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
-        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+
+
+def swap_in(model: nn.Module, name: str, parts: dict[str | None, UnpackedGPTQ], method: str):
+    """Replace the `Linear` at `name` with the packed layer on its parts' weights (whole,
+    as the checkpoint holds them: this rank keeps its rows)."""
+    module = model.get_submodule(name)
+    _replace(model, name, _packed_layer(name, module, parts, method))
+    module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+
+
+def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
     logger.info(
         "quantization=%s: %d layers on packed integer weights (%.0f MB)",
         method,
-        len(parts),
-        distinct_bytes(t for n in parts for t in model.get_submodule(n).buffers()) / 1e6,
+        len(names),
+        distinct_bytes(t for n in names for t in model.get_submodule(n).buffers()) / 1e6,
     )
-    return consumed
 
 
 def _parts_by_module(
