@@ -89,6 +89,9 @@ def test_row_parallel_ranks_compute_one_ranks_output_rows(as_rank, scheme, k, ou
         assert layer.bias is module.bias  # the model's parameter: loaded whole, added once
         assert layer.in_features == k and layer.full_out_features == out_features
         assert (layer.mins is _NO_MINS) == scheme.sym  # padding rows keep a symmetric layer's
+        # A share of the weights, not all of them: 1/tp, plus what tiles round the rows up
+        # to and an act-order layer's input order, whole on every rank (0.42 of 3 ranks').
+        assert layer.weight_bytes() <= 0.5 * whole_layer.weight_bytes()
         mine = torch.empty(len(x), layer.out_features)
         layer.matmul_into(x, mine)
         start = rank * -(-out_features // tp)
