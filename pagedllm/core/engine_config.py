@@ -26,7 +26,11 @@ from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
-from pagedllm.model.quantization.registry import checkpoint_quantization, quantization_config
+from pagedllm.model.quantization.registry import (
+    checkpoint_quantization,
+    on_eight_bit_layers,
+    quantization_config,
+)
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_features import cpu_features
@@ -175,7 +179,7 @@ def build_engine_config(
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
     quantization = checkpoint_quantization(hf_config, args.quantization)
-    verify_checkpoint_quantization(args, quantization)
+    verify_checkpoint_quantization(args, quantization, hf_config)
     model_config = ModelConfig(
         model=source.path,
         hf_config=hf_config,
@@ -231,18 +235,38 @@ def build_engine_config(
     )
 
 
-def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -> None:
+def verify_checkpoint_quantization(
+    args: EngineArgs, quantization: str | None, hf_config: Any
+) -> None:
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
+    eight_bit = on_eight_bit_layers(quantization, hf_config)
     refused = [
-        (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size}"),
-        (
-            args.pipeline_parallel_size > 1,
-            f"pipeline_parallel_size={args.pipeline_parallel_size}",
+        *(
+            (eight_bit and is_on, f"{what} (8-bit layers: one rank, no adapters yet)")
+            for is_on, what in (
+                (
+                    args.tensor_parallel_size > 1,
+                    f"tensor_parallel_size={args.tensor_parallel_size}",
+                ),
+                (
+                    args.pipeline_parallel_size > 1,
+                    f"pipeline_parallel_size={args.pipeline_parallel_size}",
+                ),
+                (args.enable_lora, "enable_lora"),
+            )
         ),
-        (args.enable_lora, "enable_lora"),
-        (args.load_format == "dummy", "load_format='dummy' (its weights are read packed)"),
+        (
+            # A row-parallel packed layer computes its output rows over the gathered input
+            # (`packed_parallel.py`): it has no partial product for a rank's LoRA delta.
+            args.enable_lora and args.tensor_parallel_size > 1,
+            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
+        ),
+        (
+            args.load_format == "dummy" and quantization != "gptq",
+            "load_format='dummy' (random packed weights are made for 'gptq' only)",
+        ),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
@@ -302,27 +326,45 @@ def build_draft_model_config(
         source = resolve_model(spec.model)
     verify_quantization(spec.quantization)
     hf_config = load_hf_config(source)
-    if quantization_config(hf_config) is not None or (
-        spec.quantization in CHECKPOINT_QUANTIZATION_METHODS
-    ):
-        raise ValueError(
-            f"speculative_config: a draft model stored quantized ({source.path!r}) is not "
-            "served yet; give an unquantized draft (or method 'self_quantized')"
-        )
+    # A draft stored quantized runs on its packed weights, as a target does.
+    quantization = _draft_quantization(args, hf_config, spec.quantization, source.path)
     resolve_model_class(getattr(hf_config, "architectures", None))
     draft = ModelConfig(
         model=source.path,
         hf_config=hf_config,
-        dtype=torch.float32 if spec.quantization else target.dtype,
+        dtype=torch.float32 if quantization else target.dtype,
         max_model_len=target.max_model_len,
         eos_token_ids=target.eos_token_ids,
         seed=target.seed,
         max_logprobs=target.max_logprobs,
-        quantization=spec.quantization,
+        quantization=quantization,
         load_format=target.load_format,
     )
     _check_draft_fits_target(draft, target, source.path)
     return draft
+
+
+def _draft_quantization(
+    args: EngineArgs, hf_config: Any, requested: str | None, path: str
+) -> str | None:
+    """The draft's quantization: its checkpoint's method (refused by name as a target's
+    would be, `checkpoint_quantization`), else `requested`; a draft stored quantized runs on
+    the CPU kernels, and takes dummy weights as a target does (GPTQ only)."""
+    quantization = checkpoint_quantization(hf_config, requested)
+    if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
+        return quantization
+    refused = [
+        (on_eight_bit_layers(quantization, hf_config), "a draft on 8-bit layers"),
+        (args.load_format == "dummy" and quantization != "gptq", "load_format='dummy'"),
+        (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
+    ]
+    for is_refused, what in refused:
+        if is_refused:
+            raise ValueError(
+                f"speculative_config: the draft model {path!r}, stored quantized with "
+                f"{quantization!r}, is not served with {what} (yet)"
+            )
+    return quantization
 
 
 def _check_draft_fits_target(draft: ModelConfig, target: ModelConfig, path: str) -> None:

@@ -85,3 +85,22 @@ def test_engine_is_transformers_on_the_dequantized_model(tiny_llama, tmp_path, s
     down_proj = SHAPE["hidden_size"] * SHAPE["intermediate_size"]
     fp32_largest = down_proj if scheme.not_converted else SHAPE["hidden_size"]
     assert check.largest_layer_parameter == fp32_largest
+
+
+def test_dummy_weights_are_refused_by_name_for_awq_targets_and_drafts(tiny_llama, tmp_path):
+    """Random packed weights are made for GPTQ only (`model/layers/packed_dummy.py`)."""
+    from pagedllm.config import EngineArgs
+    from pagedllm.core.engine_config import load_engine_config
+
+    quantized = tmp_path / "awq"
+    write_awq_checkpoint(tiny_llama, quantized, tmp_path / "dequantized", AWQScheme(128))
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    for args, named in (
+        (EngineArgs(model=str(quantized), load_format="dummy"), "made for 'gptq' only"),
+        (
+            EngineArgs(model=str(tiny_llama), load_format="dummy", speculative_config=draft),
+            "stored quantized with 'awq', is not served with load_format='dummy'",
+        ),
+    ):
+        with pytest.raises(ValueError, match=named):
+            load_engine_config(args, log=False)

@@ -6,6 +6,8 @@ of 32 / 128 / per channel, with and without act-order, symmetric or not."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from gptq_writer import (
@@ -149,7 +151,6 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, schem
 @pytest.mark.parametrize(
     ("engine_args", "named"),
     [
-        ({"enable_lora": True}, "with enable_lora"),
         ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
         ({"quantization": "int8"}, "quantization='int8' disagrees"),
     ],
@@ -160,24 +161,69 @@ def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engin
         LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
 
 
-def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(tiny_llama, tmp_path):
+    """The GPTQ checkpoint drafting for the fp32 model it was dequantized into: the draft runs
+    on packed layers, the target's greedy tokens are unchanged, and nearly every draft is
+    accepted (the two differ only by the kernel's 16-bit activations)."""
+    from model_utils import compare_to_reference_engine, greedy_with_logprobs
+
+    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, True, False))
+    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [3, 200, 7, 90, 45, 300, 12, 8]]
+    common = dict(max_model_len=128, kv_cache_memory="8MiB")
+    expected = greedy_with_logprobs(LLM(str(dequantized), **common), prompts, 24)
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    with pytest.raises(ValueError, match="a draft model stored quantized"):
-        LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)
+    llm = LLM(str(dequantized), speculative_config=draft, **common)
+    assert llm.llm_engine.model_config.quantization is None  # the target stays fp32
+    draft_model = model_runner(llm).proposer.model
+    assert any(isinstance(m, GPTQLinear) for m in draft_model.modules())
+    actual = greedy_with_logprobs(llm, prompts, 24)
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    print(f"ties {ties}")
+    counts = llm.get_stats().spec_decode
+    assert counts.num_drafts > 0
+    assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens
 
 
-@pytest.mark.parametrize(
-    "parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=str
-)
-def test_parallel_layouts_are_refused_by_name_before_any_process_starts(
-    tiny_llama, tmp_path, parallel
+def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_llama, tmp_path):
+    """A config.json alone with load_format="dummy": the same packed layers, holding the same
+    bytes, as the checkpoint of that config; the model generates."""
+    import json
+
+    from pagedllm.model.loader import write_config_dir
+
+    scheme = Scheme(128, desc_act=True, sym=False)
+    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, scheme)
+    config = json.loads((quantized / "config.json").read_text())
+    shapes = write_config_dir(str(tmp_path / "shape-only"), config)
+    held = {}
+    for name, path, extra in (
+        ("checkpoint", quantized, {}),
+        ("dummy", shapes, {"load_format": "dummy", "skip_tokenizer_init": True}),
+    ):
+        llm = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", **extra)
+        layers = [m for m in model_runner(llm).model.modules() if isinstance(m, GPTQLinear)]
+        held[name] = [(layer.extra_repr(), layer.weight_bytes()) for layer in layers]
+    assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * 7
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    (output,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    assert all(
+        math.isfinite(lp.logprob) for step in output.outputs[0].logprobs for lp in step.values()
+    )
+
+
+def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(
+    tiny_llama, tmp_path
 ):
+    """Tensor and pipeline parallelism serve these checkpoints
+    (tests/distributed/test_packed_parallel.py), LoRA too (tests/lora/test_lora_packed.py);
+    LoRA over tensor-parallel ranks does not yet."""
     from pagedllm.config import EngineArgs
     from pagedllm.core.engine_config import load_engine_config
 
     quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
-    ((name, size),) = parallel.items()
-    args = EngineArgs(model=str(quantized), max_model_len=128, **parallel)
-    with pytest.raises(ValueError, match=f"not served with {name}={size}"):
+    args = EngineArgs(
+        model=str(quantized), max_model_len=128, tensor_parallel_size=2, enable_lora=True
+    )
+    with pytest.raises(ValueError, match="not served with enable_lora and tensor_parallel_size=2"):
         load_engine_config(args, log=False)

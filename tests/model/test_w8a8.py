@@ -224,6 +224,8 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
     ("engine_args", "named"),
     [
         ({"enable_lora": True}, "with enable_lora"),
+        ({"tensor_parallel_size": 2}, "with tensor_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, "with pipeline_parallel_size=2"),
         ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
         ({"quantization": "fp8"}, "quantization='fp8' disagrees"),
     ],
@@ -237,5 +239,5 @@ def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engin
 def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
     quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[3])
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    with pytest.raises(ValueError, match="a draft model stored quantized"):
+    with pytest.raises(ValueError, match="a draft on 8-bit layers"):
         LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)

@@ -46,6 +46,7 @@ from pagedllm.model.layers.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
+from pagedllm.model.layers.row_gather import GatheredRowParallel
 from pagedllm.model.layers.vocab_parallel import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -121,11 +122,9 @@ def _check_rows(full_rows: int, expected: int, what: str) -> None:
         raise ValueError(f"the file's {what} tensor has {full_rows} rows, expected {expected}")
 
 
-class GGUFRowParallelLinear(GGUFLinear):
+class GGUFRowParallelLinear(GatheredRowParallel, GGUFLinear):
     """A row-parallel layer (o, down) on GGUF blocks: this rank's output rows over the whole
-    K. The input shards are gathered, each rank computes its output columns, and those are
-    gathered and cut to `full_out_features` before the bias (whole on every rank) is added:
-    one rank's sums, in one rank's order (module docstring)."""
+    K (`row_gather.GatheredRowParallel`): one rank's sums, in one rank's order."""
 
     def __init__(
         self,
@@ -140,23 +139,6 @@ class GGUFRowParallelLinear(GGUFLinear):
         super().__init__(raw, ggml_type, bias, digits)
         self.full_out_features = full_out_features
         self.tp_group = tp_group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        # The ranks' input columns in rank order are the layer's K in order: rank r holds
-        # heads (or intermediate features) r * K / tp onward.
-        whole = self.tp_group.all_gather(x.reshape(-1, x.shape[-1]), dim=-1)
-        mine = torch.empty((whole.shape[0], self.out_features), dtype=torch.float32)
-        self.matmul_into(whole, mine)
-        out = self.tp_group.all_gather(mine, dim=-1)
-        if out.shape[-1] != self.full_out_features:  # padding rows of the last shares
-            out = out[:, : self.full_out_features].contiguous()
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*leading, self.full_out_features)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, full_out_features={self.full_out_features}"
 
 
 class GGUFParallelLMHead(GGUFLinear):

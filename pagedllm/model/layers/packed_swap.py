@@ -8,7 +8,9 @@ separately quantized parts) and returns the tensor names it consumed, which the 
 then skips. The replaced layers' fp32 storage is never written and never becomes
 resident; the loader fills the rest (embedding, norms, head, biases, layers left
 unquantized) as for an unquantized checkpoint. Each format's `keep_*_weights` (gptq_swap,
-awq_swap, ct_pack_swap) reads and unpacks; this module does the rest.
+awq_swap, ct_pack_swap) reads and unpacks; this module does the rest. A tensor-parallel
+rank keeps its rows of each layer (`packed_parallel.py`); a pipeline stage swaps in only
+its own layers and names the others' tensors as consumed, so it never reads them again.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import distinct_bytes
-from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
+from pagedllm.model.layers.gptq_linear import merged_gptq_layer
 from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.packed_parallel import parallel_packed_layer, rank_weights
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 logger = logging.getLogger("pagedllm")
@@ -59,37 +62,59 @@ def swap_packed_layers(
 ) -> set[str]:
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
+    require_kernels(method)
+    parts, elsewhere = _parts_by_module(model, layers, method)
+    # Another pipeline stage's layers: never read here (that stage swaps its own).
+    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
+    for name, module_parts in parts.items():
+        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
+        swap_in(model, name, unpacked, method)
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+    log_swapped(model, list(parts), method)
+    return consumed
+
+
+def require_kernels(method: str) -> None:
+    """The CPU kernels the packed layers run on, built or loaded; refused by name without."""
     from pagedllm.ops.extension import load
 
     try:
         load()
     except RuntimeError as error:
         raise ValueError(f"quantization={method!r} needs the CPU kernels: {error}") from error
-    parts = _parts_by_module(model, layers, method)
-    consumed: set[str] = set()
-    for name, module_parts in parts.items():
-        module = model.get_submodule(name)
-        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
-        _replace(model, name, _packed_layer(name, module, unpacked, method))
-        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
-        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+
+
+def swap_in(model: nn.Module, name: str, parts: dict[str | None, UnpackedGPTQ], method: str):
+    """Replace the `Linear` at `name` with the packed layer on its parts' weights (whole,
+    as the checkpoint holds them: this rank keeps its rows)."""
+    module = model.get_submodule(name)
+    _replace(model, name, _packed_layer(name, module, parts, method))
+    module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+
+
+def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
     logger.info(
         "quantization=%s: %d layers on packed integer weights (%.0f MB)",
         method,
-        len(parts),
-        distinct_bytes(t for n in parts for t in model.get_submodule(n).buffers()) / 1e6,
+        len(names),
+        distinct_bytes(t for n in names for t in model.get_submodule(n).buffers()) / 1e6,
     )
-    return consumed
 
 
 def _parts_by_module(
     model: nn.Module, layers: dict[str, LayerTensors], method: str
-) -> dict[str, dict[str | None, tuple[str, LayerTensors]]]:
-    """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)}."""
+) -> tuple[dict[str, dict[str | None, tuple[str, LayerTensors]]], list[str]]:
+    """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)};
+    and the checkpoint prefixes of layers another pipeline stage holds."""
     target = model.checkpoint_target
+    on_other_stage = getattr(model, "on_other_stage", lambda name: False)
     parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
+    elsewhere: list[str] = []
     for prefix, tensors in layers.items():
         param_name, shard_id = target(f"{prefix}.weight")
+        if on_other_stage(param_name):
+            elsewhere.append(prefix)
+            continue
         module_name = param_name.removesuffix(".weight")
         try:
             module = model.get_submodule(module_name)
@@ -101,7 +126,7 @@ def _parts_by_module(
                 f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
             )
         parts.setdefault(module_name, {})[shard_id] = (prefix, tensors)
-    return parts
+    return parts, elsewhere
 
 
 def _packed_layer(
@@ -113,10 +138,13 @@ def _packed_layer(
             f"{method} checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts "
             f"are {sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
+    mine = {shard: rank_weights(module, shard, weights) for shard, weights in parts.items()}
     if not isinstance(module, MergedLinear):
-        return GPTQLinear(parts[None], module.bias)
-    layer = merged_gptq_layer([parts[s] for s in order], module.output_sizes, module.bias)
-    layer.shard_slices = dict(module.shard_slices)
+        return parallel_packed_layer(module, mine[None])
+    layer = merged_gptq_layer([mine[s] for s in order], module.output_sizes, module.bias)
+    layer.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
+    if hasattr(module, "shard_sources"):  # and cut them as the rank's rows were cut
+        layer.shard_sources = dict(module.shard_sources)
     return layer
 
 

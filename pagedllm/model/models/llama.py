@@ -357,7 +357,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "lm_head.weight"
             param_name, shard_id = self.checkpoint_target(name)
             if param_name not in params:
-                if self._on_other_stage(param_name):
+                if self.on_other_stage(param_name):
                     continue
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         up_proj are no dense gate/up shards)."""
         return fused_param_name(name)
 
-    def _on_other_stage(self, param_name: str) -> bool:
+    def on_other_stage(self, param_name: str) -> bool:
         """A parameter another pipeline stage holds (this one skips it)."""
         if not self.model.pipelined:
             return False

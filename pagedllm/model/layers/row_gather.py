@@ -1,0 +1,48 @@
+"""A row-parallel layer (o, down) on quantized weights that keeps OUTPUT rows, not inputs.
+
+A quantized layer's inputs come in groups that share one scale (a GGUF block, a GPTQ /
+AWQ group), and act-order reorders them; cutting K per rank, as the fp32 layer does, would
+cut groups (a rank's K slice is often no whole number of them) or scatter an act-order
+layer's groups over ranks, and even where it fits, each rank's partial sum plus an
+all-reduce adds in another order than one rank's kernel. Instead each rank keeps a slice of
+the output rows over the whole K: the input shards are all-gathered (the ranks' columns in
+rank order are the layer's K in order), the rank computes its output columns in one kernel
+call as one rank does, and a second all-gather joins the outputs. Both move activations, a
+few KB a token, never weights. Output rows that do not divide by tp are padded with zero
+rows to equal shares (the all-gather needs them) and cut off after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.distributed.parallel_state import GroupCoordinator
+
+
+class GatheredRowParallel:
+    """Mixin over a kernel layer with `matmul_into`, `out_features` (this rank's rows,
+    padding included) and `bias` (whole on every rank): the forward of the module
+    docstring. `full_out_features` and `tp_group` are set by the subclass."""
+
+    full_out_features: int
+    tp_group: GroupCoordinator
+    out_features: int
+    bias: torch.Tensor | None
+    matmul_into: Callable[[torch.Tensor, torch.Tensor], None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        whole = self.tp_group.all_gather(x.reshape(-1, x.shape[-1]), dim=-1)
+        mine = torch.empty((whole.shape[0], self.out_features), dtype=torch.float32)
+        self.matmul_into(whole, mine)
+        out = self.tp_group.all_gather(mine, dim=-1)
+        if out.shape[-1] != self.full_out_features:  # padding rows of the last shares
+            out = out[:, : self.full_out_features].contiguous()
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*leading, self.full_out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, full_out_features={self.full_out_features}"  # type: ignore[misc]
