@@ -16,8 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.model.quantization.awq import AWQConfig
-from pagedllm.model.quantization.gptq import PER_CHANNEL
-from pagedllm.model.quantization.gptq_format import UnpackedGPTQ, unpack_columns
+from pagedllm.model.quantization.gptq_format import (
+    UnpackedGPTQ,
+    checked_group_size,
+    unpack_columns,
+)
 
 TENSOR_NAMES = ("qweight", "qzeros", "scales")
 PACKED_PER_INT32 = 8
@@ -49,13 +52,8 @@ def unpack_awq(tensors: AWQTensors, config: AWQConfig) -> UnpackedGPTQ:
     """The integers and scales of one layer (see the module docstring)."""
     q = unpack_awq_columns(tensors.qweight)  # [K, N]
     rows, cols = q.shape
-    group_size = rows if config.group_size == PER_CHANNEL else config.group_size
+    group_size = checked_group_size(tensors.scales, rows, cols, config.group_size, "AWQ")
     groups = rows // group_size
-    if rows % group_size or tensors.scales.shape != (groups, cols):
-        raise ValueError(
-            f"AWQ scales {tuple(tensors.scales.shape)} do not fit {rows} inputs x {cols} "
-            f"outputs in groups of {group_size}"
-        )
     zeros = unpack_awq_columns(tensors.qzeros).float()
     if zeros.shape != (groups, cols):
         raise ValueError(f"AWQ qzeros unpack to {tuple(zeros.shape)}, not {(groups, cols)}")

@@ -100,17 +100,25 @@ def input_order(g_idx: torch.Tensor | None, rows: int, group_size: int) -> torch
     return order
 
 
+def checked_group_size(
+    scales: torch.Tensor, rows: int, cols: int, group_size: int, fmt: str
+) -> int:
+    """The inputs per group (`PER_CHANNEL`: all `rows`), once `scales` is seen to hold one
+    row per group of a [rows, cols] layer; raises ValueError naming the format otherwise."""
+    size = rows if group_size == PER_CHANNEL else group_size
+    if rows % size or scales.shape != (rows // size, cols):
+        raise ValueError(
+            f"{fmt} scales {tuple(scales.shape)} do not fit {rows} inputs x {cols} outputs "
+            f"in groups of {size}"
+        )
+    return size
+
+
 def unpack_gptq(tensors: GPTQTensors, config: GPTQConfig) -> UnpackedGPTQ:
     """The integers and scales of one layer (see the module docstring)."""
     q = unpack_rows(tensors.qweight)  # [K, N]
     rows, cols = q.shape
-    group_size = rows if config.group_size == PER_CHANNEL else config.group_size
-    groups = rows // group_size
-    if rows % group_size or tensors.scales.shape != (groups, cols):
-        raise ValueError(
-            f"GPTQ scales {tuple(tensors.scales.shape)} do not fit {rows} inputs x {cols} "
-            f"outputs in groups of {group_size}"
-        )
+    group_size = checked_group_size(tensors.scales, rows, cols, config.group_size, "GPTQ")
     zeros = unpack_columns(tensors.qzeros)[:, :cols].float() + config.zero_offset
     order = input_order(tensors.g_idx, rows, group_size)
     if order is not None:
