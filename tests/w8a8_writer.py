@@ -16,15 +16,13 @@ model so it computes what the 8-bit engine should.
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.gptq_writer import QUANTIZED_LAYERS, write_quantized_checkpoint
+
 FP8_MAX = 448.0
 STATIC_INPUT_SCALE = 0.01  # fp8 activations up to 4.48; int8 up to 1.27, then clamped
 
@@ -184,21 +182,11 @@ def write_w8a8_checkpoint(source: Path, quantized: Path, dequantized: Path, fmt:
     """Quantize the decoder projections of the fp32 model in `source`: `quantized` gets the
     8-bit checkpoint, `dequantized` the same model with `reference_dequantize`'s weights.
     Returns the quantized layers' tensor bytes."""
-    state = load_file(source / "model.safetensors")
-    packed_state, plain_state, quantized_bytes = {}, {}, 0
-    for name, tensor in state.items():
-        prefix, _, leaf = name.rpartition(".")
-        if leaf == "weight" and prefix.rpartition(".")[2] in QUANTIZED_LAYERS:
-            tensors = quantize_weight(tensor, fmt)
-            packed_state.update({f"{prefix}.{n}": t for n, t in tensors.items()})
-            plain_state[name] = reference_dequantize(tensors, fmt)
-            quantized_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-        else:
-            packed_state[name] = plain_state[name] = tensor
-    for directory, weights in ((quantized, packed_state), (dequantized, plain_state)):
-        shutil.copytree(source, directory, ignore=shutil.ignore_patterns("*.safetensors"))
-        save_file(weights, directory / "model.safetensors")
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = fmt.quantization_config()
-    (quantized / "config.json").write_text(json.dumps(config, indent=2))
-    return quantized_bytes
+    return write_quantized_checkpoint(
+        source,
+        quantized,
+        dequantized,
+        lambda weight, _: quantize_weight(weight, fmt),
+        lambda tensors: reference_dequantize(tensors, fmt),
+        fmt.quantization_config(),
+    )
