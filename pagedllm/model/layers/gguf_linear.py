@@ -22,7 +22,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.model.layers.linear import MatmulIntoLinear, SplitOutputs
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 from pagedllm.ops.extension import load
 from pagedllm.utils import round_up
@@ -336,7 +336,7 @@ def _keep_bias(module: nn.Module, bias: torch.Tensor | None) -> None:
         module.register_buffer("bias", bias)
 
 
-class GGUFLinear(nn.Module):
+class GGUFLinear(MatmulIntoLinear):
     """y = x W^T (+ b) with W in GGUF blocks, computed by the gguf_linear kernel."""
 
     def __init__(
@@ -362,15 +362,6 @@ class GGUFLinear(nn.Module):
         self.isa = gguf_kernel_isa()
         self._ops = load()
         _keep_bias(self, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        self.matmul_into(x2, out)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*leading, self.out_features)
 
     def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
         """out [rows, out_features] (rows may be strided) = x2 [rows, in_features] W^T."""

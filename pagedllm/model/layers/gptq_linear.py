@@ -32,7 +32,7 @@ from pagedllm.model.layers.gguf_linear import (
     distinct_bytes,
     pack_weights,
 )
-from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.model.layers.linear import MatmulIntoLinear, SplitOutputs
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 from pagedllm.ops.extension import load
@@ -59,7 +59,7 @@ def stack_parts(parts: list[UnpackedGPTQ]) -> UnpackedGPTQ:
     )
 
 
-class GPTQLinear(nn.Module):
+class GPTQLinear(MatmulIntoLinear):
     """y = x W^T (+ b) with W a checkpoint's packed weights (see the module docstring)."""
 
     def __init__(
@@ -85,15 +85,6 @@ class GPTQLinear(nn.Module):
         self.isa = gguf_kernel_isa()  # the widest path; tests lower it
         self._ops = load()
         _keep_bias(self, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        self.matmul_into(x2, out)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*leading, self.out_features)
 
     def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
         """out [rows, out_features] (rows may be strided) = x2 [rows, in_features] W^T."""

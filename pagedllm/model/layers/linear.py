@@ -63,6 +63,27 @@ class Linear(nn.Module):
         )
 
 
+class MatmulIntoLinear(nn.Module):
+    """A linear layer whose kernel writes x W^T into a float32 buffer it is given
+    (`matmul_into`: row-parallel and concatenated layers hand it their own, strided,
+    buffers); `forward` is that plus the bias, on any leading shape."""
+
+    in_features: int
+    out_features: int
+
+    def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        self.matmul_into(x2, out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*leading, self.out_features)
+
+
 class SplitOutputs:
     """For fused projections (fp32 or quantized): `output_sizes` and the split back into them."""
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import _keep_bias
-from pagedllm.model.layers.linear import SplitOutputs
+from pagedllm.model.layers.linear import MatmulIntoLinear, SplitOutputs
 from pagedllm.model.layers.w8a8_activations import (
     INT8_MAX,
     INT8_MIN,
@@ -68,7 +68,7 @@ def _static_scale(weights: W8A8Weights) -> torch.Tensor | None:
     return None if scale is None else scale.to(torch.float32).reshape(1, 1)
 
 
-class TiledDequantLinear(nn.Module):
+class TiledDequantLinear(MatmulIntoLinear):
     """y = fakequant(x) W^T (+ b), W dequantized a band of rows at a time."""
 
     def __init__(self, weights: W8A8Weights, bias: torch.Tensor | None = None) -> None:
@@ -83,15 +83,6 @@ class TiledDequantLinear(nn.Module):
             rows = weights.scheme.block[0]
             self.band_rows = max(rows, self.band_rows // rows * rows)
         _keep_bias(self, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
-        self.matmul_into(x2, out)
-        if self.bias is not None:
-            out.add_(self.bias)
-        return out.reshape(*leading, self.out_features)
 
     def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
         """out [rows, out_features] (rows may be strided) = fakequant(x2) W^T."""
