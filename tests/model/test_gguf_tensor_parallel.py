@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from rank_columns import outlier_input, rank_columns
 
 from pagedllm.distributed.parallel_state import GroupCoordinator
 from pagedllm.model.layers import gguf_swap, parallel_linear, vocab_parallel
@@ -74,18 +75,6 @@ def _raw(rows: int, cols: int, qtype: Q, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _x(rows: int, cols: int) -> torch.Tensor:
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
-    x[:, 7] *= 50  # an outlier channel
-    return x
-
-
-def _columns(out: torch.Tensor, rows: RowSlice) -> torch.Tensor:
-    """One rank's output columns of `rows` as a whole layer computes them, then zeros."""
-    real = out[:, rows.start : rows.start + rows.rows]
-    return torch.cat([real, real.new_zeros(real.shape[0], rows.padding)], dim=1)
-
-
 def test_output_rows_are_equal_shares_padded_with_zero_rows():
     assert [output_row_slice(64, r, 2) for r in range(2)] == [RowSlice(0, 32), RowSlice(32, 32)]
     assert [output_row_slice(10, r, 3) for r in range(3)] == [
@@ -120,7 +109,7 @@ def test_qkv_shards_compute_one_ranks_columns(as_rank, qtype, kv_heads):
     """q, k and v rows by head (a replicated KV head's rows on both ranks); each rank's
     columns equal one rank's bit for bit."""
     hidden, head_dim, heads = 256, 32, 4
-    x = _x(5, hidden)
+    x = outlier_input(5, hidden)
     raws = {"q": _raw(heads * head_dim, hidden, qtype, 0)}
     raws |= {s: _raw(kv_heads * head_dim, hidden, qtype, i) for i, s in enumerate("kv", 1)}
     whole = {s: GGUFLinear(raw, qtype)(x) for s, raw in raws.items()}
@@ -131,7 +120,7 @@ def test_qkv_shards_compute_one_ranks_columns(as_rank, qtype, kv_heads):
             rows = rank_row_slice(qkv, shard, len(raw))
             out = GGUFLinear(rank_rows(qkv, shard, raw), qtype)(x)
             assert out.shape[1] == qkv.output_sizes["qkv".index(shard)]
-            assert torch.equal(out, _columns(whole[shard], rows))
+            assert torch.equal(out, rank_columns(whole[shard], rows))
         kv_start = rank * head_dim if kv_heads == 2 else 0
         assert rank_row_slice(qkv, "k", kv_heads * head_dim) == RowSlice(kv_start, head_dim)
 
@@ -143,7 +132,7 @@ def test_mixed_type_qkv_shards_into_one_layer_per_type(as_rank):
     types = {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K}
     sizes = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
     raws = {s: _raw(sizes[s], hidden, types[s], i) for i, s in enumerate("qkv")}
-    x = _x(3, hidden)
+    x = outlier_input(3, hidden)
     whole = {s: GGUFLinear(raws[s], types[s])(x) for s in "qkv"}
     parts = {s: (f"{s}_proj.weight", types[s], raws[s]) for s in "qkv"}
     for rank in range(2):
@@ -154,7 +143,7 @@ def test_mixed_type_qkv_shards_into_one_layer_per_type(as_rank):
         outs = layer.split(layer(x))
         for shard, out in zip("qkv", outs, strict=True):
             assert torch.equal(
-                out, _columns(whole[shard], rank_row_slice(qkv, shard, sizes[shard]))
+                out, rank_columns(whole[shard], rank_row_slice(qkv, shard, sizes[shard]))
             )
 
 
@@ -169,7 +158,7 @@ def test_row_parallel_ranks_compute_one_ranks_output_rows(as_rank, qtype, k, out
     """o / down: each rank's output rows over the WHOLE K (its input gathered) are one
     rank's columns bit for bit, on every kernel path; joined in rank order and cut, they
     are one rank's output."""
-    raw, x = _raw(out_features, k, qtype), _x(6, k)
+    raw, x = _raw(out_features, k, qtype), outlier_input(6, k)
     whole_layer = GGUFLinear(raw, qtype)
     whole_layer.isa = isa
     whole = whole_layer(x)
@@ -184,7 +173,7 @@ def test_row_parallel_ranks_compute_one_ranks_output_rows(as_rank, qtype, k, out
         assert layer.in_features == k and layer.full_out_features == out_features
         mine = torch.empty(len(x), layer.out_features)
         layer.matmul_into(x, mine)
-        assert torch.equal(mine, _columns(whole, rank_row_slice(module, None, out_features)))
+        assert torch.equal(mine, rank_columns(whole, rank_row_slice(module, None, out_features)))
         shares.append(mine)
     assert torch.equal(torch.cat(shares, dim=1)[:, :out_features], whole)
 
@@ -195,7 +184,7 @@ def test_vocabulary_shards_of_the_head_and_the_embedding(as_rank, qtype):
     the embedding on its tables gives one rank's row for ids in the shard, zeros elsewhere,
     so the sum over ranks (the all-reduce) is one rank's lookup exactly."""
     vocab, hidden = 300, 256
-    raw, x = _raw(vocab, hidden, qtype), _x(4, hidden)
+    raw, x = _raw(vocab, hidden, qtype), outlier_input(4, hidden)
     whole = GGUFLinear(raw, qtype)
     ids = torch.tensor([0, 191, 192, 193, 299, 7])
     whole_rows = GGUFEmbedding(
@@ -209,7 +198,7 @@ def test_vocabulary_shards_of_the_head_and_the_embedding(as_rank, qtype):
         layer = parallel_gguf_layer(head, rank_rows(head, None, raw), qtype)
         assert isinstance(layer, GGUFParallelLMHead) and layer.out_features == 192
         logits = GGUFLinear.forward(layer, x)  # this rank's columns, before the gather
-        assert torch.equal(logits, _columns(whole_logits, rank_row_slice(head, None, vocab)))
+        assert torch.equal(logits, rank_columns(whole_logits, rank_row_slice(head, None, vocab)))
         embedding = VocabParallelEmbedding(vocab, hidden, torch.float32)
         tables = dict(layer.named_buffers(remove_duplicate=False))
         lookup = gguf_embedding(embedding, tables, qtype, layer)

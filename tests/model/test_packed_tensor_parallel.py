@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gptq_writer import Scheme, quantize_weight
+from rank_columns import outlier_input, rank_columns
 
 from pagedllm.distributed.parallel_state import GroupCoordinator
 from pagedllm.model.layers import packed_swap, parallel_linear
@@ -51,18 +52,6 @@ def _unpacked(out_features: int, in_features: int, scheme: Scheme, seed: int) ->
     return unpack_gptq(GPTQTensors(**tensors), GPTQConfig.from_dict(scheme.quantization_config()))
 
 
-def _x(rows: int, cols: int) -> torch.Tensor:
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
-    x[:, 7] *= 50  # an outlier channel
-    return x
-
-
-def _columns(out: torch.Tensor, rows: RowSlice) -> torch.Tensor:
-    """One rank's output columns of `rows` as a whole layer computes them, then zeros."""
-    real = out[:, rows.start : rows.start + rows.rows]
-    return torch.cat([real, real.new_zeros(real.shape[0], rows.padding)], dim=1)
-
-
 @pytest.mark.parametrize(
     ("scheme", "k", "out_features", "tp"),
     [
@@ -77,7 +66,7 @@ def test_row_parallel_ranks_compute_one_ranks_output_rows(as_rank, scheme, k, ou
     """o / down: each rank's output rows over the WHOLE K (its input gathered) are one
     rank's columns bit for bit; joined in rank order and cut, they are one rank's output.
     A symmetric layer's padding rows keep it without a min table."""
-    weights, x = _unpacked(out_features, k, scheme, 0), _x(6, k)
+    weights, x = _unpacked(out_features, k, scheme, 0), outlier_input(6, k)
     whole_layer = GPTQLinear(weights)
     whole = whole_layer(x)
     shares = []
@@ -96,7 +85,7 @@ def test_row_parallel_ranks_compute_one_ranks_output_rows(as_rank, scheme, k, ou
         layer.matmul_into(x, mine)
         start = rank * -(-out_features // tp)
         rows = min(out_features - start, layer.out_features)
-        expected = _columns(whole, RowSlice(start, rows, layer.out_features - rows))
+        expected = rank_columns(whole, RowSlice(start, rows, layer.out_features - rows))
         assert torch.equal(mine, expected)
         shares.append(mine)
     assert torch.equal(torch.cat(shares, dim=1)[:, :out_features], whole)
@@ -112,7 +101,7 @@ def test_qkv_shards_compute_one_ranks_columns(as_rank, desc_act, kv_heads):
     scheme = Scheme(64, desc_act=desc_act, sym=False)
     sizes = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim}
     parts = {s: _unpacked(sizes[s], hidden, scheme, i) for i, s in enumerate("qkv")}
-    x = _x(5, hidden)
+    x = outlier_input(5, hidden)
     whole = {s: GPTQLinear(w)(x) for s, w in parts.items()}
     for rank in range(2):
         as_rank(rank, 2)
