@@ -231,6 +231,22 @@ def compare_to_reference_engine(reference: list, actual: list, tie_tolerance: fl
     return ties, largest
 
 
+def assert_bit_equal_to_reference(reference: list, actual: list, report_ties) -> None:
+    """`actual` completions are `reference`'s to the bit: the same tokens (no tie taken the
+    other way) and the same top-2 logprobs at every step, as one rank's layout gives."""
+    ties, largest = compare_to_reference_engine(reference, actual, 1e-4)
+    report_ties(ties, len(actual))
+    assert (ties, largest) == (0, 0.0)
+    for want, got in zip(reference, actual, strict=True):
+        assert [_logprob_values(step) for step in got.logprobs] == [
+            _logprob_values(step) for step in want.logprobs
+        ]
+
+
+def _logprob_values(step: dict) -> dict[int, float]:
+    return {token: logprob.logprob for token, logprob in step.items()}
+
+
 def small_engine(directory, **engine_args):
     """An `LLM` on a tiny model with a small context and cache (8 MiB)."""
     from pagedllm import LLM

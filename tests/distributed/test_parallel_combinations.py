@@ -12,7 +12,12 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 from gguf_writer import tiny_model, write_model_gguf
 from lora_utils import make_peft_adapter
-from model_utils import compare_to_reference_engine, greedy_with_logprobs, run_tenants
+from model_utils import (
+    assert_bit_equal_to_reference,
+    compare_to_reference_engine,
+    greedy_with_logprobs,
+    run_tenants,
+)
 from parallel_greedy import BLOCK_SIZE, MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 from tp_harness import run_ranks
 
@@ -385,17 +390,7 @@ def test_gguf_blocks_over_tensor_parallel_ranks_equal_one_rank(gguf_tp_files, na
         llm.llm_engine.engine_core.check_integrity()
     finally:
         llm.llm_engine.engine_core.shutdown()
-    ties, largest = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
-    report_ties(ties, len(actual))
-    assert (ties, largest) == (0, 0.0)
-    for want, got in zip(expected, actual, strict=True):
-        assert [_logprobs(step) for step in got.logprobs] == [
-            _logprobs(step) for step in want.logprobs
-        ]
-
-
-def _logprobs(step: dict) -> dict[int, float]:
-    return {token: logprob.logprob for token, logprob in step.items()}
+    assert_bit_equal_to_reference(expected, actual, report_ties)
 
 
 def _gguf_rank_logits(rank, world_size, paths: list[str]) -> list:
