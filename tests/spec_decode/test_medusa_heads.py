@@ -218,19 +218,19 @@ def test_prefix_hits_parallel_samples_and_seeds(plain, spec):
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     hits_before = spec.get_stats().prefix_cache_hits
     for params in (
-        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=12, n=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, n=3, ignore_eos=True),
     ):
         want = plain.generate(prompts, params, use_tqdm=False)
         got = spec.generate(prompts, params, use_tqdm=False)
         for a, b in zip(want, got, strict=True):
             assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
     assert spec.get_stats().prefix_cache_hits > hits_before
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=11)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=11)
     alone = spec.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
     batch = spec.generate(
         [prompts[0], {"prompt_token_ids": PROMPTS[1]}, prompts[2]],
-        [SamplingParams(temperature=1.0, max_tokens=16), seeded, SamplingParams(max_tokens=5)],
+        [SamplingParams(temperature=1.0, max_tokens=12), seeded, SamplingParams(max_tokens=5)],
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
