@@ -42,7 +42,7 @@ from pagedllm.parallel_config import (
     verify_cpu_binding,
     verify_parallel_layout,
 )
-from pagedllm.spec_decode.core.head_config import build_head_config
+from pagedllm.spec_decode.core.head_config import build_head_config, check_medusa_head
 
 logger = logging.getLogger("pagedllm")
 
@@ -301,9 +301,13 @@ def build_draft_model_config(
 ) -> ModelConfig | None:
     """The model that proposes for method "draft_model" (its own path), "self_quantized"
     (the target's own file, quantized) or an EAGLE head ("eagle3", "eagle": its directory,
-    spec_decode/head_config.py); None for the model-free methods. Refused: another
-    vocabulary, a shorter context than the target's, sliding windows."""
+    spec_decode/head_config.py); None for the model-free methods and Medusa heads (checked
+    here, but they keep no KV to size). Refused: another vocabulary, a shorter context than
+    the target's, sliding windows."""
     spec = args.speculative_config
+    if spec is not None and spec.method == "medusa":
+        check_medusa_head(spec, target, world_size)
+        return None
     if spec is None or not spec.uses_draft_model:
         return None
     if spec.uses_head:

@@ -74,7 +74,8 @@ ENGINE_ARG_HELP = {
     'ngram (prompt lookup), suffix (suffix decoding), draft_model (with "model": a smaller '
     'model with the same tokenizer), self_quantized (with "quantization": gguf or int8: the '
     'model\'s own quantized weights draft), eagle3 / eagle (with "model": an EAGLE-3 / EAGLE '
-    'head\'s directory); "disable_by_batch_size": N stops speculating in '
+    "head's directory), medusa (with \"model\": Medusa heads' directory, "
+    '"num_speculative_tokens" at most its heads); "disable_by_batch_size": N stops speculating in '
     "steps of N or more requests (default: off: no speculation; with a config, "
     "disable_by_batch_size unset speculates at every batch size)",
     "enable_lora": "serve LoRA adapters (PEFT format) on top of the model: each request may "

@@ -27,7 +27,7 @@ from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.packed_dummy import keep_dummy_gptq_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, keep_w8a8_weights
-from pagedllm.model.loader import ModelSource, load_weights
+from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.model.quantization.compressed_tensors import is_pack_quantized
 from pagedllm.model.quantization.registry import quantization_config
 from pagedllm.model.registry import resolve_model_class
@@ -38,9 +38,11 @@ from pagedllm.parallel_config import num_kv_heads_per_rank
 from pagedllm.runner.compiled_forward import CompiledDecode, compiled_batch_limit
 from pagedllm.runner.huge_pages import place_weights_on_huge_pages, release_free_heap
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
-from pagedllm.spec_decode.runner import eagle_loading
+from pagedllm.spec_decode.medusa_config import read_medusa_config
+from pagedllm.spec_decode.runner import eagle_loading, medusa_loading
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
 from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
+from pagedllm.spec_decode.runner.medusa_proposer import MedusaDrafts
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +280,31 @@ class ModelBuilder:
             self.device,
         )
         return proposer, pool
+
+    def build_medusa(self, target: BuiltModel) -> MedusaDrafts:
+        """Medusa heads' proposer (method "medusa"): the first `num_speculative_tokens`
+        heads, on the target's kernels, scoring with the target's lm_head where the
+        checkpoint has none. No KV pool: the heads are position-wise."""
+        spec = self.config.speculative_config
+        assert spec is not None and spec.model is not None
+        directory = resolve_model(spec.model).path
+        config = read_medusa_config(directory)
+        tensors = medusa_loading.read_medusa_tensors(directory, config)
+        model_config = self.config.model_config
+        with torch.device(self.device):
+            heads = medusa_loading.build_medusa_heads(
+                config,
+                tensors,
+                spec.num_speculative_tokens,
+                model_config.hf_config.hidden_size,
+                model_config.vocab_size,
+                model_config.dtype,
+                target.kernels,
+            )
+        heads.share_target_logits(target.model.compute_logits)
+        if self.device.type == "cpu":
+            pack_linear_weights(heads)  # its own layers only: the target's are packed already
+        return MedusaDrafts(spec, heads, self.device)
 
     def compile_decode(
         self, model: torch.nn.Module, attention_backend, num_kv_groups: int

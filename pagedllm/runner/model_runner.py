@@ -23,8 +23,8 @@ batch before laying it out. A stage after the first receives the previous stage'
 on; the last stage's ranks compute logits together (only the sampling rank gets them) and
 only the sampling rank samples. It alone proposes speculative drafts: a draft model is
 loaded there only, whole (model_building.py), with its own KV of every layer and head, and
-reads the full token history the sampling rank's batch holds. An EAGLE head (one rank only)
-is also handed the target's hidden states of every forward (`_hand_target_states`: the
+reads the full token history the sampling rank's batch holds. An EAGLE or Medusa head (one
+rank only) is also handed the target's hidden states of every forward (`_hand_target_states`: the
 output, or the layers `HiddenStateTap` keeps), so it needs no second pass.
 
 Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
@@ -181,6 +181,9 @@ class ModelRunner:
         # verification step's rows from the scheduler's token ids, as with ngram.
         if draft_config is not None and self.is_sampling_rank:
             self._build_draft(draft_config)
+        elif self._uses_medusa and self.is_sampling_rank:  # heads without KV of their own
+            target = BuiltModel(self.model, self.kernels, self.attention_backend)
+            self.proposer = self.builder.build_medusa(target)
         # Eager with several ranks: a compiled graph traces neither the collectives of
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
         compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
@@ -221,6 +224,11 @@ class ModelRunner:
         if states is not None and states.layers:
             self._target_tap = HiddenStateTap(states.layers)
             self.model.model.hidden_tap = self._target_tap
+
+    @property
+    def _uses_medusa(self) -> bool:
+        spec = self.config.speculative_config
+        return spec is not None and spec.method == "medusa"
 
     def _hand_target_states(self, req_ids, rows, num_scheduled, hidden_states) -> None:
         """The step's target hidden states to a proposer that reads them (an EAGLE head)."""

@@ -14,9 +14,11 @@ import numpy as np
 
 from pagedllm.value_checks import check_known_keys, json_object
 
-METHODS = ("ngram", "suffix", "draft_model", "self_quantized", "eagle", "eagle3")
+METHODS = ("ngram", "suffix", "draft_model", "self_quantized", "eagle", "eagle3", "medusa")
 # Methods whose `model` is a light head on the target's hidden states.
-HEAD_METHODS = ("eagle", "eagle3")
+HEAD_METHODS = ("eagle", "eagle3", "medusa")
+# Methods whose drafts write KV of their own (lookahead slots past the verified tokens).
+KV_METHODS = ("draft_model", "self_quantized", "eagle", "eagle3")
 # Methods with a `model` of their own (a directory).
 MODEL_METHODS = ("draft_model", *HEAD_METHODS)
 SELF_QUANTIZATIONS = ("gguf", "int8")
@@ -44,6 +46,10 @@ class SpeculativeConfig:
     - "eagle3" / "eagle": an EAGLE-3 / EAGLE head (`model`, its directory) drafts from the
       target's hidden states of the step that verified (EAGLE-3: three of its layers;
       EAGLE: its last, normed), chained token by token.
+    - "medusa": Medusa heads (`model`, FasterDecoding's or vLLM's layout) each read the
+      target's last normed hidden state of the verified tokens; head i proposes the token
+      i + 1 places after the one just sampled. `num_speculative_tokens` heads are used (at
+      most as many as the directory holds); they keep no KV.
 
     `draft_tensor_parallel_size`: the draft (a model or a head) runs whole on the sampling
     rank, so only 1 is accepted (vLLM's key; other values are refused, not ignored).
@@ -155,7 +161,7 @@ class SpeculativeConfig:
         size = self.draft_tensor_parallel_size
         if size is None:
             return
-        if not self.uses_draft_model:
+        if not (self.uses_draft_model or self.uses_head):
             raise ValueError(
                 "speculative_config.draft_tensor_parallel_size applies to methods with a draft "
                 f"model or head, got method {self.method!r}"
@@ -169,13 +175,14 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """True when a second model proposes (its KV cache needs lookahead slots): a draft
-        model, the quantized self-draft, or an EAGLE head."""
-        return self.method in ("draft_model", "self_quantized", *HEAD_METHODS)
+        """True when a second model proposes with a KV cache of its own (it needs lookahead
+        slots): a draft model, the quantized self-draft, or an EAGLE head (not Medusa's
+        position-wise heads)."""
+        return self.method in KV_METHODS
 
     @property
     def uses_head(self) -> bool:
-        """True when the proposer reads the target's hidden states (EAGLE heads)."""
+        """True when the proposer reads the target's hidden states (EAGLE, Medusa heads)."""
         return self.method in HEAD_METHODS
 
     @property

@@ -40,7 +40,7 @@ def test_parse_from_dict_and_json():
     [
         ("{not json", "not valid JSON"),
         ([1, 2], "must be a dict"),
-        ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "mlp_speculator", "num_speculative_tokens": 2}, "method must be one of"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
@@ -57,7 +57,7 @@ def test_parse_from_dict_and_json():
         ),
         ({"method": "suffix", "prompt_lookup_min": 2}, "applies to method 'ngram' only"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'eagle3'] only"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "'medusa'] only"),
         ({"method": "self_quantized", "num_speculative_tokens": 2}, "quantization"),
         (
             {"method": "self_quantized", "num_speculative_tokens": 2, "quantization": "fp4"},

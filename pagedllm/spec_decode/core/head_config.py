@@ -1,6 +1,7 @@
-"""What an EAGLE head's directory must hold to draft for a target, checked when the engine
-config is built: its config (a Llama layer or a few; `LlamaForCausalLMEagle3`-style for
-"eagle3"), the target layers an EAGLE-3 head reads, and what does not compose yet.
+"""What a head's directory must hold to draft for a target, checked when the engine config
+is built: an EAGLE head's config (a Llama layer or a few; `LlamaForCausalLMEagle3`-style for
+"eagle3"), the target layers an EAGLE-3 head reads, Medusa's head count and sizes, and what
+does not compose yet.
 
 The head's `ModelConfig` sizes its KV in the pool (its own layers, same blocks as the
 target's) as a draft model's does.
@@ -8,12 +9,14 @@ target's) as a draft model's does.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pagedllm.config import ModelConfig
 from pagedllm.model.loader import load_hf_config, resolve_model
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.head_layers import aux_layers
+from pagedllm.spec_decode.medusa_config import read_medusa_config
 
 
 def build_head_config(
@@ -73,4 +76,39 @@ def _check_head(method: str, config: Any, target: ModelConfig, path: str) -> Non
         raise ValueError(
             f"{where} was trained on a target of hidden size {own_target_hidden}, this one "
             f"has {target_hidden}"
+        )
+
+
+def check_medusa_head(spec: SpeculativeConfig, target: ModelConfig, parallel_world_size: int):
+    """Medusa heads (no KV, so no `ModelConfig`): a ValueError naming what does not fit the
+    target or the engine's layout."""
+    assert spec.method == "medusa" and spec.model is not None
+    if parallel_world_size > 1:
+        raise ValueError(
+            "speculative_config: method 'medusa' is served with one rank only for now "
+            "(tensor_parallel_size=1, pipeline_parallel_size=1): the heads read the target's "
+            "hidden states on one rank"
+        )
+    source = resolve_model(spec.model)
+    if source.is_gguf or not os.path.isdir(source.path):
+        raise ValueError(f"speculative_config: a Medusa head is a directory, got {spec.model!r}")
+    config = read_medusa_config(source.path)
+    where = f"speculative_config: the Medusa head {source.path!r}"
+    if spec.num_speculative_tokens > config.num_heads:
+        raise ValueError(
+            f"{where} has {config.num_heads} heads: num_speculative_tokens "
+            f"({spec.num_speculative_tokens}) must not exceed them (head i proposes the i-th "
+            "token ahead)"
+        )
+    for name, own, target_value in (
+        ("hidden_size", config.hidden_size, target.hf_config.hidden_size),
+        ("vocab_size", config.vocab_size, target.vocab_size),
+    ):
+        if own is not None and own != target_value:
+            raise ValueError(f"{where} has {name} {own}, the target {target_value}")
+    truncated = config.truncated_vocab_size
+    if truncated is not None and truncated != (config.vocab_size or target.vocab_size):
+        raise ValueError(
+            f"{where} drafts over a truncated vocabulary (truncated_vocab_size {truncated}, "
+            "a token_map), which is not served yet"
         )

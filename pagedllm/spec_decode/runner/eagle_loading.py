@@ -26,20 +26,26 @@ from pagedllm.spec_decode.runner.proposer import TargetStates
 
 def read_head_tensors(directory: str) -> dict[str, torch.Tensor]:
     """Every tensor of the head, by its checkpoint name without a leading "model."."""
-    return {_strip_model(name): tensor for name, tensor in _iter_files(directory)}
+    return {_strip_model(name): tensor for name, tensor in iter_head_files(directory)}
 
 
-def _iter_files(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_head_files(
+    directory: str, pickled: tuple[str, ...] = ("pytorch_model.bin",)
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the head's *.safetensors files, else of the first of `pickled`
+    (torch.save files) the directory holds."""
     if any(name.endswith(".safetensors") for name in os.listdir(directory)):
         yield from iter_weights(ModelSource(directory, False), None)
         return
-    path = os.path.join(directory, "pytorch_model.bin")
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"speculative_config: the head {directory!r} has no *.safetensors files nor "
-            "pytorch_model.bin"
-        )
-    yield from torch.load(path, map_location="cpu", weights_only=True).items()
+    for file_name in pickled:
+        path = os.path.join(directory, file_name)
+        if os.path.isfile(path):
+            yield from torch.load(path, map_location="cpu", weights_only=True).items()
+            return
+    raise ValueError(
+        f"speculative_config: the head {directory!r} has no *.safetensors files nor "
+        f"{' nor '.join(pickled)}"
+    )
 
 
 def _strip_model(name: str) -> str:

@@ -5,7 +5,7 @@ after each step, asks it for the tokens to follow each request that sampled (`pr
 from the request's verified tokens in the runner's persistent batch. `draft_probs` gives the
 probabilities a proposal was sampled from (None: a deterministic proposal), which the
 rejection sampler needs for requests that sample. A proposer that reads the target's hidden
-states (an EAGLE head) names them (`target_states`) and is handed them after each forward
+states (an EAGLE or Medusa head) names them (`target_states`) and is handed them after each forward
 (`observe_target`).
 """
 

@@ -1,0 +1,121 @@
+"""`MedusaDrafts`: Medusa heads propose each request's next tokens from one hidden state.
+
+After a step, a request that sampled holds N tokens; the target's normed hidden state of
+position N - 2 scored the token just sampled (N - 1), and head i reads that same state to
+propose token N + i. Those states come from the step's own forward (`observe_target`),
+so nothing is held past the step and nothing runs again: the heads have no KV.
+
+Each head's draft is drawn as a draft model's is (`draft_sample`): its argmax for a greedy
+request, a draw from softmax(logits / temperature) for one that samples, whose q the
+rejection sampler reads (a seeded request draws from its own generator, one uniform per
+head). The drafts form a chain of `num_speculative_tokens` tokens that the target verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.spec_decode.runner.medusa_head import MedusaHeads
+from pagedllm.spec_decode.runner.proposer import Proposer, TargetStates
+from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
+
+if TYPE_CHECKING:
+    from pagedllm.runner.input_batch import InputBatch
+
+
+@dataclass(frozen=True)
+class _StepRows:
+    """Where one request's rows sit in the step's states."""
+
+    offset: int  # its first row
+    first_position: int
+    num_rows: int
+
+    def row_of(self, position: int) -> int | None:
+        index = position - self.first_position
+        return self.offset + index if 0 <= index < self.num_rows else None
+
+
+class MedusaDrafts(Proposer):
+    target_states = TargetStates()  # the target's normed output
+
+    def __init__(self, config: SpeculativeConfig, heads: MedusaHeads, device: torch.device):
+        super().__init__(config)
+        assert heads.num_heads == config.num_speculative_tokens
+        self.heads = heads
+        self.device = device
+        # The last forward's states and each request's rows there (until it proposes).
+        self._states: torch.Tensor | None = None
+        self._rows: dict[str, _StepRows] = {}
+        # q of the drafts proposed last, for requests that sample (greedy ones have none).
+        self._probs: dict[str, torch.Tensor] = {}
+
+    def remove_request(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+
+    def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
+        offsets = np.concatenate(([0], np.cumsum(num_tokens)))
+        self._states = states
+        self._rows = {
+            request_id: _StepRows(int(offsets[i]), int(first_positions[i]), int(num_tokens[i]))
+            for i, request_id in enumerate(request_ids)
+        }
+
+    def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
+        self._probs.clear()
+        states, self._states = self._states, None
+        rows, self._rows = self._rows, {}
+        if states is None or not request_ids or not self.config.speculates(len(request_ids)):
+            return {}
+        kept, batch_rows, state_rows = [], [], []
+        for request_id in request_ids:
+            row = batch.row(request_id)
+            # The state that scored the token just sampled: always computed in this step.
+            step_rows = rows.get(request_id)
+            index = None
+            if step_rows is not None:
+                index = step_rows.row_of(int(batch.num_tokens[row]) - 2)
+            if index is None:
+                continue
+            kept.append(request_id)
+            batch_rows.append(row)
+            state_rows.append(index)
+        if not kept:
+            return {}
+        hidden = states[self._tensor(np.array(state_rows, dtype=np.int64))]
+        return self._draft(kept, batch, np.array(batch_rows, dtype=np.int64), hidden)
+
+    def _draft(self, request_ids, batch: InputBatch, rows, hidden) -> dict[str, list[int]]:
+        temperature = self._tensor(batch.temperature[rows])
+        generators = {
+            i: batch.generators[row]
+            for i, row in enumerate(rows.tolist())
+            if row in batch.generators
+        }
+        drafts, probs = [], []
+        for logits in self.heads(hidden):  # head by head: a seeded row's draws in order
+            token_ids, q = draft_sample(logits, temperature, generators)
+            drafts.append(token_ids.cpu().numpy())
+            probs.append(q)
+        if probs[0] is not None:  # some request samples
+            stacked = torch.stack(probs, dim=1)  # [R, k, V]
+            self._probs = {r: stacked[i] for i, r in enumerate(request_ids)}
+        proposals = np.stack(drafts, axis=1)
+        return dict(zip(request_ids, proposals.tolist(), strict=True))
+
+    def draft_probs(
+        self, request_ids: list[str], request_drafts: list[list[int]]
+    ) -> list[torch.Tensor | None]:
+        """q of each request's drafts as scheduled (a prefix of what was proposed)."""
+        return [
+            None if (q := self._probs.get(r)) is None else q[: len(drafts)]
+            for r, drafts in zip(request_ids, request_drafts, strict=True)
+        ]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
