@@ -17,6 +17,9 @@ pytestmark = pytest.mark.slow  # another Python process
 PROGRAM = """
 import atexit
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pagedllm.process_exit import exit_now
 
 class Finalized:
@@ -26,6 +29,9 @@ class Finalized:
 kept = Finalized()
 atexit.register(lambda: print("atexit ran"))
 sys.stdout.write("buffered, ")
+# A thread that is no daemon and an executor's queued work finish before the exit.
+threading.Thread(target=lambda: (time.sleep(0.2), sys.stdout.write("thread done, "))).start()
+ThreadPoolExecutor(1).submit(lambda: (time.sleep(0.4), sys.stdout.write("queued done, ")))
 exit_now(3)
 """
 
@@ -39,5 +45,5 @@ def test_exit_now_runs_atexit_flushes_and_skips_the_teardown():
         preexec_fn=dies_with_us(),
     )
     assert result.returncode == 3, result.stderr
-    assert result.stdout == "buffered, atexit ran\n", result.stdout
+    assert result.stdout == "buffered, thread done, queued done, atexit ran\n", result.stdout
     assert "teardown ran" not in result.stdout
