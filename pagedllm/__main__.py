@@ -1,5 +1,3 @@
-import sys
+from pagedllm.entrypoints.cli import run
 
-from pagedllm.entrypoints.cli import main
-
-sys.exit(main())
+run()

@@ -15,6 +15,7 @@ os.environ["PAGEDLLM_DEBUG"] = "1"
 
 import process_guard
 from model_utils import make_tiny_model
+from pooling_server import pooling_server  # noqa: F401 - the session pooling server fixture
 from session_server import server  # noqa: F401 - the session server fixture
 from tiers import mark_slow_tier
 

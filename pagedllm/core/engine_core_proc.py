@@ -40,6 +40,7 @@ from pagedllm.core.messages import (
 from pagedllm.errors import describe_error
 from pagedllm.logger import init_logger
 from pagedllm.metrics.core.logger import StatLogger
+from pagedllm.process_exit import exit_now
 
 logger = logging.getLogger("pagedllm")
 
@@ -79,6 +80,9 @@ def run_engine_core(
     except Exception:
         logger.exception("Engine core failed")
         sys.exit(1)
+    # Shut down: the API process waits for this exit, and the teardown of a process holding
+    # a model would add about a second to every stop.
+    exit_now(0)
 
 
 def share_cpu_threads(num_engines: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pagedllm.entrypoints.audit_cli import add_audit_log_parser
 from pagedllm.entrypoints.bench_cli import add_bench_parser
@@ -16,6 +17,7 @@ from pagedllm.entrypoints.flag_help import FlagParser
 from pagedllm.entrypoints.run_batch_cli import add_run_batch_parser
 from pagedllm.entrypoints.serve_cli import add_serve_parser
 from pagedllm.entrypoints.tokenizer_files import add_export_tokenizer_parser
+from pagedllm.process_exit import exit_now
 
 
 def _generate_parser(subparsers) -> None:
@@ -105,5 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def run() -> NoReturn:
+    """The `pagedllm` command: `main`, then the process ends without the interpreter's
+    teardown (a server's stop would wait about a second for it, pagedllm/process_exit.py)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

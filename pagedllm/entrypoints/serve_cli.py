@@ -109,6 +109,15 @@ def add_serve_parser(subparsers) -> None:
         "model on the same host, so it gets 3 times the first start's time, at least 60)",
     )
     frontend.add_argument(
+        "--engine-restart-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a restarted engine core may take to be ready, the first start's deadline "
+        "left as --engine-startup-timeout sets it (default: --engine-startup-timeout's rule "
+        "for a restart)",
+    )
+    frontend.add_argument(
         "--engine-restart-attempts",
         type=int,
         default=3,
@@ -542,6 +551,7 @@ def run_serve(args: argparse.Namespace) -> int:
         "engine_iteration_timeout": args.engine_iteration_timeout,
         "restart_on_engine_failure": args.restart_on_engine_failure,
         "engine_startup_timeout": args.engine_startup_timeout,
+        "engine_restart_timeout": args.engine_restart_timeout,
         "engine_restart_attempts": args.engine_restart_attempts,
         "audit_log": args.audit_log,
         "audit_log_max_bytes": args.audit_log_max_bytes,

@@ -16,13 +16,13 @@ finished) and sends none for `iteration_timeout_s` as stalled (`unavailable_reas
 `on_stalled`); a core that exits, or stalls, ends the requests in flight on it with
 `EngineDeadError`. With `restart_on_failure` it is then killed and replaced by a new core (a
 new `MPClient`) and new requests are served again; a new core that is not ready within the
-start-up deadline (`startup_timeout_s`, else one derived from the first start's time), stopped
-or too slow, is killed and started again, up to `restart_attempts` times with a growing pause
-between them, and then the engine is dead. Without `restart_on_failure` the engine stays dead
-(`on_dead`: every request fails, whichever core it ran on), and a stalled core stays
-reported until it sends something again. While any core is stalled or restarting the engine
-is unavailable (/health 503). `fail_all_requests` ends what is running with an error of the
-server's choosing (a drain that ran out of time).
+restart deadline (`restart_timeout_given_s`, else `startup_timeout_s`, else one derived from
+the first start's time), stopped or too slow, is killed and started again, up to
+`restart_attempts` times with a growing pause between them, and then the engine is dead.
+Without `restart_on_failure` the engine stays dead (`on_dead`: every request fails, whichever
+core it ran on), and a stalled core stays reported until it sends something again. While any
+core is stalled or restarting the engine is unavailable (/health 503). `fail_all_requests`
+ends what is running with an error of the server's choosing (a drain that ran out of time).
 """
 
 from __future__ import annotations
@@ -149,8 +149,10 @@ class AsyncLLM:
         self.restart_on_failure = False
         self.num_restarts = 0
         # Seconds a core may take to be ready (None: FIRST_START_TIMEOUT_S for the first start,
-        # `restart_timeout_s` for a restart), and start attempts per restart.
+        # `restart_timeout_s` for a restart), a restarted core's own deadline (None: the rule
+        # of `restart_timeout_s`), and start attempts per restart.
         self.startup_timeout_s: float | None = None
+        self.restart_timeout_given_s: float | None = None
         self.restart_attempts = DEFAULT_RESTART_ATTEMPTS
         # (core index, True when stalled / False after) and (core index) after a restart.
         self.on_stalled: list[Callable[[int, bool], None]] = []
@@ -179,8 +181,10 @@ class AsyncLLM:
 
     @property
     def restart_timeout_s(self) -> float:
-        """The deadline of a restarted core's start: the one given, else derived from the
-        first start's time."""
+        """The deadline of a restarted core's start: the restart's own, else the start-up
+        deadline given, else derived from the first start's time."""
+        if self.restart_timeout_given_s is not None:
+            return self.restart_timeout_given_s
         if self.startup_timeout_s is not None:
             return self.startup_timeout_s
         if self.first_start_s is None:
@@ -528,13 +532,21 @@ class AsyncLLM:
         logger.error(
             "Engine core%s start attempt %d of %d failed: %s. Giving up: the server exits. "
             "The engine core's log above says why it did not start; if it was only slow, "
-            "raise --engine-startup-timeout (now %.0f s).",
+            "raise %s (now %.0f s).",
             self._which(core),
             attempts,
             attempts,
             reason,
+            self.restart_timeout_flag,
             timeout_s,
         )
+
+    @property
+    def restart_timeout_flag(self) -> str:
+        """The server flag that sets a restart's deadline now, for the operator to raise."""
+        if self.restart_timeout_given_s is not None:
+            return "--engine-restart-timeout"
+        return "--engine-startup-timeout"
 
     async def _start_core_once(self, core: _Core, timeout_s: float) -> None:
         """One new core, ready within `timeout_s`; one that is not is killed before this

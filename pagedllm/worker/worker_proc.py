@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.distributed.shm_broadcast import BroadcastReader
+from pagedllm.process_exit import exit_now
 
 _PR_SET_PDEATHSIG = 1
 READY = "ready"
@@ -81,6 +82,9 @@ def worker_main(
         shutdown = getattr(worker, "shutdown", None)
         if shutdown is not None:
             shutdown()
+    # The executor waits for this exit at every shutdown: a process holding its part of the
+    # model would spend about a second more in the interpreter's teardown.
+    exit_now(0)
 
 
 def _serve(worker: Any, rank: int, messages: BroadcastReader, replies: Connection) -> None:

@@ -1,4 +1,5 @@
-"""`POST /v1/embeddings` on a `--runner pooling` server: the openai client's
+"""`POST /v1/embeddings` on a `--runner pooling` server (the run's shared one,
+tests/pooling_server.py): the openai client's
 `embeddings.create` (base64 on the wire) and raw float JSON both equal the offline
 `LLM.embed`; inputs as text, texts, token ids or lists of them; usage counted; bad input is
 a 400 naming the field."""
@@ -10,21 +11,11 @@ import base64
 import numpy as np
 import openai
 import pytest
-from server_utils import API_KEY, MODEL, RunningServer
-from tiers import slow_fixture
+from server_utils import API_KEY, MODEL
 
 from pagedllm import LLM
 
 TEXTS = ["Hi", "Paged attention keeps keys and values in fixed-size blocks. " * 6, "Paris"]
-
-
-@pytest.fixture(scope="module")
-@slow_fixture
-def pooling_server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("pooling") / "server.log"
-    running = RunningServer(["--runner", "pooling"], log, api_key=API_KEY)
-    yield running
-    assert running.stop() == 0, running.log()
 
 
 @pytest.fixture(scope="module")

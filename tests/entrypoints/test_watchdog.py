@@ -2,8 +2,9 @@
 recovers; with --restart-on-engine-failure a frozen or killed core is replaced, in-flight
 requests end with an OpenAI error and the next one is served; a core stopped while it
 restarts is killed at --engine-startup-timeout and another started, and when every attempt
-fails the server says why and exits 1; a drain that times out ends every request in OpenAI's
-shape; SIGTERM to the whole process group drains and exits 0."""
+fails (at --engine-restart-timeout) the server says why and exits 1; a drain that times out
+ends every request in OpenAI's shape; SIGTERM to the whole process group drains and exits
+0."""
 
 from __future__ import annotations
 
@@ -277,19 +278,21 @@ def kill_stopped_cores(stopped: Path) -> None:
             process.kill()
 
 
-# The start-up deadline of the tests below (the first start's too): a stopped core is killed
-# this long after it was started, and an unhindered tiny core starts well within it even on a
-# busy machine.
-STARTUP_TIMEOUT = "20"
+# The start-up deadline of a test whose restart must serve (the first start's too): a stopped
+# core is killed this long after it was started, and an unhindered tiny core starts well
+# within it even on a busy machine.
+STARTUP_TIMEOUT = ["--engine-startup-timeout", "20"]
+# The restart deadline of a test whose restarts all stop: no core has to start within it, and
+# the first start keeps its own (600 s).
+STOPPED_RESTART_TIMEOUT = ["--engine-restart-timeout", "2"]
 
 
-def restarting_server(tiny_llama, tmp_path, monkeypatch, attempts: int):
-    """A server that restarts failed cores with the start-up deadline above, and the hook
-    that makes the next cores stop themselves: (server, claims, stopped)."""
+def restarting_server(tiny_llama, tmp_path, monkeypatch, attempts: int, deadline: list[str]):
+    """A server that restarts failed cores with `deadline`'s flags, and the hook that makes
+    the next cores stop themselves: (server, claims, stopped)."""
     claims, stopped = stop_hook(tmp_path, monkeypatch)
     args = [str(tiny_llama), "--restart-on-engine-failure", "--engine-iteration-timeout", "3600"]
-    args += ["--engine-startup-timeout", STARTUP_TIMEOUT]
-    args += ["--engine-restart-attempts", str(attempts)]
+    args += [*deadline, "--engine-restart-attempts", str(attempts)]
     return RunningServer(args, tmp_path / "log"), claims, stopped
 
 
@@ -297,7 +300,9 @@ def restarting_server(tiny_llama, tmp_path, monkeypatch, attempts: int):
 def test_a_core_stopped_while_it_restarts_is_killed_and_another_serves(
     tiny_llama, tmp_path, monkeypatch
 ):
-    server, claims, stopped = restarting_server(tiny_llama, tmp_path, monkeypatch, attempts=3)
+    server, claims, stopped = restarting_server(
+        tiny_llama, tmp_path, monkeypatch, attempts=3, deadline=STARTUP_TIMEOUT
+    )
     try:
         old_core = core_process(server)
         stop_next_cores(claims, 1)  # the first core started in its place stops at once
@@ -331,7 +336,9 @@ def test_a_core_stopped_while_it_restarts_is_killed_and_another_serves(
 def test_a_core_that_never_comes_up_ends_the_server_with_the_reason(
     tiny_llama, tmp_path, monkeypatch
 ):
-    server, claims, stopped = restarting_server(tiny_llama, tmp_path, monkeypatch, attempts=2)
+    server, claims, stopped = restarting_server(
+        tiny_llama, tmp_path, monkeypatch, attempts=2, deadline=STOPPED_RESTART_TIMEOUT
+    )
     try:
         old_core = core_process(server)
         stop_next_cores(claims, 2)  # every attempt stops
@@ -342,10 +349,11 @@ def test_a_core_that_never_comes_up_ends_the_server_with_the_reason(
 
         assert server.process.wait(WAIT_S) == 1, server.log()
         log = server.log()
-        assert "start attempt 1 of 2 failed: the new core was not ready within 20 s" in log
+        assert "start attempt 1 of 2 failed: the new core was not ready within 2 s" in log
         assert "trying again in 1 s" in log
-        assert "start attempt 2 of 2 failed: the new core was not ready within 20 s" in log
-        assert "Giving up: the server exits" in log and "--engine-startup-timeout" in log
+        assert "start attempt 2 of 2 failed: the new core was not ready within 2 s" in log
+        # The flag that set the deadline is the one to raise.
+        assert "Giving up: the server exits" in log and "raise --engine-restart-timeout" in log
         assert "Engine core restarted" not in log
         assert len(list(stopped.iterdir())) == 2 and not list(claims.iterdir())
         # Both stopped cores were killed: the server left nothing behind.
@@ -433,10 +441,11 @@ def test_engine_iteration_timeout_must_be_positive_and_finite(value):
         ServerConfig(served_model_names=("m",), engine_iteration_timeout=value)
 
 
+@pytest.mark.parametrize("name", ["engine_startup_timeout", "engine_restart_timeout"])
 @pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
-def test_engine_startup_timeout_must_be_positive_and_finite(value):
-    with pytest.raises(ValueError, match="engine_startup_timeout"):
-        ServerConfig(served_model_names=("m",), engine_startup_timeout=value)
+def test_engine_start_deadlines_must_be_positive_and_finite(name, value):
+    with pytest.raises(ValueError, match=name):
+        ServerConfig(served_model_names=("m",), **{name: value})
 
 
 def test_engine_restart_attempts_must_be_at_least_one():
@@ -447,6 +456,7 @@ def test_engine_restart_attempts_must_be_at_least_one():
 def test_a_restart_deadline_is_the_one_given_or_follows_the_first_start():
     engine = AsyncLLM.__new__(AsyncLLM)  # the deadline's arithmetic alone: no core started
     engine.startup_timeout_s, engine.first_start_s = None, None
+    engine.restart_timeout_given_s = None
     assert engine.restart_timeout_s == FIRST_START_TIMEOUT_S  # no first start to go by
     engine.first_start_s = 5.0  # a few seconds say little: the floor
     assert engine.restart_timeout_s == MIN_RESTART_TIMEOUT_S
@@ -454,3 +464,7 @@ def test_a_restart_deadline_is_the_one_given_or_follows_the_first_start():
     assert engine.restart_timeout_s == RESTART_TIMEOUT_FACTOR * 100.0
     engine.startup_timeout_s = 7.0
     assert engine.restart_timeout_s == 7.0
+    assert engine.restart_timeout_flag == "--engine-startup-timeout"
+    engine.restart_timeout_given_s = 3.0  # a restart's own deadline comes first
+    assert engine.restart_timeout_s == 3.0
+    assert engine.restart_timeout_flag == "--engine-restart-timeout"

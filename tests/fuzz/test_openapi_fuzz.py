@@ -304,20 +304,16 @@ def test_server_healthy_after_fuzzing(fuzz_server):
     assert fuzz_server.metric("num_requests_waiting") == 0.0
 
 
-def test_embeddings_on_a_pooling_server(tmp_path_factory):
+def test_embeddings_on_a_pooling_server(pooling_server):
     """The server above generates, so its /v1/embeddings refuses every body that parses;
-    a `--runner pooling` server takes them through to the engine."""
-    log = tmp_path_factory.mktemp("fuzz-pooling") / "server.log"
-    args = ["--runner", "pooling", "--max-model-len", str(MAX_MODEL_LEN), "--allow-unknown-fields"]
-    server = RunningServer(args, log, api_key=API_KEY)
-    try:
-        schema = load_schema(server.base_url, server.headers)
-        failures, spent = run_fuzz(schema, server, only_path="/v1/embeddings")
-        assert not failures, "\n\n".join(f"== {label}\n{text}" for label, text in failures.items())
-        assert sum(tally[200] for tally in spent.values()) > 0, spent  # some reached the engine
-        response = server.post("/v1/embeddings", {"model": MODEL, "input": "Say hello."})
-        assert response.status_code == 200, response.text
-        assert server.metric("kv_cache_usage_perc") == 0.0
-        assert server.metric("num_requests_running") == 0.0
-    finally:
-        assert server.stop() == 0, server.log()[-20000:]
+    a `--runner pooling` server (the run's shared one, tests/pooling_server.py, with as
+    short a context) takes them through to the engine."""
+    server = pooling_server
+    schema = load_schema(server.base_url, server.headers)
+    failures, spent = run_fuzz(schema, server, only_path="/v1/embeddings")
+    assert not failures, "\n\n".join(f"== {label}\n{text}" for label, text in failures.items())
+    assert sum(tally[200] for tally in spent.values()) > 0, spent  # some reached the engine
+    response = server.post("/v1/embeddings", {"model": MODEL, "input": "Say hello."})
+    assert response.status_code == 200, response.text
+    assert server.metric("kv_cache_usage_perc") == 0.0
+    assert server.metric("num_requests_running") == 0.0

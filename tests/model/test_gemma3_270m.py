@@ -3,7 +3,9 @@ and tokenizer Transformers reads from the file, greedy tokens equal to Transform
 same file (one prompt longer than the 512-token window, in chunks), and chat, which this base
 model's file gives no template for, only with the caller's."""
 
+import copy
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,6 +56,30 @@ def _hf_model(path: str):
 
 
 @pytest.fixture(scope="module")
+def hf_reads_the_file_once() -> Iterator[None]:
+    """Transformers' metadata read of a GGUF (its config and tokenizer dictionaries, no
+    tensors: ~15 s on two cores for this file's 262k-token vocabulary) done once for the
+    module: AutoConfig and AutoTokenizer each read the file whole. Each caller gets its own
+    copy, as a fresh read would give it."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    read = gguf_utils.load_gguf_checkpoint
+    reads: dict[str, dict] = {}
+
+    def read_once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:  # tensors, or a model to load: read as asked
+            return read(path, return_tensors, *args, **kwargs)
+        if path not in reads:
+            reads[path] = read(path, return_tensors=False)
+        return copy.deepcopy(reads[path])
+
+    with pytest.MonkeyPatch.context() as patch:
+        # Both read it from the module at each call (a function-level import).
+        patch.setattr(gguf_utils, "load_gguf_checkpoint", read_once)
+        yield
+
+
+@pytest.fixture(scope="module")
 def gemma():
     """(engine, prompts, Transformers' greedy tokens on the same file: cached, see
     `cached_hf_greedy`)."""
@@ -74,7 +100,7 @@ def gemma():
 
 
 @pytest.mark.slow
-def test_config_is_the_one_transformers_reads(gemma):
+def test_config_is_the_one_transformers_reads(gemma, hf_reads_the_file_once):
     from transformers import AutoConfig
 
     llm, prompts, _ = gemma
@@ -90,7 +116,7 @@ def test_config_is_the_one_transformers_reads(gemma):
 
 
 @pytest.mark.slow
-def test_tokenizer_gives_transformers_ids(gemma):
+def test_tokenizer_gives_transformers_ids(gemma, hf_reads_the_file_once):
     """The engine's tokenizer (converted once, then read back from its cache) against the
     one Transformers builds from the same file."""
     from transformers import AutoTokenizer

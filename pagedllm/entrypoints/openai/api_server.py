@@ -14,9 +14,10 @@ and the server exits with status 1 shortly after. With `--restart-on-engine-fail
 that exits or stalls is killed and replaced instead: in-flight requests fail, new requests
 are answered 503 while the new core loads and served after, and
 `pagedllm:engine_restarts_total` counts the restarts. A new core not ready within
-`--engine-startup-timeout` is killed and started again, `--engine-restart-attempts` times in
-all; then the server logs why and exits 1. SIGHUP reloads `--api-keys-file` in a worker
-thread (a file that fails to load keeps the old keys).
+`--engine-restart-timeout` (else `--engine-startup-timeout`'s rule) is killed and started
+again, `--engine-restart-attempts` times in all; then the server logs why and exits 1.
+SIGHUP reloads `--api-keys-file` in a worker thread (a file that fails to load keeps the old
+keys).
 
 LoRA (`--enable-lora`): the adapters of `--lora-modules` are read and checked while the core
 loads the model, and a bad one stops the server with the reason before it serves.
@@ -82,6 +83,7 @@ async def serve(engine_args: EngineArgs, config_overrides: dict) -> int:
         # Read while the core loads the model: a bad adapter stops the server before it serves.
         loras = lora_registry(engine, config)
         engine.startup_timeout_s = config.engine_startup_timeout
+        engine.restart_timeout_given_s = config.engine_restart_timeout
         engine.restart_attempts = config.engine_restart_attempts
         await engine.start()
         if config.chat_template is not None:

@@ -56,10 +56,12 @@ class ServerConfig:
     # Engine supervision: seconds a core with unfinished requests may send nothing before it
     # counts as stalled, and whether a failed (exited or stalled) core is replaced; seconds a
     # core may take to start (None: 600 for the first start, a restart 3 x the first start's
-    # time, at least 60), and start attempts per restart before the server gives up.
+    # time, at least 60), a restarted core's own deadline (None: engine_startup_timeout's
+    # rule), and start attempts per restart before the server gives up.
     engine_iteration_timeout: float = 60.0
     restart_on_engine_failure: bool = False
     engine_startup_timeout: float | None = None
+    engine_restart_timeout: float | None = None
     engine_restart_attempts: int = 3
     enable_log_requests: bool = False
     # `audit_log.py`: the file (None: no audit log), its rotation, prompts in its lines.
@@ -117,13 +119,10 @@ class ServerConfig:
                 "engine_iteration_timeout must be a finite number of seconds > 0, got "
                 f"{self.engine_iteration_timeout}"
             )
-        if self.engine_startup_timeout is not None and not (
-            0 < self.engine_startup_timeout < float("inf")
-        ):
-            raise ValueError(
-                "engine_startup_timeout must be a finite number of seconds > 0, got "
-                f"{self.engine_startup_timeout}"
-            )
+        for name in ("engine_startup_timeout", "engine_restart_timeout"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
         if self.engine_restart_attempts < 1:
             raise ValueError(
                 f"engine_restart_attempts must be >= 1, got {self.engine_restart_attempts}"
