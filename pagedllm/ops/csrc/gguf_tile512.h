@@ -27,10 +27,13 @@ inline __m512i join_bytes(const uint8_t* first, const uint8_t* second) {
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)), 1);
 }
 
+inline __m512 join_halves(__m256 first, __m256 second) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(first)),
+                                             _mm256_castps_pd(second), 1));
+}
+
 inline __m512 join_floats(const float* first, const float* second) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(
-      _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(first))),
-      _mm256_castps_pd(_mm256_loadu_ps(second)), 1));
+  return join_halves(_mm256_loadu_ps(first), _mm256_loadu_ps(second));
 }
 
 // 8 int8 values at `first` and 8 at `second` as 16 floats.
@@ -92,9 +95,9 @@ PAGEDLLM_ALWAYS_INLINE void pair_block_scales(const Weights& w, int64_t tile, in
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols;
     const int64_t next = w.scale_groups * kTileCols;
-    d[0] = join_floats(w.scales + at, w.scales + at + next);
-    m[0] = w.mins != nullptr ? join_floats(w.mins + at, w.mins + at + next)
-                             : _mm512_mul_ps(d[0], _mm512_set1_ps(w.min_factor));
+    const __m256 first = scales8(w, at), second = scales8(w, at + next);
+    d[0] = join_halves(first, second);
+    m[0] = join_halves(mins8(w, at, first), mins8(w, at + next, second));
   } else {
     const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
     const int64_t super_next = w.super_blocks * kTileCols;
