@@ -50,13 +50,21 @@ def scale_shift(in_features: int, group_size: int) -> int:
 def stack_parts(parts: list[UnpackedGPTQ]) -> UnpackedGPTQ:
     """The parts of a fused projection (the same input order) as one layer's weights."""
     return UnpackedGPTQ(
-        torch.cat([p.q for p in parts]),
+        _stack_rows([p.q for p in parts]),
         torch.cat([p.scales for p in parts]),
         torch.cat([p.zeros for p in parts]),
         parts[0].order,
         parts[0].group_size,
         parts[0].bits,
     )
+
+
+def _stack_rows(qs: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' q [N_i, K] as one [sum N_i, K]. Transposed views (GPTQ's, AWQ's q) are
+    joined as the [K, N_i] they view: a copy through their strides took ~10x longer."""
+    if all(q.stride(0) == 1 for q in qs):
+        return torch.cat([q.T for q in qs], dim=1).T
+    return torch.cat(qs)
 
 
 class GPTQLinear(MatmulIntoLinear):
