@@ -4,14 +4,15 @@ block kernel (`torch.ops.pagedllm.gguf_linear`, `ops/csrc/gguf_linear.cpp`).
 
 A group's weights are w = scale * (q - zero) = d * q + m with d = scale and m = -scale * zero:
 the kernel's Q4_1 form, its 4-bit q in the same tile layout (8-bit q: Q8_0's layout, with a
-min of its own). The kernel keeps d and m as fp32, one pair per group of 2^shift blocks of
-32 inputs (`scale_shift`), so a group of 128 costs 8 bytes per output column where a
-per-block table would cost 32. They are exact for fp16 and bf16 scales (an 11- or 8-bit
-significand times an integer below 2^9); an fp32 scale's m is rounded once (2^-24). When
-every zero point is the midpoint 2^(bits-1) (symmetric schemes) the layer keeps no min
-table: the kernel derives m = -2^(bits-1) d, as for Q4_0 / Q8_0. As for GGUF, the only
-approximation is the input: each 32-wide block of an activation row becomes two int8
-digits with its own scale (~15 bits).
+min of its own). The kernel keeps one d and m per group of 2^shift blocks of 32 inputs
+(`scale_shift`), d as the checkpoint's fp16 or bf16 and m as the uint8 zero point it
+multiplies by d (`packed_tables.py`): 3 bytes a group and column where the checkpoint
+stores ~2.5, exact for fp16 and bf16 scales (an 11- or 8-bit significand times an integer
+below 2^8); an fp32 scale's m is rounded once (2^-24). When every zero point is the
+midpoint 2^(bits-1) (symmetric schemes) the layer keeps no min table: the kernel derives
+m = -2^(bits-1) d, as for Q4_0 / Q8_0. As for GGUF, the only approximation is the input:
+each 32-wide block of an activation row becomes two int8 digits with its own scale
+(~15 bits).
 
 Act-order layers keep their input order and gather the activation's columns by it first.
 A fused projection whose parts have different orders is one layer per part, writing its
@@ -24,15 +25,14 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import (
-    _NO_MINS,
     BLOCK,
     DEFAULT_DIGITS,
     GGUFConcatLinear,
     _keep_bias,
     distinct_bytes,
-    pack_weights,
 )
 from pagedllm.model.layers.linear import MatmulIntoLinear, SplitOutputs
+from pagedllm.model.layers.packed_tables import kernel_tables
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 from pagedllm.ops.extension import load
@@ -50,13 +50,21 @@ def scale_shift(in_features: int, group_size: int) -> int:
 def stack_parts(parts: list[UnpackedGPTQ]) -> UnpackedGPTQ:
     """The parts of a fused projection (the same input order) as one layer's weights."""
     return UnpackedGPTQ(
-        torch.cat([p.q for p in parts]),
+        _stack_rows([p.q for p in parts]),
         torch.cat([p.scales for p in parts]),
         torch.cat([p.zeros for p in parts]),
         parts[0].order,
         parts[0].group_size,
         parts[0].bits,
     )
+
+
+def _stack_rows(qs: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' q [N_i, K] as one [sum N_i, K]. Transposed views (GPTQ's, AWQ's q) are
+    joined as the [K, N_i] they view: a copy through their strides took ~10x longer."""
+    if all(q.stride(0) == 1 for q in qs):
+        return torch.cat([q.T for q in qs], dim=1).T
+    return torch.cat(qs)
 
 
 class GPTQLinear(MatmulIntoLinear):
@@ -70,13 +78,10 @@ class GPTQLinear(MatmulIntoLinear):
         if self.in_features % BLOCK:
             raise ValueError(f"GPTQ: {self.in_features} inputs are not whole blocks of {BLOCK}")
         self.bits = weights.bits
-        packed, scales, mins = pack_weights(
-            weights.q, weights.scales, -weights.scales * weights.zeros, self.bits
-        )
+        packed, scales, mins = kernel_tables(weights)
         self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        # Zero points all at the midpoint: the kernel derives m = -2^(bits-1) d itself.
-        self.register_buffer("mins", _NO_MINS if weights.symmetric else mins)
+        self.register_buffer("scales", scales)  # fp16 / bf16 where exact, else fp32
+        self.register_buffer("mins", mins)  # uint8 zero points, fp32 mins, or empty
         order = weights.order
         self.register_buffer("order", None if order is None else order.to(torch.int32))
         self.group_size = weights.group_size

@@ -58,6 +58,6 @@ def unpack_awq(tensors: AWQTensors, config: AWQConfig) -> UnpackedGPTQ:
     if zeros.shape != (groups, cols):
         raise ValueError(f"AWQ qzeros unpack to {tuple(zeros.shape)}, not {(groups, cols)}")
     return UnpackedGPTQ(
-        q.T.contiguous(), tensors.scales.float().T.contiguous(), zeros.T.contiguous(), None,
+        q.T, tensors.scales.float().T.contiguous(), zeros.T.contiguous(), None,
         group_size,
     )  # fmt: skip

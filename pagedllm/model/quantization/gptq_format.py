@@ -26,7 +26,6 @@ from pagedllm.model.quantization.gptq import PER_CHANNEL, GPTQConfig
 
 PACKED_PER_INT32 = 8  # 4-bit values in one int32
 TENSOR_NAMES = ("qweight", "qzeros", "scales", "g_idx")
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class GPTQTensors:
 class UnpackedGPTQ:
     """A layer's weights as integers, input rows in the order the kernel reads them."""
 
-    q: torch.Tensor  # uint8 [N, K], 0..15
+    q: torch.Tensor  # uint8 [N, K], below 2^bits; any strides (GPTQ, AWQ: a transposed view)
     scales: torch.Tensor  # float32 [N, G]
     zeros: torch.Tensor  # float32 [N, G], integers
     order: torch.Tensor | None  # int64 [K]: kernel input j is checkpoint input order[j]
@@ -72,18 +71,29 @@ class UnpackedGPTQ:
         return restored
 
 
+def _word_values(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, C, 32 / bits]: each word's values, lowest bits first. Read
+    through the words' bytes (little-endian, as every CPU the kernels build for), never
+    widened to int32: a Llama-3.2-1B layer's unpacking took 4x longer through int32 shifts."""
+    word_bytes = packed.contiguous().view(torch.uint8).reshape(*packed.shape, 4)
+    if bits == 8:
+        return word_bytes
+    return torch.stack((word_bytes & 0xF, word_bytes >> 4), dim=-1).reshape(*packed.shape, 8)
+
+
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> uint8 [8R, C]: row r of the result is bits 4 * (r % 8) of row r // 8."""
-    values = (packed[:, None, :] >> _SHIFTS[None, :, None]) & 0xF
-    return values.reshape(-1, packed.shape[1]).to(torch.uint8)
+    """int32 [R, C] -> uint8 [8R, C]: row r of the result is bits 4 * (r % 8) of row r // 8.
+    The nibbles are split from the words' bytes laid out [R, 4, C], so the one copy writes
+    the result's rows in order (3x faster than splitting first and permuting after)."""
+    rows, cols = packed.shape
+    word_bytes = packed.contiguous().view(torch.uint8).reshape(rows, cols, 4).permute(0, 2, 1)
+    return torch.stack((word_bytes & 0xF, word_bytes >> 4), dim=2).reshape(8 * rows, cols)
 
 
 def unpack_columns(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:
     """int32 [R, C] -> uint8 [R, (32 / bits) C]: with p = 32 / bits values a word, column c
     is bits `bits * (c % p)` up of column c // p (4 or 8 bits, which never straddle words)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    values = (packed[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
-    return values.reshape(packed.shape[0], -1).to(torch.uint8)
+    return _word_values(packed, bits).reshape(packed.shape[0], -1)
 
 
 def input_order(g_idx: torch.Tensor | None, rows: int, group_size: int) -> torch.Tensor | None:
@@ -123,7 +133,7 @@ def unpack_gptq(tensors: GPTQTensors, config: GPTQConfig) -> UnpackedGPTQ:
     order = input_order(tensors.g_idx, rows, group_size)
     if order is not None:
         q = q[order]
+    # q as a transposed view: the packer reads it as it lies (pack_q_tiles).
     return UnpackedGPTQ(
-        q.T.contiguous(), tensors.scales.float().T.contiguous(), zeros.T.contiguous(), order,
-        group_size,
-    )  # fmt: skip
+        q.T, tensors.scales.float().T.contiguous(), zeros.T.contiguous(), order, group_size
+    )

@@ -17,8 +17,9 @@
 //
 // Packed layout (pagedllm/model/layers/gguf_linear.py builds it): columns in tiles of 8; per
 // tile and block, 8 groups of 4 consecutive k for the 8 columns, 32 bytes a group, stored
-// as gguf_tile.h's unpack_tile_block reads them. Float scales: d and m float [tiles][blocks][8]
-// (Q4_0 and Q8_0: d alone, m = d * gguf_layout::symmetric_min_factor).
+// as gguf_tile.h's unpack_tile_block reads them. Float scales: d and m [tiles][groups][8]
+// (Q4_0 and Q8_0: d alone, m = d * gguf_layout::symmetric_min_factor); a packed
+// checkpoint's d may be fp16 or bf16 and its m uint8 zero points (gguf_scales.h).
 // K-quants: D and M float [tiles][super-blocks][8], sc and mn int8 [tiles][sub-blocks][8].
 
 #include <ATen/Parallel.h>
@@ -50,6 +51,7 @@ using gguf_layout::kTileCols;
 constexpr int64_t kTilesPerItem = 4;
 
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kVnni = 2 };
+enum ScaleType : int { kScaleF32 = 0, kScaleF16 = 1, kScaleBF16 = 2 };
 
 // The quantized input, block-major: for block b the rows' digits lie side by side (hi then
 // lo, 32 bytes each), so a pass over a few rows reads one run per block. Row-major, rows
@@ -75,9 +77,13 @@ struct Weights {
   int64_t super_blocks;
   int bits;
   int64_t tile_bytes;
-  // Float scales (Q4_0, Q4_1, Q8_0), or null. Q4_0 and Q8_0 keep no mins: m = d * min_factor.
-  const float* scales;
+  // Float scales (Q4_0, Q4_1, Q8_0, packed checkpoints' groups), or null: fp32, fp16 or bf16
+  // as `scale_type` says. The min is fp32 `mins`, or uint8 zero points (m = d * -zero), or
+  // neither (Q4_0, Q8_0, symmetric groups: m = d * min_factor). See gguf_scales.h.
+  const void* scales;
+  ScaleType scale_type;
   const float* mins;
+  const uint8_t* zeros;
   float min_factor;
   // Block b's float scale and min are group b >> scale_shift's: 2^scale_shift consecutive
   // blocks share one (GPTQ's groups of 64, 128, ... or a whole row); 0 for GGUF's blocks.
@@ -189,12 +195,27 @@ inline int32_t weight_at(const uint8_t* tile_block, int bits, int col, int i) {
   return q;
 }
 
+// One scale of the float tables as fp32 (gguf_scales.h's scales8, a lane at a time).
+inline float scale_at(const Weights& w, int64_t at) {
+  const uint16_t* half = static_cast<const uint16_t*>(w.scales);
+  if (w.scale_type == kScaleF16) return _cvtsh_ss(half[at]);  // F16C, the baseline; exact
+  if (w.scale_type == kScaleBF16) {
+    const uint32_t bits = static_cast<uint32_t>(half[at]) << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+  return static_cast<const float*>(w.scales)[at];
+}
+
 inline void scalar_scales(const Weights& w, int64_t tile, int64_t b, int h, int col, float& d,
                           float& m) {
   if (w.super_d == nullptr) {
     const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols + col;
-    d = w.scales[at];
-    m = w.mins != nullptr ? w.mins[at] : d * w.min_factor;
+    d = scale_at(w, at);
+    if (w.mins != nullptr) m = w.mins[at];
+    else if (w.zeros != nullptr) m = d * -static_cast<float>(w.zeros[at]);
+    else m = d * w.min_factor;
     return;
   }
   const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols + col;
@@ -290,6 +311,7 @@ int64_t wide_tiles(const Activations&, const Weights&, int64_t, int64_t tile_beg
   return tile_begin;
 }
 
+#include "gguf_scales.h"
 #include "gguf_epilogue.h"
 #include "gguf_tile.h"
 
@@ -330,6 +352,7 @@ PAGEDLLM_ALWAYS_INLINE void block_dots(const __m256i (&wv)[8], const int8_t* dig
 // 32 vector registers: 8 rows' accumulators, 8 weight groups, scales and the dots.
 constexpr int kRowsPerPass = 8;
 
+#include "gguf_scales.h"
 #include "gguf_epilogue.h"
 #include "gguf_tile512.h"
 #include "gguf_tile.h"
@@ -398,9 +421,19 @@ void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits,
   });
 }
 
-// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above;
-// `mins` empty for Q4_0 and Q8_0 (their m is a power of two times d). 2^scale_shift
-// consecutive blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
+// The scale table's element type: fp32 (GGUF), or fp16 / bf16 (a packed checkpoint's own).
+ScaleType scale_type_of(const at::Tensor& scales) {
+  if (scales.scalar_type() == at::kHalf) return kScaleF16;
+  if (scales.scalar_type() == at::kBFloat16) return kScaleBF16;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat, "gguf_linear: scales must be float32, float16 or ",
+              "bfloat16, got ", scales.scalar_type());
+  return kScaleF32;
+}
+
+// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above.
+// `scales` fp32, fp16 or bf16; `mins` fp32 m, uint8 zero points (m = d * -zero), or empty
+// (Q4_0, Q8_0 and symmetric groups: m is a power of two times d). 2^scale_shift consecutive
+// blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t digits,
                  int64_t isa, int64_t scale_shift) {
@@ -411,12 +444,16 @@ void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t blocks = x.size(1) / kBlock;
   const int64_t groups = ((blocks - 1) >> scale_shift) + 1;
   const int64_t tiles = (out.size(1) + kTileCols - 1) / kTileCols;
-  check_table("gguf_linear", scales, at::kFloat, tiles * groups * kTileCols, "scales");
-  const bool own_mins = mins.numel() != 0;  // empty: Q4_0 / Q8_0, m derived from d
-  if (own_mins) check_table("gguf_linear", mins, at::kFloat, tiles * groups * kTileCols, "mins");
+  const int64_t table = tiles * groups * kTileCols;
+  const ScaleType scale_type = scale_type_of(scales);
+  check_table("gguf_linear", scales, scales.scalar_type(), table, "scales");
+  const bool zeros = mins.numel() != 0 && mins.scalar_type() == at::kByte;
+  const bool own_mins = mins.numel() != 0 && !zeros;
+  if (mins.numel() != 0) check_table("gguf_linear", mins, zeros ? at::kByte : at::kFloat, table, "mins");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, 0, static_cast<int>(bits),
-                  blocks * block_bytes(bits), scales.data_ptr<float>(),
+                  blocks * block_bytes(bits), scales.data_ptr(), scale_type,
                   own_mins ? mins.data_ptr<float>() : nullptr,
+                  zeros ? mins.data_ptr<uint8_t>() : nullptr,
                   gguf_layout::symmetric_min_factor(static_cast<int>(bits)), static_cast<int>(scale_shift),
                   groups, nullptr, nullptr, nullptr, nullptr, 1};
   run(out, x, w, digits, isa);
@@ -437,7 +474,8 @@ void gguf_linear_k(at::Tensor out, const at::Tensor& x, const at::Tensor& packed
   check_table("gguf_linear", sub_sc, at::kChar, tiles * blocks * halves * kTileCols, "sub_sc");
   check_table("gguf_linear", sub_mn, at::kChar, tiles * blocks * halves * kTileCols, "sub_mn");
   const Weights w{packed.data_ptr<uint8_t>(), blocks, super_blocks, static_cast<int>(bits),
-                  blocks * block_bytes(bits), nullptr, nullptr, 0.f, 0, 0, super_d.data_ptr<float>(),
+                  blocks * block_bytes(bits), nullptr, kScaleF32, nullptr, nullptr, 0.f, 0, 0,
+                  super_d.data_ptr<float>(),
                   super_m.data_ptr<float>(), sub_sc.data_ptr<int8_t>(), sub_mn.data_ptr<int8_t>(),
                   halves};
   run(out, x, w, digits, isa);

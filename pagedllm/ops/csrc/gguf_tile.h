@@ -58,16 +58,16 @@ PAGEDLLM_ALWAYS_INLINE void unpack_tile_block(const uint8_t* p, __m256i (&wv)[8]
   }
 }
 
-// The block's scale and min for each half and the tile's 8 columns: stored as floats
-// (Q4_0, Q4_1, Q8_0), or, for K-quants, a float per super-block of 256 times an int8 per
+// The block's scale and min for each half and the tile's 8 columns: the float tables
+// (Q4_0, Q4_1, Q8_0, packed checkpoints' groups; gguf_scales.h), or, for K-quants, a float per super-block of 256 times an int8 per
 // sub-block (the products are exact in fp32: an fp16 times a 6- or 8-bit integer).
 template <bool KQUANT, int HALVES>
 PAGEDLLM_ALWAYS_INLINE void block_scales(const Weights& w, int64_t tile, int64_t b, __m256 (&d)[HALVES],
                          __m256 (&m)[HALVES]) {
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols;
-    d[0] = _mm256_loadu_ps(w.scales + at);
-    m[0] = w.mins != nullptr ? _mm256_loadu_ps(w.mins + at) : _mm256_mul_ps(d[0], _mm256_set1_ps(w.min_factor));
+    d[0] = scales8(w, at);
+    m[0] = mins8(w, at, d[0]);
   } else {
     const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
     const __m256 super_d = _mm256_loadu_ps(w.super_d + super_at);

@@ -41,6 +41,41 @@ inline __m512 join_int8_as_floats(const int8_t* first, const int8_t* second) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
+// The 16-bit scales at `first` and `second` (8 each) as one register.
+inline __m256i join_8_halves(const void* table, int64_t first, int64_t second) {
+  const uint16_t* halves = static_cast<const uint16_t*>(table);
+  return _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + first))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + second)), 1);
+}
+
+// gguf_scales.h's scales8 for the pair's two tiles, converted 16 at a time.
+inline __m512 pair_scales16(const Weights& w, int64_t first, int64_t second) {
+  switch (w.scale_type) {
+    case kScaleF16:
+      return _mm512_cvtph_ps(join_8_halves(w.scales, first, second));
+    case kScaleBF16:
+      return _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(join_8_halves(w.scales, first, second)), 16));
+    default: {
+      const float* scales = static_cast<const float*>(w.scales);
+      return join_floats(scales + first, scales + second);
+    }
+  }
+}
+
+// gguf_scales.h's mins8 for the pair: the same per-lane operations.
+inline __m512 pair_mins16(const Weights& w, int64_t first, int64_t second, __m512 d) {
+  if (w.mins != nullptr) return join_floats(w.mins + first, w.mins + second);
+  if (w.zeros == nullptr) return _mm512_mul_ps(d, _mm512_set1_ps(w.min_factor));
+  const __m128i zeros =
+      _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + first)),
+                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + second)));
+  const __m512 zero = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(zeros));
+  return _mm512_mul_ps(d, _mm512_castsi512_ps(_mm512_xor_si512(
+                              _mm512_castps_si512(zero), _mm512_set1_epi32(INT32_MIN))));
+}
+
 // acc |= (v & mask): one vpternlogd (0xF8 is A | (B & C)).
 inline __m512i or_masked(__m512i acc, __m512i v, __m512i mask) {
   return _mm512_ternarylogic_epi32(acc, v, mask, 0xF8);
@@ -92,9 +127,8 @@ PAGEDLLM_ALWAYS_INLINE void pair_block_scales(const Weights& w, int64_t tile, in
   if constexpr (!KQUANT) {
     const int64_t at = (tile * w.scale_groups + (b >> w.scale_shift)) * kTileCols;
     const int64_t next = w.scale_groups * kTileCols;
-    d[0] = join_floats(w.scales + at, w.scales + at + next);
-    m[0] = w.mins != nullptr ? join_floats(w.mins + at, w.mins + at + next)
-                             : _mm512_mul_ps(d[0], _mm512_set1_ps(w.min_factor));
+    d[0] = pair_scales16(w, at, at + next);
+    m[0] = pair_mins16(w, at, at + next, d[0]);
   } else {
     const int64_t super_at = (tile * w.super_blocks + b * kBlock / kSuperBlock) * kTileCols;
     const int64_t super_next = w.super_blocks * kTileCols;
