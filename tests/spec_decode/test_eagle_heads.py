@@ -226,6 +226,7 @@ def test_greedy_equals_no_speculation(
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
 
 
+@pytest.mark.slow  # ~26 s on two cores under a load of ~10
 def test_prefix_hits_parallel_samples_and_seeds(plain, spec_engines):
     """Prompts again (prefix-cache hits: the head has no target states there), n = 3, and a
     seeded request sampling the same tokens whatever else is in the batch."""
