@@ -100,16 +100,45 @@ def _checkpoints(tiny_llama, tmp_path, scheme):
     return quantized, dequantized, gptq_bytes
 
 
+@pytest.fixture(scope="module")
+def written(tiny_llama, tmp_path_factory):
+    """scheme -> the tiny Llama's checkpoint in it, written once for the tests that read it."""
+    cache: dict[str, tuple] = {}
+
+    def write(scheme: Scheme) -> tuple:
+        if str(scheme) not in cache:
+            directory = tmp_path_factory.mktemp("gptq")
+            cache[str(scheme)] = _checkpoints(tiny_llama, directory, scheme)
+        return cache[str(scheme)]
+
+    return write
+
+
+@pytest.fixture(scope="module")
+def served(written):
+    """scheme -> an engine on the tiny Llama's checkpoint in it, shared by the tests that read
+    its layers and its tokens (starting one is most of a test's time)."""
+    cache: dict[str, LLM] = {}
+
+    def serve(scheme: Scheme) -> LLM:
+        if str(scheme) not in cache:
+            quantized = written(scheme)[0]
+            cache[str(scheme)] = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+        return cache[str(scheme)]
+
+    return serve
+
+
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)
-def test_greedy_tokens_are_transformers_on_the_dequantized_model(tiny_llama, tmp_path, scheme):
+def test_greedy_tokens_are_transformers_on_the_dequantized_model(written, served, scheme):
     from transformers import AutoModelForCausalLM
 
-    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, scheme)
+    _, dequantized, _ = written(scheme)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
     hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
-    llm = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
+    llm = served(scheme)
     assert llm.llm_engine.model_config.quantization == "gptq"
     assert any(isinstance(m, GPTQLinear) for m in model_runner(llm).model.modules())
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
@@ -134,10 +163,9 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_model(tiny_llama, tmp
     ],
     ids=str,
 )
-def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, scheme, most):
-    quantized, _, gptq_bytes = _checkpoints(tiny_llama, tmp_path, scheme)
-    llm = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
-    model = model_runner(llm).model
+def test_weights_in_memory_are_the_checkpoints_bytes(written, served, scheme, most):
+    gptq_bytes = written(scheme)[2]
+    model = model_runner(served(scheme)).model
     layers = [m for m in model.modules() if isinstance(m, GPTQLinear)]
     # qkv, o, gate_up, down in each of 2 layers; with act-order q, k, v, gate, up apart.
     assert len(layers) == 2 * (7 if scheme.desc_act else 4)
@@ -156,19 +184,19 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, schem
         ({"quantization": "int8"}, "quantization='int8' disagrees"),
     ],
 )
-def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engine_args, named):
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+def test_combinations_not_served_are_refused_by_name(written, engine_args, named):
+    quantized, _, _ = written(Scheme(128, False, True))
     with pytest.raises(ValueError, match=named):
         LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
 
 
-def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(tiny_llama, tmp_path):
+def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(written):
     """The GPTQ checkpoint drafting for the fp32 model it was dequantized into: the draft runs
     on packed layers, the target's greedy tokens are unchanged, and nearly every draft is
     accepted (the two differ only by the kernel's 16-bit activations)."""
     from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
-    quantized, dequantized, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, True, False))
+    quantized, dequantized, _ = written(Scheme(128, True, False))
     prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [3, 200, 7, 90, 45, 300, 12, 8]]
     common = dict(max_model_len=128, kv_cache_memory="8MiB")
     expected = greedy_with_logprobs(LLM(str(dequantized), **common), prompts, 24)
@@ -185,7 +213,9 @@ def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(tiny_llama, t
     assert counts.num_accepted_tokens >= 0.9 * counts.num_draft_tokens
 
 
-def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_llama, tmp_path):
+def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(
+    written, served, tmp_path
+):
     """A config.json alone with load_format="dummy": the same packed layers, holding the same
     bytes, as the checkpoint of that config; the model generates."""
     import json
@@ -193,15 +223,15 @@ def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_l
     from pagedllm.model.loader import write_config_dir
 
     scheme = Scheme(128, desc_act=True, sym=False)
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, scheme)
+    quantized, _, _ = written(scheme)
     config = json.loads((quantized / "config.json").read_text())
     shapes = write_config_dir(str(tmp_path / "shape-only"), config)
+    dummy = {"load_format": "dummy", "skip_tokenizer_init": True}
     held = {}
-    for name, path, extra in (
-        ("checkpoint", quantized, {}),
-        ("dummy", shapes, {"load_format": "dummy", "skip_tokenizer_init": True}),
+    for name, llm in (
+        ("checkpoint", served(scheme)),
+        ("dummy", LLM(str(shapes), max_model_len=128, kv_cache_memory="8MiB", **dummy)),
     ):
-        llm = LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", **extra)
         layers = [m for m in model_runner(llm).model.modules() if isinstance(m, GPTQLinear)]
         held[name] = [(layer.extra_repr(), layer.weight_bytes()) for layer in layers]
     assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * 7
@@ -213,16 +243,14 @@ def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_l
     )
 
 
-def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(
-    tiny_llama, tmp_path
-):
+def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(written):
     """Tensor and pipeline parallelism serve these checkpoints
     (tests/distributed/test_packed_parallel.py), LoRA too (tests/lora/test_lora_packed.py);
     LoRA over tensor-parallel ranks does not yet."""
     from pagedllm.config import EngineArgs
     from pagedllm.core.engine_config import load_engine_config
 
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, Scheme(128, False, True))
+    quantized, _, _ = written(Scheme(128, False, True))
     args = EngineArgs(
         model=str(quantized), max_model_len=128, tensor_parallel_size=2, enable_lora=True
     )

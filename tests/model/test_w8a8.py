@@ -147,6 +147,33 @@ def _checkpoints(tiny_llama, tmp_path, fmt):
     return quantized, dequantized, checkpoint_bytes
 
 
+@pytest.fixture(scope="module")
+def written(tiny_llama, tmp_path_factory):
+    """fmt -> the tiny Llama's checkpoint in it, written once for the tests that read it."""
+    cache: dict[str, tuple] = {}
+
+    def write(fmt: Format) -> tuple:
+        if str(fmt) not in cache:
+            cache[str(fmt)] = _checkpoints(tiny_llama, tmp_path_factory.mktemp(str(fmt)), fmt)
+        return cache[str(fmt)]
+
+    return write
+
+
+@pytest.fixture(scope="module")
+def served(written):
+    """fmt -> an engine on the tiny Llama's checkpoint in it, shared by the tests that read
+    its layers and its tokens (starting one is most of a test's time)."""
+    cache: dict[str, LLM] = {}
+
+    def serve(fmt: Format) -> LLM:
+        if str(fmt) not in cache:
+            cache[str(fmt)] = _engine(written(fmt)[0], fmt)
+        return cache[str(fmt)]
+
+    return serve
+
+
 def _engine(quantized, fmt: Format) -> LLM:
     # A per-tensor dynamic scale spans the whole batch: one sequence at a time, as the
     # reference runs them.
@@ -154,16 +181,14 @@ def _engine(quantized, fmt: Format) -> LLM:
     return LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", max_num_seqs=seqs)
 
 
-def _assert_greedy_tokens_match(source, tmp_path, fmt: Format) -> None:
+def _assert_greedy_tokens_match(dequantized, llm: LLM, fmt: Format) -> None:
     from transformers import AutoModelForCausalLM
 
-    quantized, dequantized, _ = _checkpoints(source, tmp_path, fmt)
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (5, 19, 33)]
     hf_model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
     add_activation_quantization(hf_model, fmt)
     references = [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in prompts]
-    llm = _engine(quantized, fmt)
     assert llm.llm_engine.model_config.quantization == fmt.method
     layer_class = Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear
     assert sum(isinstance(m, layer_class) for m in model_runner(llm).model.modules()) == 8
@@ -177,8 +202,8 @@ def _assert_greedy_tokens_match(source, tmp_path, fmt: Format) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_greedy_tokens_are_transformers_with_the_same_quantization(tiny_llama, tmp_path, fmt):
-    _assert_greedy_tokens_match(tiny_llama, tmp_path, fmt)
+def test_greedy_tokens_are_transformers_with_the_same_quantization(written, served, fmt):
+    _assert_greedy_tokens_match(written(fmt)[1], served(fmt), fmt)
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[5]], ids=str)
@@ -194,7 +219,8 @@ def test_projections_with_biases_keep_them(tmp_path, fmt):
     for name in biases:
         state[name] = torch.randn(state[name].shape, generator=generator)
     save_file(state, qwen2 / "model.safetensors")
-    _assert_greedy_tokens_match(qwen2, tmp_path, fmt)
+    _, dequantized, _ = _checkpoints(qwen2, tmp_path, fmt)
+    _assert_greedy_tokens_match(dequantized, _engine(tmp_path / "w8a8", fmt), fmt)
 
 
 def test_quantized_moe_experts_are_refused_by_name(tmp_path):
@@ -205,9 +231,9 @@ def test_quantized_moe_experts_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], FORMATS[6]], ids=str)
-def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
-    quantized, _, checkpoint_bytes = _checkpoints(tiny_llama, tmp_path, fmt)
-    model = model_runner(_engine(quantized, fmt)).model
+def test_weights_in_memory_are_the_checkpoints_bytes(written, served, fmt):
+    checkpoint_bytes = written(fmt)[2]
+    model = model_runner(served(fmt)).model
     layers = [m for m in model.modules() if isinstance(m, (Int8W8A8Linear, TiledDequantLinear))]
     assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     held = sum(layer.weight_bytes() for layer in layers)
@@ -230,14 +256,14 @@ def test_weights_in_memory_are_the_checkpoints_bytes(tiny_llama, tmp_path, fmt):
         ({"quantization": "fp8"}, "quantization='fp8' disagrees"),
     ],
 )
-def test_combinations_not_served_are_refused_by_name(tiny_llama, tmp_path, engine_args, named):
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[0])
+def test_combinations_not_served_are_refused_by_name(written, engine_args, named):
+    quantized, _, _ = written(FORMATS[0])
     with pytest.raises(ValueError, match=named):
         LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB", **engine_args)
 
 
-def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, tmp_path):
-    quantized, _, _ = _checkpoints(tiny_llama, tmp_path, FORMATS[3])
+def test_a_quantized_draft_model_is_refused_by_name(tiny_llama, written):
+    quantized, _, _ = written(FORMATS[3])
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="a draft on 8-bit layers"):
         LLM(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB", speculative_config=draft)

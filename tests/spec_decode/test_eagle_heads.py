@@ -42,6 +42,9 @@ PROMPTS = [
     list(range(250, 262)),
 ]
 MAX_TOKENS = 40
+# Under chunked prefill and preemption each step is small, so steps are many: fewer tokens
+# still fill the pool past what fits (the test asserts the preemptions).
+CHUNKED_MAX_TOKENS = 24
 # The tiny target has 2 layers: vLLM's default (2, 1, -1) does not fit it.
 AUX_LAYERS = [0, 1, 2]
 
@@ -73,16 +76,34 @@ def heads(tiny_llama, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama):
-    return greedy_with_logprobs(engine(tiny_llama), PROMPTS, MAX_TOKENS)
+def plain(tiny_llama) -> LLM:
+    """The target without speculation, shared by the tests that compare against it."""
+    return engine(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return greedy_with_logprobs(plain, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def chunked_reference(plain):
+    return greedy_with_logprobs(plain, PROMPTS, CHUNKED_MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def spec_engines(tiny_llama, heads) -> dict[str, LLM]:
+    """One engine per head layout with the default settings, shared by the tests (an
+    engine's start is most of a test's time); tests count drafts and hits from their own
+    start, and reset the prefix cache where a hit would change the path they check."""
+    return {name: engine(tiny_llama, config) for name, config in heads.items()}
 
 
 # ---- loading ----------------------------------------------------------------------------
 
 
-def test_heads_load_in_each_layout(tiny_llama, heads):
-    llm = engine(tiny_llama, heads["eagle3"])
-    runner = model_runner(llm)
+def test_heads_load_in_each_layout(spec_engines):
+    runner = model_runner(spec_engines["eagle3"])
     head = runner.proposer.model
     assert isinstance(runner.proposer, EagleDrafts)
     assert runner.proposer.target_states.layers == tuple(AUX_LAYERS)
@@ -95,10 +116,10 @@ def test_heads_load_in_each_layout(tiny_llama, heads):
     assert len(runner.draft_kv_pool) == 1
     assert runner.draft_kv_pool[0][0].shape == runner.kv_cache_pool[0][0].shape
 
-    own = model_runner(engine(tiny_llama, heads["eagle3-full-vocab"])).proposer.model
+    own = model_runner(spec_engines["eagle3-full-vocab"]).proposer.model
     assert own.embed_tokens is not None and not bool(own.d2t.any())
 
-    eagle = model_runner(engine(tiny_llama, heads["eagle"]))
+    eagle = model_runner(spec_engines["eagle"])
     assert eagle.proposer.target_states.layers == ()  # the target's normed output
     assert eagle.model.model.hidden_tap is None
     assert eagle.proposer.model.fc.bias is not None
@@ -177,56 +198,65 @@ CHUNKED_PREEMPTED = {
         ("eagle3", {}),
         ("eagle3-full-vocab", {}),
         ("eagle", {}),
+        # Under chunking and preemption, one case per way the target's states reach the
+        # head: tapped layers (EAGLE-3; its vocabulary does not meet the scheduler, so the
+        # full-vocabulary head has no case of its own here) and the normed output (EAGLE).
         ("eagle3", CHUNKED_PREEMPTED),
-        # ~12 s each on two busy cores.
-        pytest.param("eagle3-full-vocab", CHUNKED_PREEMPTED, marks=pytest.mark.slow),
-        pytest.param("eagle", CHUNKED_PREEMPTED, marks=pytest.mark.slow),
+        pytest.param("eagle", CHUNKED_PREEMPTED, marks=pytest.mark.slow),  # ~12 s
     ],
     ids=lambda value: (
         value if isinstance(value, str) else ("chunked-preempted" if value else "plain")
     ),
 )
-def test_greedy_equals_no_speculation(tiny_llama, heads, reference, report_ties, head, layout):
-    llm = engine(tiny_llama, heads[head], **layout)
-    actual = greedy_with_logprobs(llm, PROMPTS, MAX_TOKENS)
-    ties, _ = compare_to_reference_engine(reference, actual, tie_tolerance=1e-4)
+def test_greedy_equals_no_speculation(
+    tiny_llama, heads, spec_engines, reference, chunked_reference, report_ties, head, layout
+):
+    llm = engine(tiny_llama, heads[head], **layout) if layout else spec_engines[head]
+    assert llm.reset_prefix_cache()  # every prompt prefilled here, with its target states
+    drafts_before = llm.get_stats().spec_decode.num_drafts
+    want = chunked_reference if layout else reference
+    actual = greedy_with_logprobs(llm, PROMPTS, len(want[0].token_ids))
+    ties, _ = compare_to_reference_engine(want, actual, tie_tolerance=1e-4)
     report_ties(ties, len(PROMPTS))
     stats = llm.get_stats()
-    assert stats.spec_decode is not None and stats.spec_decode.num_drafts > 0
+    assert stats.spec_decode is not None and stats.spec_decode.num_drafts > drafts_before
     if layout:
         assert stats.num_preemptions > 0
     kv = llm.llm_engine.engine_core.kv_cache_manager
     assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
 
 
-@pytest.mark.slow  # ~18 s on two busy cores
-def test_prefix_hits_parallel_samples_and_seeds(tiny_llama, heads):
+@pytest.mark.slow  # ~26 s on two cores under a load of ~10
+def test_prefix_hits_parallel_samples_and_seeds(plain, spec_engines):
     """Prompts again (prefix-cache hits: the head has no target states there), n = 3, and a
     seeded request sampling the same tokens whatever else is in the batch."""
-    plain, spec = engine(tiny_llama), engine(tiny_llama, heads["eagle3"])
+    spec = spec_engines["eagle3"]
+    assert spec.reset_prefix_cache()  # the first round prefills, the second hits
+    hits_before = spec.get_stats().prefix_cache_hits
+    drafts_before = spec.get_stats().spec_decode.num_drafts
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     for params in (
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),  # cached now
-        SamplingParams(temperature=0, max_tokens=16, n=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),  # cached now
+        SamplingParams(temperature=0, max_tokens=8, n=3, ignore_eos=True),
     ):
         want = plain.generate(prompts, params, use_tqdm=False)
         got = spec.generate(prompts, params, use_tqdm=False)
         for a, b in zip(want, got, strict=True):
             assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
-    assert spec.get_stats().prefix_cache_hits > 0
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11)
+    assert spec.get_stats().prefix_cache_hits > hits_before
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=11)
     alone = spec.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
     batch = spec.generate(
         [prompts[0], {"prompt_token_ids": PROMPTS[1]}, prompts[2]],
-        [SamplingParams(temperature=1.0, max_tokens=24), seeded, SamplingParams(max_tokens=5)],
+        [SamplingParams(temperature=1.0, max_tokens=12), seeded, SamplingParams(max_tokens=5)],
         use_tqdm=False,
     )
     assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
-    assert spec.get_stats().spec_decode.num_drafts > 0
+    assert spec.get_stats().spec_decode.num_drafts > drafts_before
 
 
-def test_structured_output_with_a_head(tiny_llama, heads):
+def test_structured_output_with_a_head(plain, spec_engines):
     """Drafts the grammar forbids (a digit) are cut, the others verified; greedy output is
     the same as without speculation and matches the pattern."""
     pattern = r"[^0-9]{10,40}"
@@ -234,13 +264,14 @@ def test_structured_output_with_a_head(tiny_llama, heads):
         temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
     )
     prompts = ["No digits: ", "Still none 12"]
-    want = engine(tiny_llama).generate(prompts, params, use_tqdm=False)
-    spec = engine(tiny_llama, heads["eagle"])
+    spec = spec_engines["eagle"]
+    drafts_before = spec.get_stats().spec_decode.num_drafts
+    want = plain.generate(prompts, params, use_tqdm=False)
     got = spec.generate(prompts, params, use_tqdm=False)
     for a, b in zip(want, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
-    assert spec.get_stats().spec_decode.num_drafts > 0
+    assert spec.get_stats().spec_decode.num_drafts > drafts_before
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +346,7 @@ def test_steps_that_do_not_speculate_still_consume_the_states(tiny_llama, heads)
         pending = runner.proposer._pending.values()
         held.append(max((p.end - p.start for p in pending), default=0))
 
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with runner.forward_observer(record):
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert llm.get_stats().spec_decode.num_drafts == 0
@@ -324,13 +355,13 @@ def test_steps_that_do_not_speculate_still_consume_the_states(tiny_llama, heads)
     assert llm.get_stats().spec_decode.num_drafts > 0
 
 
-def test_compile_leaves_steps_eager_for_an_eagle3_head(tiny_llama, heads, pagedllm_log):
+def test_compile_leaves_steps_eager_for_an_eagle3_head(tiny_llama, heads, plain, pagedllm_log):
     """A compiled step would not hand the tapped layers over: the target stays eager."""
     llm = engine(tiny_llama, heads["eagle3"], compile=True)
     assert model_runner(llm).compiled_decode is None
     assert "steps stay eager" in pagedllm_log.text
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = engine(tiny_llama).generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
+    want = plain.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
     got = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
@@ -387,20 +418,23 @@ def _torch_kernels():
 # ---- the hidden states handed over ----------------------------------------------------------
 
 
-def test_tap_keeps_the_stream_entering_each_layer(tiny_llama):
+def test_tap_keeps_the_stream_entering_each_layer(tiny_llama, plain):
     """Layer i's tapped state is the residual stream entering it; index num_layers is the
     last layer's output before the final norm (Transformers' hidden_states agree)."""
     from transformers import AutoModelForCausalLM
 
-    llm = engine(tiny_llama)
-    model = model_runner(llm).model
+    model = model_runner(plain).model
     tap = HiddenStateTap((2, 0, 1))
-    model.model.hidden_tap = tap
     tokens = [5, 6, 7, 8, 9]
     captured = []
-    with model_runner(llm).forward_observer(lambda step: captured.append(tap.take())):
-        llm.generate({"prompt_token_ids": tokens}, SamplingParams(max_tokens=1), use_tqdm=False)
-    model.model.hidden_tap = None
+    assert plain.reset_prefix_cache()  # the whole prompt computed, every row tapped
+    model.model.hidden_tap = tap
+    try:
+        with model_runner(plain).forward_observer(lambda step: captured.append(tap.take())):
+            one = SamplingParams(max_tokens=1)
+            plain.generate({"prompt_token_ids": tokens}, one, use_tqdm=False)
+    finally:
+        model.model.hidden_tap = None  # the shared engine goes back untapped
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama)
     with torch.no_grad():
         states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
