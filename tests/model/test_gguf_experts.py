@@ -107,3 +107,15 @@ def test_experts_keep_about_the_files_bytes(types):
     # K-quants keep their scales widened, a few percent over the file.
     assert file_bytes <= layer.weight_bytes() < 1.1 * file_bytes
     assert layer.missing_shards() == []
+
+
+def test_experts_trace_whole_for_the_compiled_decode_step():
+    # The compiled decode step traces with fullgraph=True: the experts must be one opaque op
+    # there (found by the layer's id), not a graph break, with the eager bits.
+    layer, *_ = _experts((Q.Q8_0, Q.Q8_0, Q.Q4_0), 64, 96)
+    traced = torch.compile(layer, backend="eager", fullgraph=True, dynamic=True)
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
+        ids, weights = _routing(num_tokens, [0, 1, 2, 3])
+        with torch.no_grad():
+            assert torch.equal(traced(x, ids, weights), layer(x, ids, weights))

@@ -12,6 +12,8 @@ quantization, as for every GGUF layer.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
@@ -52,10 +54,19 @@ class GGUFGroupedExperts(nn.Module):
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
 
-    @torch.compiler.disable  # the grouping's sizes depend on the routing
+        _LAYERS[id(self)] = self
+
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # One opaque op to the tracer: the grouping's sizes depend on the routing, and
+            # the kernel layers are found by this layer's id, not traced.
+            return _gguf_grouped_experts_op(x, expert_ids, weights, id(self))
+        return self.run(x, expert_ids, weights)
+
+    def run(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The block's output (`GroupedExperts.forward`), eagerly."""
         return run_grouped(x, expert_ids, weights, self.spec.num_experts, self._expert_ffn)
 
     def _expert_ffn(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -69,6 +80,22 @@ class GGUFGroupedExperts(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of every expert's kernel tables."""
         return distinct_bytes(self.buffers())
+
+
+# The live layers by id, for the compiled graph's op (weak: a dropped model frees its layers).
+_LAYERS: weakref.WeakValueDictionary[int, GGUFGroupedExperts] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("pagedllm::gguf_grouped_experts", mutates_args=())
+def _gguf_grouped_experts_op(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    return _LAYERS[layer_id].run(x, expert_ids, weights)
+
+
+@_gguf_grouped_experts_op.register_fake
+def _(x, expert_ids, weights, layer_id):
+    return torch.empty_like(x)
 
 
 def gguf_grouped_experts(
