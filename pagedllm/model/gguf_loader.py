@@ -13,8 +13,9 @@ in `pagedllm.model.gguf`, one job a module):
   shifted back by one and (for mixtures of experts) each layer's gate and up experts
   stacked in one tensor, so that it equals the tensor Transformers holds; and
   ``iter_gguf_raw_weights`` yields the 2-D weights in their blocks, for layers that
-  compute on them (`gguf.weights`, named by `gguf.tensor_names` from gguf-py's
-  tables);
+  compute on them (``iter_gguf_raw_experts``: a mixture's stacked experts, each
+  expert's slice of the blocks) (`gguf.weights`, named by `gguf.tensor_names` from
+  gguf-py's tables);
 * ``release_gguf_readers`` forgets the parsed files once the weights are loaded
   (`gguf.reader`).
 
@@ -34,11 +35,16 @@ from __future__ import annotations
 from pagedllm.model.gguf.config import SUPPORTED_GGUF_ARCHITECTURES, load_gguf_config
 from pagedllm.model.gguf.reader import SUPPORTED_TENSOR_TYPES, release_gguf_readers
 from pagedllm.model.gguf.tokenizer import load_gguf_tokenizer
-from pagedllm.model.gguf.weights import iter_gguf_raw_weights, iter_gguf_weights
+from pagedllm.model.gguf.weights import (
+    iter_gguf_raw_experts,
+    iter_gguf_raw_weights,
+    iter_gguf_weights,
+)
 
 __all__ = [
     "SUPPORTED_GGUF_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
+    "iter_gguf_raw_experts",
     "iter_gguf_raw_weights",
     "iter_gguf_weights",
     "load_gguf_config",

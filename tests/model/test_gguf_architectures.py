@@ -5,7 +5,8 @@ bit (F32 files; experts stacked as Transformers holds them), and greedy tokens s
 file equal Transformers' on the original model. A Q8_0 Qwen3 file gives the tokens (and the
 dequantized weights) Transformers gives reading that same file; Q8_0 experts (Mixtral,
 Qwen3-MoE) give Transformers' tokens on the weights they dequantize to; Phi-3's fused tensors
-compute on the file's blocks under quantization="gguf". Files of architectures the engine
+and Mixtral's and Qwen3-MoE's experts compute on the file's blocks under quantization="gguf"
+(in about the file's expert bytes, with the fp32 engine's tokens). Files of architectures the engine
 does not serve, or that lost what it needs, are refused, naming what is supported."""
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from model_utils import (
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.gguf.tensor_table import read_gguf_tensors
 from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config
+from pagedllm.model.layers.fused_moe import FusedMoE
+from pagedllm.model.layers.gguf_experts import GGUFGroupedExperts
 from pagedllm.model.layers.gguf_linear import GGUFMergedLinear
 
 TIE_TOLERANCE = 1e-4
@@ -264,6 +268,38 @@ def test_phi3_fused_tensors_compute_on_the_files_blocks(converted, tmp_path):
     prompts = _prompts("phi3-q8_0")
     fp32, blocks = (greedy_with_logprobs(llm, prompts, MAX_NEW_TOKENS) for llm in engines)
     ties, largest = compare_to_reference_engine(fp32, blocks, 1e-3)
+    print(f"ties: {ties}; largest logprob difference: {largest:.2e}")
+    assert largest < 1e-3
+
+
+@pytest.mark.parametrize(("key", "qtype"), [("mixtral", Q.Q8_0), ("qwen3-moe", Q.Q4_0)])
+def test_experts_compute_on_the_files_blocks(converted, key, qtype, tmp_path):
+    """quantization="gguf": each expert's gate/up and down compute on its slice of the file's
+    stacked blocks, holding about the file's expert bytes, with the tokens (and, within the
+    kernels' activation quantization, the logprobs) of the engine that dequantizes them."""
+    model, _ = converted(key)
+    path = write_converted_gguf(tmp_path / f"{key}.gguf", model, VARIANTS[key].gguf_arch, qtype)
+    engines = [
+        LLM(path, skip_tokenizer_init=True, max_model_len=128, kv_cache_memory="8MiB",
+            quantization=quantization)
+        for quantization in (None, "gguf")
+    ]  # fmt: skip
+    layers = model_runner(engines[1]).model.model.layers
+    blocks = [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, FusedMoE)]
+    assert blocks
+    tensors, _ = read_gguf_tensors(path)
+    for index, block in blocks:
+        assert isinstance(block.experts, GGUFGroupedExperts)
+        file_bytes = sum(
+            t.data.nbytes for t in tensors if t.name.startswith(f"blk.{index}.ffn_")
+            and t.name.endswith("_exps.weight")
+        )  # fmt: skip
+        # The kernel keeps each block's fp16 scale as fp32: Q4_0 5 bits a weight to the
+        # file's 4.5, Q8_0 9 (q + 128, no min table) to 8.5.
+        assert file_bytes <= block.experts.weight_bytes() <= 1.12 * file_bytes
+    prompts = _prompts(f"{key}-experts")
+    fp32, on_blocks = (greedy_with_logprobs(llm, prompts, MAX_NEW_TOKENS) for llm in engines)
+    ties, largest = compare_to_reference_engine(fp32, on_blocks, 1e-3)
     print(f"ties: {ties}; largest logprob difference: {largest:.2e}")
     assert largest < 1e-3
 

@@ -2,7 +2,8 @@
 
 This module owns turning the file's tensors into the model's parameters: dequantized to
 float32 one at a time (`iter_gguf_weights`, with an on-disk cache of the result for large
-files) or left in their blocks for layers that compute on them (`iter_gguf_raw_weights`);
+files) or left in their blocks for layers that compute on them (`iter_gguf_raw_weights`,
+and `iter_gguf_raw_experts` for a mixture's stacked experts);
 undoing what llama.cpp's converter did to their values (q/k rows permuted for Llama and
 Mistral, Gemma 3's norm weights stored plus one); stacking a mixture's gate and up experts
 in one tensor; and splitting Phi-3's fused q/k/v and gate/up tensors into the projections
@@ -181,6 +182,22 @@ def iter_gguf_raw_weights(
         rows = _raw_rows(tensor, hf_name, heads, path)
         for name, start, count in _row_ranges(hf_name, rows.shape[0], fused, path):
             yield name, tensor.tensor_type, rows[start : start + count]
+
+
+def iter_gguf_raw_experts(
+    path: str, config: PreTrainedConfig, types: frozenset[GGMLQuantizationType]
+) -> Iterator[tuple[str, tuple[tuple[GGMLQuantizationType, np.ndarray], ...]]]:
+    """Yield ``(hf_name, ((type, raw), ...))`` for every stacked-experts tensor of GGUF file
+    ``path`` all of whose parts are of one of `types`: the parts in row order (gate, then
+    up; down alone), each a read-only uint8 array [experts, rows, bytes per row] of the
+    file's blocks, for layers that keep each expert on its blocks."""
+    tensors, metadata = read_gguf_tensors(path)
+    for parts, hf_name in _plan(tensors, path, config, metadata.get("general.architecture")):
+        if len(parts[0].shape) != 3 or any(part.tensor_type not in types for part in parts):
+            continue
+        raws = (np.asarray(part.data) for part in parts)
+        stacked = tuple(raw.reshape(raw.shape[0], raw.shape[1], -1) for raw in raws)
+        yield hf_name, tuple((p.tensor_type, r) for p, r in zip(parts, stacked, strict=True))
 
 
 def _raw_rows(tensor: GGUFTensor, hf_name: str, heads: dict[str, int], path: str) -> np.ndarray:

@@ -23,6 +23,7 @@ and one all-reduce sums the block's output. The router is replicated.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 # Per-expert checkpoint tensors: a shard id is (expert index, one of these).
 EXPERT_SHARDS = ("gate", "up", "down")
+# One expert's FFN on the rows routed to it: (expert index, rows [n, hidden]) -> [n, hidden].
+ExpertFFN = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -187,40 +190,43 @@ def grouped_experts(
     kernels: KernelSelection = TORCH_KERNELS,
 ) -> torch.Tensor:
     """`GroupedExperts.forward` on the stacked weights."""
+
+    def expert_ffn(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = fused.linear(rows, gate_up_proj[expert], None, kernels)
+        return fused.linear(fused.silu_and_mul(gate_up, kernels), down_proj[expert], None, kernels)
+
+    return run_grouped(x, expert_ids, weights, gate_up_proj.shape[0], expert_ffn)
+
+
+def run_grouped(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    expert_ffn: ExpertFFN,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_ffn(ids[t, k], x[t]) for every token t, in x's dtype,
+    each expert that has rows called once on all of them (the experts' weights may be
+    stacked tensors or quantized layers: `expert_ffn` holds them)."""
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)
     # Assignment i (token i // top_k, choice i % top_k) in expert order.
     order = torch.argsort(flat_ids, stable=True)
     rows = x.index_select(0, order // top_k)
-    grouped = _run_experts(rows, flat_ids, gate_up_proj, down_proj, kernels)
-    weighted = grouped * weights.reshape(-1)[order, None]
-    # Back to (token, choice) order: each token's choices are summed in the weights' dtype,
-    # then cast once, as Transformers' default experts do.
-    per_choice = torch.empty_like(weighted).index_copy_(0, order, weighted)
-    return per_choice.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
-
-
-def _run_experts(
-    rows: torch.Tensor,
-    flat_ids: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    kernels: KernelSelection,
-) -> torch.Tensor:
-    """Each expert's FFN on its run of `rows` (sorted by expert): one gate/up matmul,
-    silu-and-mul and one down matmul per expert that has rows."""
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
-    out = rows.new_empty((rows.shape[0], down_proj.shape[1]))
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    grouped = rows.new_empty(rows.shape)  # an expert's output has the hidden width
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
         end = start + count
-        gate_up = fused.linear(rows[start:end], gate_up_proj[expert], None, kernels)
-        hidden = fused.silu_and_mul(gate_up, kernels)
-        out[start:end] = fused.linear(hidden, down_proj[expert], None, kernels)
+        grouped[start:end] = expert_ffn(expert, rows[start:end])
         start = end
-    return out
+    weighted = grouped * weights.reshape(-1)[order, None]
+    # Back to (token, choice) order: each token's choices are summed in the weights' dtype,
+    # then cast once, as Transformers' default experts do.
+    per_choice = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    return per_choice.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
 
 
 @torch.library.custom_op("pagedllm::grouped_experts", mutates_args=())

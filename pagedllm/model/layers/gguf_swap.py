@@ -10,6 +10,8 @@ never written, so it never becomes resident, and the loader dequantizes only the
 file's size, not in fp32's 32 GB.
 A fused projection whose parts have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) gets
 one kernel layer per run of equal types, its outputs concatenated.
+A mixture's experts (the file's stacked `ffn_*_exps` tensors) become `GGUFGroupedExperts`:
+one kernel layer per expert and projection, on that expert's slice of the blocks.
 With several tensor-parallel ranks each layer keeps only this rank's rows of the file's
 blocks (`gguf_parallel`: whole rows, so its outputs are one rank's bit for bit).
 """
@@ -22,7 +24,9 @@ from typing import Any
 import numpy as np
 from torch import nn
 
+from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
+from pagedllm.model.layers.gguf_experts import gguf_grouped_experts
 from pagedllm.model.layers.gguf_linear import (
     KERNEL_TYPES,
     REPACKED_TYPES,
@@ -65,6 +69,9 @@ def keep_gguf_blocks(model: nn.Module, path: str, activation_bits: int = 16) -> 
         # Done with its blocks (un-permuted q/k rows are copies): only the embedding's stay.
         consumed |= {hf_name for hf_name, _, _ in shards.pop(name).values()}
         replaced.append(name)
+    for name, hf_names in _swap_experts(model, path).items():
+        consumed |= hf_names
+        replaced.append(name)
     for module in model.modules():
         if isinstance(module, GGUFLinear):
             module.digits = activation_bits // 8
@@ -83,6 +90,31 @@ def keep_gguf_blocks(model: nn.Module, path: str, activation_bits: int = 16) -> 
         ", ".join(kept[:4]) or "none",
     )
     return consumed
+
+
+def _swap_experts(model: nn.Module, path: str) -> dict[str, set[str]]:
+    """Each mixture's experts whose stacked tensors all have a kernel type, swapped for
+    `GGUFGroupedExperts` on their blocks: module name -> the HF names it consumed. With
+    several tensor-parallel ranks the experts stay dequantized."""
+    from pagedllm.model.gguf_loader import iter_gguf_raw_experts
+
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    if not experts or any(m.tp_size != 1 for m in experts.values()):
+        return {}
+    kernel_types = frozenset(KERNEL_TYPES) | frozenset(REPACKED_TYPES)
+    stacked: dict[str, dict[str, tuple]] = {}
+    for hf_name, parts in iter_gguf_raw_experts(path, model.config, kernel_types):
+        module, _, param = hf_name.rpartition(".")
+        stacked.setdefault(module, {})[param] = (hf_name, parts)
+    swapped: dict[str, set[str]] = {}
+    for name, module in experts.items():
+        found = stacked.get(name, {})
+        if set(found) != {"gate_up_proj", "down_proj"}:  # a part without kernel type
+            continue
+        layer = gguf_grouped_experts(module, found["gate_up_proj"][1], found["down_proj"][1])
+        _replace(model, name, layer)
+        swapped[name] = {hf_name for hf_name, _ in found.values()}
+    return swapped
 
 
 def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
