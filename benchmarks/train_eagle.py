@@ -7,10 +7,11 @@ generations with pagedllm, the layers the head reads kept during the same forwar
 (eagle_train/capture.py); a draft vocabulary of the generations' most frequent tokens
 (vocab.py); training with training-time test (head_model.py, loop.py); the directory in
 the published layout (export.py). `--minutes` bounds the whole run: training stops when
-its share is spent. DIR is an artefact, never committed.
+its share is spent. DIR is an artefact, never committed. On a shared machine run it with
+OMP_NUM_THREADS=1 (results/spec_decode.md: two threads under load decoded ~12x slower).
 
-    .venv/bin/python -m benchmarks.train_eagle --out ~/.cache/pagedllm/eagle3-smollm2
-        [--num-prompts 320] [--max-tokens 192] [--data-minutes 8] [--steps 1200] [--minutes 28]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.train_eagle --out DIR
+        [--num-prompts 512] [--max-tokens 96] [--data-minutes 7] [--steps 1200] [--minutes 26]
 """
 
 from __future__ import annotations
@@ -149,15 +150,15 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model", default=None, help="the target (default: the default model)")
-    parser.add_argument("--num-prompts", type=int, default=320)
-    parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--data-minutes", type=float, default=8.0, help="no new round after")
-    parser.add_argument("--round-size", type=int, default=64, help="prompts generated at once")
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--data-minutes", type=float, default=7.0, help="no new round after")
+    parser.add_argument("--round-size", type=int, default=32, help="prompts generated at once")
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--minutes", type=float, default=28.0, help="the whole run's budget")
+    parser.add_argument("--minutes", type=float, default=26.0, help="the whole run's budget")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--batch-tokens", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
