@@ -14,6 +14,10 @@ length, and whether every output equals speculation-free decoding token for toke
 
     .venv/bin/python -m benchmarks.spec_decode [--workload copy|chat] [--max-tokens 256]
         [--configs off,ngram,suffix,self_gguf] [--rounds 3] [--compile] [--output-json out.json]
+        [--eagle-head DIR]
+
+"eagle3" (k = 3) and "eagle3_kN" (k = N) draft with the EAGLE-3 head in `--eagle-head`,
+the one `python -m benchmarks.train_eagle --out DIR` trains for the default model.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -28,6 +33,9 @@ from pathlib import Path
 from pagedllm import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
+# Where benchmarks.train_eagle's head is looked for unless --eagle-head says otherwise.
+DEFAULT_EAGLE_HEAD = Path("~/.cache/pagedllm/eagle3-smollm2").expanduser()
+EAGLE3_NAME = re.compile(r"eagle3(?:_k(\d+))?")
 CHAT_QUESTIONS = [
     "What is the capital of France, and what is it known for?",
     "Explain in a few sentences how a bicycle works.",
@@ -73,8 +81,17 @@ def chat_prompts(tokenizer) -> list[str]:
     ]
 
 
-def build(name: str, max_model_len: int, compile_decode: bool) -> LLM:
-    config = CONFIGS[name]
+def eagle3_config(name: str, head: Path) -> dict | None:
+    """The speculative_config an "eagle3" / "eagle3_kN" name stands for (None: not one)."""
+    match = EAGLE3_NAME.fullmatch(name)
+    if match is None:
+        return None
+    k = int(match.group(1) or 3)
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+def build(name: str, max_model_len: int, compile_decode: bool, eagle_head: Path) -> LLM:
+    config = eagle3_config(name, eagle_head) or CONFIGS[name]
     extra = {"quantization": config} if isinstance(config, str) else {"speculative_config": config}
     return LLM(
         max_model_len=max_model_len, kv_cache_memory="512MiB", compile=compile_decode, **extra
@@ -95,6 +112,7 @@ def main() -> None:
     parser.add_argument("--configs", default="off,ngram,suffix,self_gguf")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--eagle-head", type=Path, default=DEFAULT_EAGLE_HEAD)
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -103,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     names = args.configs.split(",")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    engines = {name: build(name, 2048, args.compile) for name in names}
+    engines = {name: build(name, 2048, args.compile, args.eagle_head) for name in names}
     tokenizer = next(iter(engines.values())).get_tokenizer()
     conversations = (copy_prompts if args.workload == "copy" else chat_prompts)(tokenizer)
     times: dict[str, list[float]] = {name: [] for name in names}
