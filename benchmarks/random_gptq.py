@@ -1,41 +1,23 @@
-"""Single-stream decode of random-weight checkpoints stored packed (GPTQ 4-bit, AWQ 4-bit,
-compressed-tensors W4A16; group 128) against the same shape as GGUF Q4_K_M, all in pagedllm.
+"""Random-weight checkpoints stored packed (GPTQ 4-bit, AWQ 4-bit, compressed-tensors W4A16;
+group 128), written as the formats' tools write a Llama shape.
 
 Each packed checkpoint (group 128, symmetric where the format has the choice, no
 act-order, the head unquantized and tied to an fp16 embedding, as the tools write
 Llama-3.2-1B) holds random packed integers and scales: decode speed does not depend on the
-values. It is written once under pagedllm's cache root; the Q4_K_M file is
-`benchmarks.real_size`'s (written into the peers' cache on first use). Each engine runs in a
-child process of its own: load, the weight buffers' bytes, then tokens/s of a 64-token
-greedy decode from a 1-token prompt.
-
-    .venv/bin/python -m benchmarks.random_gptq [--shape llama-3.2-1b] [--decode-tokens 64]
-        [--formats gptq-4bit-g128 awq-4bit-g128 w4a16-g128] [--no-gguf]
-
-Prints one JSON object; record the CPU's flags (`lscpu`) and the load (`uptime`) beside it.
+values. It is written once under pagedllm's cache root (`packed_checkpoint`).
+`benchmarks.quantized_real_size` measures it beside the other formats.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.parallel_memory import LlamaShape
-from benchmarks.peers.common import PeerPaths
 from benchmarks.random_gguf import SHAPES
-from benchmarks.real_size import (
-    _memory_and_decode,
-    _rss_bytes,
-    model_file,
-    single_stream_decode_rate,
-)
 from pagedllm.utils import cache_root
 
 GROUP_SIZE = 128
@@ -158,49 +140,3 @@ def packed_checkpoint(shape: str, fmt: str) -> Path:
     if not (directory / "config.json").exists():
         write_random_packed(directory, SHAPES[shape], fmt)  # config.json last: a whole checkpoint
     return directory
-
-
-def child(path: str, decode_tokens: int) -> dict:
-    import time
-
-    from pagedllm import LLM
-
-    quantization = "gguf" if path.endswith(".gguf") else None
-    started = time.perf_counter()
-    llm = LLM(
-        model=path, quantization=quantization, max_model_len=1024, kv_cache_memory="1GiB",
-        skip_tokenizer_init=True,
-    )  # fmt: skip
-    load_s = time.perf_counter() - started
-    rss = _rss_bytes()
-    model = llm.model_runner.model
-    tensors = [*model.buffers(), *model.parameters()]
-    weights = sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
-    return _memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
-    parser.add_argument("--no-gguf", action="store_true", help="leave out GGUF Q4_K_M")
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.decode_tokens)))
-        return
-    results = {"shape": args.shape, "uptime": os.getloadavg()}
-    runs = [(fmt, packed_checkpoint(args.shape, fmt)) for fmt in args.formats]
-    if not args.no_gguf:
-        runs.append(("gguf-q4_k_m", model_file(args.shape, PeerPaths().root)))
-    for name, path in runs:
-        command = [sys.executable, "-m", "benchmarks.random_gptq", "--child", str(path)]
-        command += ["--decode-tokens", str(args.decode_tokens)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[name] = json.loads(output.strip().splitlines()[-1])
-    print(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()
