@@ -17,7 +17,8 @@ import torch
 
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.random_gguf import FILE_TYPES, write_random_gguf
-from benchmarks.random_gptq import PROJECTIONS, write_random_packed
+from benchmarks.random_gptq import write_random_packed
+from benchmarks.random_llama import PROJECTIONS
 from benchmarks.random_w8a8 import write_random_w8a8
 
 PACKED = {"gptq-g128": "gptq-4bit-g128", "awq-g128": "awq-4bit-g128", "w4a16-g128": "w4a16-g128"}

@@ -10,7 +10,6 @@ values. It is written once under pagedllm's cache root (`packed_checkpoint`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,18 +17,10 @@ import torch
 
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.random_gguf import SHAPES
+from benchmarks.random_llama import write_random_llama
 from pagedllm.utils import cache_root
 
 GROUP_SIZE = 128
-PROJECTIONS = {  # name -> (inputs, outputs) as functions of the shape
-    "self_attn.q_proj": lambda s: (s.hidden_size, s.num_heads * s.head_dim),
-    "self_attn.k_proj": lambda s: (s.hidden_size, s.num_kv_heads * s.head_dim),
-    "self_attn.v_proj": lambda s: (s.hidden_size, s.num_kv_heads * s.head_dim),
-    "self_attn.o_proj": lambda s: (s.num_heads * s.head_dim, s.hidden_size),
-    "mlp.gate_proj": lambda s: (s.hidden_size, s.intermediate_size),
-    "mlp.up_proj": lambda s: (s.hidden_size, s.intermediate_size),
-    "mlp.down_proj": lambda s: (s.intermediate_size, s.hidden_size),
-}
 
 
 def _random_words(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -100,39 +91,11 @@ FORMATS: dict[str, tuple[Callable[..., dict[str, torch.Tensor]], dict]] = {
 
 def write_random_packed(directory: Path, shape: LlamaShape, fmt: str, seed: int = 0) -> Path:
     """A checkpoint of `shape` in `fmt` (a FORMATS name) with random packed weights, one file a
-    layer."""
-    from safetensors.torch import save_file
-
+    layer, the rest fp16."""
     packed_layer, quantization_config = FORMATS[fmt]
-    generator = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    hidden = shape.hidden_size
-    rest = {
-        "model.embed_tokens.weight": (
-            torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-        ).half(),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.float16),
-    }
-    if not shape.tie_word_embeddings:  # the head is never quantized (ignored, not converted)
-        head = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-        rest["lm_head.weight"] = head.half()
-    save_file(rest, directory / "model-rest.safetensors")
-    for layer in range(shape.num_layers):
-        tensors = {
-            f"model.layers.{layer}.{norm}.weight": torch.ones(hidden, dtype=torch.float16)
-            for norm in ("input_layernorm", "post_attention_layernorm")
-        }
-        for name, size in PROJECTIONS.items():
-            for leaf, tensor in packed_layer(*size(shape), generator).items():
-                tensors[f"model.layers.{layer}.{name}.{leaf}"] = tensor
-        save_file(tensors, directory / f"model-layer-{layer:03d}.safetensors")
-    config = {
-        **shape.hf_config(),
-        "torch_dtype": "float16",
-        "quantization_config": quantization_config,
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+    return write_random_llama(
+        directory, shape, packed_layer, torch.float16, quantization_config, seed
+    )
 
 
 def packed_checkpoint(shape: str, fmt: str) -> Path:

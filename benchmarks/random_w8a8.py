@@ -9,14 +9,13 @@ not depend on. Each is written once under pagedllm's cache root (`w8a8_checkpoin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.random_gguf import SHAPES
-from benchmarks.random_gptq import PROJECTIONS
+from benchmarks.random_llama import write_random_llama
 from pagedllm.utils import cache_root
 
 BLOCK = 128
@@ -65,37 +64,14 @@ def _layer(scheme: str, inputs: int, outputs: int, generator: torch.Generator) -
 
 
 def write_random_w8a8(directory: Path, shape: LlamaShape, scheme: str, seed: int = 0) -> Path:
-    """An 8-bit checkpoint of `shape` in `scheme` (`SCHEMES`) with random weights."""
-    from safetensors.torch import save_file
+    """An 8-bit checkpoint of `shape` in `scheme` (`SCHEMES`) with random weights, the rest
+    bf16."""
 
-    generator = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    hidden = shape.hidden_size
-    embedding = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-    rest = {
-        "model.embed_tokens.weight": embedding.to(torch.bfloat16),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    }
-    if not shape.tie_word_embeddings:  # the head is never quantized (ignored)
-        head = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-        rest["lm_head.weight"] = head.to(torch.bfloat16)
-    save_file(rest, directory / "model-rest.safetensors")
-    for layer in range(shape.num_layers):
-        tensors = {
-            f"model.layers.{layer}.{norm}.weight": torch.ones(hidden, dtype=torch.bfloat16)
-            for norm in ("input_layernorm", "post_attention_layernorm")
-        }
-        for name, size in PROJECTIONS.items():
-            for leaf, tensor in _layer(scheme, *size(shape), generator).items():
-                tensors[f"model.layers.{layer}.{name}.{leaf}"] = tensor
-        save_file(tensors, directory / f"model-layer-{layer:03d}.safetensors")
-    config = {
-        **shape.hf_config(),
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(scheme),
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+    def layer(inputs: int, outputs: int, generator: torch.Generator) -> dict:
+        return _layer(scheme, inputs, outputs, generator)
+
+    config = quantization_config(scheme)
+    return write_random_llama(directory, shape, layer, torch.bfloat16, config, seed)
 
 
 def w8a8_checkpoint(shape: str, scheme: str) -> Path:
