@@ -45,9 +45,12 @@ Quantization and real sizes
     real_size           At Llama-3.2-1B and -3.1-8B shapes on Q4_K_M blocks: load time and
                         memory, single-stream decode against llama.cpp and the bandwidth bound,
                         32 concurrent requests against llama.cpp's server.
-    random_gptq         Random-weight GPTQ 4-bit, AWQ 4-bit and compressed-tensors W4A16
-                        (g128) checkpoints of a real Llama shape: single-stream decode,
-                        memory and load against the same shape as GGUF Q4_K_M.
+    quantized_real_size Every quantized checkpoint format (GPTQ, AWQ, W4A16 g128; W8A8 int8,
+                        FP8 dynamic and blocks; GGUF Q4_K_M; the dense model) on one random
+                        Llama shape in one sitting: weights held against the checkpoint,
+                        load, single-stream and 32-sequence decode, the bandwidth bound,
+                        llama.cpp on the Q4_K_M file. (`random_gptq`, `random_w8a8`: the
+                        tools writing those checkpoints.)
 
 Features' costs and gains
     prefix_caching      What does prefix caching save on a shared prefix and cost without one?

@@ -1,53 +1,26 @@
-"""Single-stream decode of random-weight checkpoints stored packed (GPTQ 4-bit, AWQ 4-bit,
-compressed-tensors W4A16; group 128) against the same shape as GGUF Q4_K_M, all in pagedllm.
+"""Random-weight checkpoints stored packed (GPTQ 4-bit, AWQ 4-bit, compressed-tensors W4A16;
+group 128), written as the formats' tools write a Llama shape.
 
 Each packed checkpoint (group 128, symmetric where the format has the choice, no
 act-order, the head unquantized and tied to an fp16 embedding, as the tools write
 Llama-3.2-1B) holds random packed integers and scales: decode speed does not depend on the
-values. It is written once under pagedllm's cache root; the Q4_K_M file is
-`benchmarks.real_size`'s (written into the peers' cache on first use). Each engine runs in a
-child process of its own: load, the weight buffers' bytes, then tokens/s of a 64-token
-greedy decode from a 1-token prompt.
-
-    .venv/bin/python -m benchmarks.random_gptq [--shape llama-3.2-1b] [--decode-tokens 64]
-        [--formats gptq-4bit-g128 awq-4bit-g128 w4a16-g128] [--no-gguf]
-
-Prints one JSON object; record the CPU's flags (`lscpu`) and the load (`uptime`) beside it.
+values. It is written once under pagedllm's cache root (`packed_checkpoint`).
+`benchmarks.quantized_real_size` measures it beside the other formats.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.parallel_memory import LlamaShape
-from benchmarks.peers.common import PeerPaths
 from benchmarks.random_gguf import SHAPES
-from benchmarks.real_size import (
-    _memory_and_decode,
-    _rss_bytes,
-    model_file,
-    single_stream_decode_rate,
-)
+from benchmarks.random_llama import write_random_llama
 from pagedllm.utils import cache_root
 
 GROUP_SIZE = 128
-PROJECTIONS = {  # name -> (inputs, outputs) as functions of the shape
-    "self_attn.q_proj": lambda s: (s.hidden_size, s.num_heads * s.head_dim),
-    "self_attn.k_proj": lambda s: (s.hidden_size, s.num_kv_heads * s.head_dim),
-    "self_attn.v_proj": lambda s: (s.hidden_size, s.num_kv_heads * s.head_dim),
-    "self_attn.o_proj": lambda s: (s.num_heads * s.head_dim, s.hidden_size),
-    "mlp.gate_proj": lambda s: (s.hidden_size, s.intermediate_size),
-    "mlp.up_proj": lambda s: (s.hidden_size, s.intermediate_size),
-    "mlp.down_proj": lambda s: (s.intermediate_size, s.hidden_size),
-}
 
 
 def _random_words(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
@@ -118,39 +91,11 @@ FORMATS: dict[str, tuple[Callable[..., dict[str, torch.Tensor]], dict]] = {
 
 def write_random_packed(directory: Path, shape: LlamaShape, fmt: str, seed: int = 0) -> Path:
     """A checkpoint of `shape` in `fmt` (a FORMATS name) with random packed weights, one file a
-    layer."""
-    from safetensors.torch import save_file
-
+    layer, the rest fp16."""
     packed_layer, quantization_config = FORMATS[fmt]
-    generator = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    hidden = shape.hidden_size
-    rest = {
-        "model.embed_tokens.weight": (
-            torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-        ).half(),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.float16),
-    }
-    if not shape.tie_word_embeddings:  # the head is never quantized (ignored, not converted)
-        head = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-        rest["lm_head.weight"] = head.half()
-    save_file(rest, directory / "model-rest.safetensors")
-    for layer in range(shape.num_layers):
-        tensors = {
-            f"model.layers.{layer}.{norm}.weight": torch.ones(hidden, dtype=torch.float16)
-            for norm in ("input_layernorm", "post_attention_layernorm")
-        }
-        for name, size in PROJECTIONS.items():
-            for leaf, tensor in packed_layer(*size(shape), generator).items():
-                tensors[f"model.layers.{layer}.{name}.{leaf}"] = tensor
-        save_file(tensors, directory / f"model-layer-{layer:03d}.safetensors")
-    config = {
-        **shape.hf_config(),
-        "torch_dtype": "float16",
-        "quantization_config": quantization_config,
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+    return write_random_llama(
+        directory, shape, packed_layer, torch.float16, quantization_config, seed
+    )
 
 
 def packed_checkpoint(shape: str, fmt: str) -> Path:
@@ -158,49 +103,3 @@ def packed_checkpoint(shape: str, fmt: str) -> Path:
     if not (directory / "config.json").exists():
         write_random_packed(directory, SHAPES[shape], fmt)  # config.json last: a whole checkpoint
     return directory
-
-
-def child(path: str, decode_tokens: int) -> dict:
-    import time
-
-    from pagedllm import LLM
-
-    quantization = "gguf" if path.endswith(".gguf") else None
-    started = time.perf_counter()
-    llm = LLM(
-        model=path, quantization=quantization, max_model_len=1024, kv_cache_memory="1GiB",
-        skip_tokenizer_init=True,
-    )  # fmt: skip
-    load_s = time.perf_counter() - started
-    rss = _rss_bytes()
-    model = llm.model_runner.model
-    tensors = [*model.buffers(), *model.parameters()]
-    weights = sum(t.nbytes for t in {t.data_ptr(): t for t in tensors}.values())
-    return _memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
-    parser.add_argument("--no-gguf", action="store_true", help="leave out GGUF Q4_K_M")
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.decode_tokens)))
-        return
-    results = {"shape": args.shape, "uptime": os.getloadavg()}
-    runs = [(fmt, packed_checkpoint(args.shape, fmt)) for fmt in args.formats]
-    if not args.no_gguf:
-        runs.append(("gguf-q4_k_m", model_file(args.shape, PeerPaths().root)))
-    for name, path in runs:
-        command = [sys.executable, "-m", "benchmarks.random_gptq", "--child", str(path)]
-        command += ["--decode-tokens", str(args.decode_tokens)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[name] = json.loads(output.strip().splitlines()[-1])
-    print(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,33 +1,21 @@
-"""Single-stream decode of random-weight 8-bit checkpoints (compressed-tensors int8 W8A8 and
-FP8 dynamic, `quant_method` fp8 in 128 x 128 blocks) of a Llama shape, in pagedllm.
+"""Random-weight 8-bit checkpoints (compressed-tensors int8 W8A8 and
+FP8 dynamic, `quant_method` fp8 in 128 x 128 blocks) of a Llama shape.
 
 Written as llm-compressor and Fp8Config lay them out for a bf16 Llama (the head unquantized,
 tied to a bf16 embedding): random int8 / e4m3 weights and scales, which decode speed does
-not depend on. Each is written once under pagedllm's cache root and measured in a child
-process of its own: load, the weights held (each 8-bit layer's
-`weight_bytes`, fbgemm's packed copies included), tokens/s of a 64-token greedy decode.
-
-    .venv/bin/python -m benchmarks.random_w8a8 [--shape llama-3.2-1b] [--decode-tokens 64]
-        [--schemes w8a8-int8 fp8-dynamic fp8-block]
-
-Prints one JSON object; record the CPU's flags (`lscpu`) and the load (`uptime`) beside it.
+not depend on. Each is written once under pagedllm's cache root (`w8a8_checkpoint`);
+`benchmarks.quantized_real_size` measures it beside the other formats.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.random_gguf import SHAPES
-from benchmarks.random_gptq import PROJECTIONS
-from benchmarks.real_size import _memory_and_decode, _rss_bytes, single_stream_decode_rate
+from benchmarks.random_llama import write_random_llama
 from pagedllm.utils import cache_root
 
 BLOCK = 128
@@ -76,34 +64,14 @@ def _layer(scheme: str, inputs: int, outputs: int, generator: torch.Generator) -
 
 
 def write_random_w8a8(directory: Path, shape: LlamaShape, scheme: str, seed: int = 0) -> Path:
-    """An 8-bit checkpoint of `shape` in `scheme` (`SCHEMES`) with random weights."""
-    from safetensors.torch import save_file
+    """An 8-bit checkpoint of `shape` in `scheme` (`SCHEMES`) with random weights, the rest
+    bf16."""
 
-    generator = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    hidden = shape.hidden_size
-    embedding = torch.randn(shape.vocab_size, hidden, generator=generator) * 0.02
-    rest = {
-        "model.embed_tokens.weight": embedding.to(torch.bfloat16),
-        "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-    }
-    save_file(rest, directory / "model-rest.safetensors")
-    for layer in range(shape.num_layers):
-        tensors = {
-            f"model.layers.{layer}.{norm}.weight": torch.ones(hidden, dtype=torch.bfloat16)
-            for norm in ("input_layernorm", "post_attention_layernorm")
-        }
-        for name, size in PROJECTIONS.items():
-            for leaf, tensor in _layer(scheme, *size(shape), generator).items():
-                tensors[f"model.layers.{layer}.{name}.{leaf}"] = tensor
-        save_file(tensors, directory / f"model-layer-{layer:03d}.safetensors")
-    config = {
-        **shape.hf_config(),
-        "torch_dtype": "bfloat16",
-        "quantization_config": quantization_config(scheme),
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+    def layer(inputs: int, outputs: int, generator: torch.Generator) -> dict:
+        return _layer(scheme, inputs, outputs, generator)
+
+    config = quantization_config(scheme)
+    return write_random_llama(directory, shape, layer, torch.bfloat16, config, seed)
 
 
 def w8a8_checkpoint(shape: str, scheme: str) -> Path:
@@ -111,59 +79,3 @@ def w8a8_checkpoint(shape: str, scheme: str) -> Path:
     if not (directory / "config.json").exists():
         write_random_w8a8(directory, SHAPES[shape], scheme)  # config.json last: whole
     return directory
-
-
-def _counts_itself(module: torch.nn.Module) -> bool:
-    """An 8-bit layer that is not a container of others (a fused projection of parts)."""
-    return hasattr(module, "weight_bytes") and not any(
-        hasattr(c, "weight_bytes") for c in module.modules() if c is not module
-    )
-
-
-def held_weight_bytes(model: torch.nn.Module) -> int:
-    """The 8-bit layers' `weight_bytes` plus every other parameter and buffer, once each."""
-    layers = [m for m in model.modules() if _counts_itself(m)]
-    inside = {id(t) for layer in layers for t in [*layer.buffers(), *layer.parameters()]}
-    others = {
-        t.data_ptr(): t
-        for t in [*model.buffers(), *model.parameters()]
-        if t is not None and id(t) not in inside
-    }
-    return sum(layer.weight_bytes() for layer in layers) + sum(t.nbytes for t in others.values())
-
-
-def child(path: str, decode_tokens: int) -> dict:
-    import time
-
-    from pagedllm import LLM
-
-    started = time.perf_counter()
-    llm = LLM(model=path, max_model_len=1024, kv_cache_memory="1GiB", skip_tokenizer_init=True)
-    load_s = time.perf_counter() - started
-    rss = _rss_bytes()
-    weights = held_weight_bytes(llm.model_runner.model)
-    return _memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens))
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
-    parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
-    parser.add_argument("--child")
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(child(args.child, args.decode_tokens)))
-        return
-    results = {"shape": args.shape, "uptime": os.getloadavg()}
-    for scheme in args.schemes:
-        path = w8a8_checkpoint(args.shape, scheme)
-        command = [sys.executable, "-m", "benchmarks.random_w8a8", "--child", str(path)]
-        command += ["--decode-tokens", str(args.decode_tokens)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results[scheme] = json.loads(output.strip().splitlines()[-1])
-    print(json.dumps(results))
-
-
-if __name__ == "__main__":
-    main()
