@@ -81,7 +81,7 @@ def test_layer_multiplies_by_the_dequantized_weights(scheme, isa):
     torch.testing.assert_close(layer(x), x @ unpacked.dequantize().T, rtol=1e-4, atol=1e-3)
 
 
-def test_a_layer_takes_the_scheme_of_the_first_group_its_name_matches():
+def test_a_layer_takes_the_scheme_of_the_group_its_name_matches():
     groups = {
         "attention": {
             "targets": ["re:.*self_attn\\..*", "model.layers.1.mlp.down_proj"],
@@ -97,6 +97,41 @@ def test_a_layer_takes_the_scheme_of_the_first_group_its_name_matches():
         layer_scheme(
             {"config_groups": {"g": {**groups["attention"]}}}, "model.layers.0.mlp.up_proj"
         )
+
+
+def _weights(bits: int, group_size: int) -> dict:
+    return CTScheme(bits, group_size).quantization_config()["config_groups"]["group_0"]["weights"]
+
+
+def test_a_name_outranks_a_regex_which_outranks_the_class_whatever_the_group_order():
+    """compressed-tensors ranks a layer's matching targets, not its groups' order: a
+    "Linear" group listed first must not give down_proj its 4-bit scheme."""
+    config = {
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": _weights(4, 32)},
+            "group_1": {"targets": ["re:.*down_proj"], "weights": _weights(8, 32)},
+            "group_2": {"targets": ["model.layers.0.mlp.down_proj"], "weights": _weights(4, 64)},
+        }
+    }
+    assert layer_scheme(config, "model.layers.1.mlp.down_proj").bits == 8
+    assert layer_scheme(config, "model.layers.0.mlp.down_proj").group_size == 64
+    assert layer_scheme(config, "model.layers.0.mlp.up_proj").group_size == 32
+
+
+def test_a_layer_two_groups_claim_alike_with_different_schemes_is_refused():
+    config = {
+        "config_groups": {
+            "a": {"targets": ["re:.*proj"], "weights": _weights(4, 32)},
+            "b": {"targets": ["re:.*down_proj"], "weights": _weights(8, 32)},
+            "c": {"targets": ["re:.*up_proj"], "weights": _weights(8, 32)},
+        }
+    }
+    with pytest.raises(ValueError, match="'a', 'b'"):
+        layer_scheme(config, "model.layers.0.mlp.down_proj")
+    with pytest.raises(ValueError, match="'a', 'c'"):
+        layer_scheme(config, "model.layers.0.mlp.up_proj")
+    config["config_groups"]["b"]["weights"] = _weights(4, 32)  # the same scheme: no doubt
+    assert layer_scheme(config, "model.layers.0.mlp.down_proj").bits == 4
 
 
 @pytest.fixture(scope="module")

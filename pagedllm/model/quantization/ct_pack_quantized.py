@@ -8,10 +8,12 @@ exactly: q + 128 is the kernel's unsigned 8-bit q (its Q8_0 layout) and the zero
 goes into the min. Refused by name: other bit widths, float weights, the tensor / block /
 tensor-group strategies, dynamic weight scales, quantized activations.
 
-A layer's group is the first whose `targets` match its checkpoint name: a name itself,
-"re:" and a regular expression (matched from the start, as compressed-tensors matches), or
-the class name "Linear" (every quantized layer here is a linear layer). `ignore`d layers
-are stored unquantized, so the reader never sees them as packed.
+A layer's group is the one whose `targets` match its checkpoint name best, ranked as
+compressed-tensors ranks them whatever the groups' order: the name itself, then "re:" and a
+regular expression (matched from the start), then the class name "Linear" (every quantized
+layer here is a linear layer). Two groups of different schemes matching at the same rank
+are refused, not guessed between. `ignore`d layers are stored unquantized, so the reader
+never sees them as packed.
 """
 
 from __future__ import annotations
@@ -70,17 +72,44 @@ def packed_scheme(group: dict[str, Any]) -> PackedScheme:
     return PackedScheme(int(weights["num_bits"]), group_size, bool(weights.get("symmetric", True)))
 
 
-def matches(name: str, target: str) -> bool:
+def match_rank(name: str, target: str) -> int | None:
+    """How closely `target` names the layer `name` (0: its name, 1: a regex, 2: the
+    class), or None when it does not."""
     if target.startswith("re:"):
-        return re.match(target.removeprefix("re:"), name) is not None
-    return target in (name, LINEAR_CLASS)
+        return 1 if re.match(target.removeprefix("re:"), name) is not None else None
+    if target == name:
+        return 0
+    return 2 if target == LINEAR_CLASS else None
+
+
+def _group_rank(group: dict[str, Any], layer: str) -> int | None:
+    ranks = [match_rank(layer, target) for target in group.get("targets") or ()]
+    return min((rank for rank in ranks if rank is not None), default=None)
+
+
+def _best_groups(config: dict[str, Any], layer: str) -> dict[str, dict[str, Any]]:
+    """The groups matching `layer` at the closest rank any group reaches."""
+    ranked = {
+        name: (rank, group)
+        for name, group in (config.get("config_groups") or {}).items()
+        if (rank := _group_rank(group, layer)) is not None
+    }
+    best = min((rank for rank, _ in ranked.values()), default=None)
+    return {name: group for name, (rank, group) in ranked.items() if rank == best}
 
 
 def layer_scheme(config: dict[str, Any], layer: str) -> PackedScheme:
     """The scheme of the packed layer `layer` (its checkpoint name, without `.weight`)."""
-    for name, group in (config.get("config_groups") or {}).items():
-        if any(matches(layer, target) for target in group.get("targets") or ()):
-            if group_refusal(group) is not None:  # refused at start-up; a guard
-                raise ValueError(f"config group {name!r} of {layer!r} is not served")
-            return packed_scheme(group)
-    raise ValueError(f"compressed-tensors layer {layer!r} matches no config group's targets")
+    groups = _best_groups(config, layer)
+    if not groups:
+        raise ValueError(f"compressed-tensors layer {layer!r} matches no config group's targets")
+    for name, group in groups.items():
+        if group_refusal(group) is not None:  # refused at start-up; a guard
+            raise ValueError(f"config group {name!r} of {layer!r} is not served")
+    schemes = {packed_scheme(group) for group in groups.values()}
+    if len(schemes) > 1:
+        raise ValueError(
+            f"compressed-tensors layer {layer!r} matches config groups "
+            f"{', '.join(map(repr, groups))} alike, with different schemes"
+        )
+    return schemes.pop()
