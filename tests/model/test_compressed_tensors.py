@@ -68,6 +68,33 @@ def test_values_are_stored_offset_and_packed_along_the_inputs():
     assert tensors["weight_packed"][0, 0].item() == 0x88888890 - 2**32
 
 
+def _zero_points_unpacked(tensors: dict) -> None:  # int8 [N, G], as a writer might forget
+    tensors["weight_zero_point"] = torch.zeros(48, 8, dtype=torch.int8)
+
+
+MALFORMED = {
+    "zero points unpacked": (CTScheme(4, 32, symmetric=False), None, _zero_points_unpacked),
+    "8-bit words read as 4-bit": (CTScheme(8, 32), CTScheme(4, 32), None),
+    "no inputs": (CTScheme(4, -1), None, lambda t: t.update(weight_shape=torch.tensor([48, 0]))),
+    "int64 words": (
+        CTScheme(4, 32), None, lambda t: t.update(weight_packed=t["weight_packed"].long())
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_packed_tensors_are_refused_before_they_are_read(case):
+    """A shape or dtype off is refused, never trimmed to fit and served as other values."""
+    written, read_as, spoil = MALFORMED[case]
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(4))
+    tensors = quantize_packed(weight, written, torch.Generator())
+    if spoil is not None:
+        spoil(tensors)
+    group = (read_as or written).quantization_config()["config_groups"]["group_0"]
+    with pytest.raises(ValueError, match="weight_"):
+        unpack_pack_quantized(PackedTensors(**tensors), packed_scheme(group))
+
+
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "vnni"])
 @pytest.mark.parametrize("scheme", [SCHEMES[0], SCHEMES[4], SCHEMES[5]], ids=str)
 def test_layer_multiplies_by_the_dequantized_weights(scheme, isa):

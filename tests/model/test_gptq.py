@@ -63,6 +63,17 @@ def test_v1_zero_points_are_stored_minus_one():
     assert torch.equal(nibble(v1["qzeros"] + 1), nibble(v2["qzeros"]))
 
 
+def test_zero_points_not_packed_are_refused_not_trimmed():
+    """qzeros int32 [G, N] (one zero point a word) would unpack to [G, 8N]; its first N
+    columns are other values, so the shape is checked before anything is cut."""
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(2))
+    scheme = Scheme(32, False, False, "gptq_v2")
+    tensors = quantize_weight(weight, scheme, torch.Generator().manual_seed(0))
+    tensors["qzeros"] = torch.full((2, 16), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="qzeros"):
+        unpack_gptq(GPTQTensors(**tensors), GPTQConfig.from_dict(scheme.quantization_config()))
+
+
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=["portable", "avx2", "vnni"])
 @pytest.mark.parametrize("scheme", SCHEMES[:3], ids=str)
 def test_layer_multiplies_by_the_dequantized_weights(scheme, isa):

@@ -67,11 +67,22 @@ def swap_packed_layers(
     # Another pipeline stage's layers: never read here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
-        unpacked = {shard: unpack(prefix, t) for shard, (prefix, t) in module_parts.items()}
+        unpacked = {
+            shard: _unpack_named(unpack, prefix, t, method)
+            for shard, (prefix, t) in module_parts.items()
+        }
         swap_in(model, name, unpacked, method)
         consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
     log_swapped(model, list(parts), method)
     return consumed
+
+
+def _unpack_named(unpack: Unpack, prefix: str, tensors: LayerTensors, method: str):
+    """The layer unpacked; a malformed one refused with its checkpoint name."""
+    try:
+        return unpack(prefix, tensors)
+    except ValueError as error:
+        raise ValueError(f"{method} layer {prefix!r}: {error}") from error
 
 
 def require_kernels(method: str) -> None:

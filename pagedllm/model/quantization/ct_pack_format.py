@@ -45,27 +45,48 @@ class PackedTensors:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _packed_words(tensor: torch.Tensor, name: str, shape: tuple[int, int]) -> torch.Tensor:
+    """`tensor` once seen to be int32 of exactly `shape`: never trimmed to fit, since the
+    first columns of words of another width or layout are other values."""
+    if tensor.dtype != torch.int32 or tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} is {tensor.dtype} {tuple(tensor.shape)}, not torch.int32 {shape}")
+    return tensor
+
+
+def _words(values: int, bits: int) -> int:
+    return -(-values * bits // 32)
+
+
+def _layer_shape(weight_shape: torch.Tensor) -> tuple[int, int]:
+    """(N, K) from weight_shape: two positive integers."""
+    values = weight_shape.tolist() if not weight_shape.is_floating_point() else None
+    if not (isinstance(values, list) and len(values) == 2 and min(values) > 0):
+        raise ValueError(f"weight_shape {weight_shape.tolist()} is not two positive integers")
+    return int(values[0]), int(values[1])
+
+
 def _zero_points(tensors: PackedTensors, scheme: PackedScheme, rows: int, groups: int):
     """float32 [N, G]: the offset zero points (the midpoint when symmetric)."""
     if scheme.symmetric:
         return torch.full((rows, groups), float(2 ** (scheme.bits - 1)))
     if tensors.weight_zero_point is None:
         raise ValueError("an asymmetric compressed-tensors layer lacks weight_zero_point")
-    packed = tensors.weight_zero_point.to(torch.int32).T.contiguous()  # [G, words]
-    zeros = unpack_columns(packed, scheme.bits)[:, :rows].T.float()
-    if zeros.shape != (rows, groups):
-        raise ValueError(f"weight_zero_point unpacks to {tuple(zeros.shape)}, not {(rows, groups)}")
+    words = (_words(rows, scheme.bits), groups)
+    packed = _packed_words(tensors.weight_zero_point, "weight_zero_point", words)
+    zeros = unpack_columns(packed.T.contiguous(), scheme.bits)[:, :rows].T.float()
     return zeros.contiguous()
 
 
 def unpack_pack_quantized(tensors: PackedTensors, scheme: PackedScheme) -> UnpackedGPTQ:
     """The integers and scales of one layer (see the module docstring)."""
-    rows, cols = (int(v) for v in tensors.weight_shape.tolist())
-    q = unpack_columns(tensors.weight_packed, scheme.bits)[:, :cols]
+    rows, cols = _layer_shape(tensors.weight_shape)
     group_size = cols if scheme.group_size == PER_CHANNEL else scheme.group_size
+    if cols % group_size:
+        raise ValueError(f"{cols} inputs are not groups of {group_size}")
     groups = cols // group_size
-    if q.shape != (rows, cols) or cols % group_size:
-        raise ValueError(f"weight_packed {tuple(tensors.weight_packed.shape)} is not {rows}x{cols}")
+    words = (rows, _words(cols, scheme.bits))
+    packed = _packed_words(tensors.weight_packed, "weight_packed", words)
+    q = unpack_columns(packed, scheme.bits)[:, :cols]
     if tensors.weight_scale.shape != (rows, groups):
         raise ValueError(
             f"weight_scale {tuple(tensors.weight_scale.shape)} does not fit {rows} outputs x "

@@ -124,12 +124,24 @@ def checked_group_size(
     return size
 
 
+def _packed_zeros(qzeros: torch.Tensor, groups: int, cols: int) -> torch.Tensor:
+    """qzeros once seen to be int32 [groups, ceil(cols / 8)]: checked before any column is
+    cut, since the first columns of words of another layout are other values."""
+    shape = (groups, -(-cols // PACKED_PER_INT32))
+    if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != shape:
+        raise ValueError(
+            f"GPTQ qzeros is {qzeros.dtype} {tuple(qzeros.shape)}, not torch.int32 {shape}"
+        )
+    return qzeros
+
+
 def unpack_gptq(tensors: GPTQTensors, config: GPTQConfig) -> UnpackedGPTQ:
     """The integers and scales of one layer (see the module docstring)."""
     q = unpack_rows(tensors.qweight)  # [K, N]
     rows, cols = q.shape
     group_size = checked_group_size(tensors.scales, rows, cols, config.group_size, "GPTQ")
-    zeros = unpack_columns(tensors.qzeros)[:, :cols].float() + config.zero_offset
+    zeros = unpack_columns(_packed_zeros(tensors.qzeros, rows // group_size, cols))
+    zeros = zeros[:, :cols].float() + config.zero_offset
     order = input_order(tensors.g_idx, rows, group_size)
     if order is not None:
         q = q[order]
