@@ -25,6 +25,8 @@ from model_utils import make_tiny_model
 from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
 
 from pagedllm.model.layers.gptq_linear import GPTQLinear
+from pagedllm.model.layers.linear import Linear
+from pagedllm.model.layers.packed_swap import swap_packed_layers
 from pagedllm.model.quantization.ct_pack_format import PackedTensors, unpack_pack_quantized
 from pagedllm.model.quantization.ct_pack_quantized import layer_scheme, packed_scheme
 
@@ -159,6 +161,29 @@ def test_a_layer_two_groups_claim_alike_with_different_schemes_is_refused():
         layer_scheme(config, "model.layers.0.mlp.up_proj")
     config["config_groups"]["b"]["weights"] = _weights(4, 32)  # the same scheme: no doubt
     assert layer_scheme(config, "model.layers.0.mlp.down_proj").bits == 4
+
+
+class _HeadOnly(torch.nn.Module):
+    """A model whose one linear layer is its head, named as the loader names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = Linear(64, 48, False, torch.float32)
+
+    def checkpoint_target(self, name: str) -> tuple[str, None]:
+        return name, None
+
+
+def test_a_packed_head_is_refused_by_name():
+    """A head quantized with no `ignore` would run as a plain packed layer: no logits
+    gathered across ranks, and the head is documented unquantized."""
+    tensors = quantize_packed(torch.randn(48, 64), CTScheme(4, 32), torch.Generator())
+
+    def unpack(prefix, layer_tensors):  # the refusal comes before any layer is read
+        raise AssertionError(f"{prefix} was unpacked")
+
+    with pytest.raises(ValueError, match=r"'lm_head'.*heads are not served"):
+        swap_packed_layers(_HeadOnly(), {"lm_head": tensors}, unpack, "compressed-tensors")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from pagedllm.model.layers.gguf_linear import distinct_bytes
 from pagedllm.model.layers.gptq_linear import merged_gptq_layer
 from pagedllm.model.layers.linear import Linear, MergedLinear
 from pagedllm.model.layers.packed_parallel import parallel_packed_layer, rank_weights
+from pagedllm.model.layers.vocab_parallel import ParallelLMHead
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 logger = logging.getLogger("pagedllm")
@@ -131,13 +132,18 @@ def _parts_by_module(
             module = model.get_submodule(module_name)
         except AttributeError:
             module = None
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or _is_head(module_name, module):
             raise ValueError(
                 f"{method} layer {prefix!r} has no linear layer to run on in pagedllm's "
                 f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
             )
         parts.setdefault(module_name, {})[shard_id] = (prefix, tensors)
     return parts, elsewhere
+
+
+def _is_head(module_name: str, module: nn.Module) -> bool:
+    """The head is a `Linear` too, but a packed one would skip the ranks' logit gather."""
+    return isinstance(module, ParallelLMHead) or module_name.rpartition(".")[2] == "lm_head"
 
 
 def _packed_layer(
