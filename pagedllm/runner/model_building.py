@@ -263,6 +263,7 @@ class ModelBuilder:
                 head_config.dtype,
                 head_config.max_model_len,
                 target.kernels,
+                head_config.model,
             )
         if self.device.type == "cpu":
             pack_linear_weights(head)  # its own layers only: what it shares is packed already

@@ -25,6 +25,7 @@ from pagedllm.model.hidden_tap import HiddenStateTap
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.eagle_head import Eagle3Head
+from pagedllm.spec_decode.runner.eagle_loading import checked_d2t
 from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
 from pagedllm.spec_decode.runner.rejection_sampler import (
     draft_sample,
@@ -178,6 +179,39 @@ def test_what_does_not_fit_the_target_is_refused(tiny_llama, tiny_model_factory,
     config = {"method": "eagle", "model": str(good), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="one rank only"):
         engine(tiny_llama, config, tensor_parallel_size=2)
+
+
+D2T_SPOILED = {
+    "a target id past the vocabulary": (torch.tensor([0, 1, 6]), "outside"),
+    "a negative target id": (torch.tensor([0, -2, 0]), "outside"),
+    "one offset short": (torch.tensor([0, 1]), "shape"),
+    "float offsets": (torch.tensor([0.0, 1.0, 1.0]), "integer"),
+}
+
+
+@pytest.mark.parametrize("case", D2T_SPOILED)
+def test_a_d2t_that_maps_outside_the_target_vocabulary_is_refused(case):
+    """3 draft tokens among 8 target tokens: draft id 2 + 5 = 7 is the last target id (kept);
+    + 6 would fail a step, and 1 - 2 would index from the end and mislabel a draft."""
+    d2t, message = D2T_SPOILED[case]
+    with pytest.raises(ValueError, match=f"'heads/x'.*{message}"):
+        checked_d2t(d2t, 3, 8, "heads/x")
+    assert torch.equal(
+        checked_d2t(torch.tensor([0, 1, 5], dtype=torch.int32), 3, 8, "x"), torch.tensor([0, 1, 5])
+    )
+
+
+def test_a_head_file_whose_d2t_leaves_the_vocabulary_is_refused_at_start_up(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = AutoConfig.from_pretrained(tiny_llama)
+    head = write_eagle3_head(tmp_path / "head", target, draft_vocab_size=200, aux_layers=AUX_LAYERS)
+    tensors = load_file(head / "model.safetensors")
+    tensors["d2t"][-1] = target.vocab_size  # the last draft token past the target's last
+    save_file(tensors, head / "model.safetensors")
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=re.escape(repr(str(head)))):
+        engine(tiny_llama, config)
 
 
 # ---- exactness --------------------------------------------------------------------------

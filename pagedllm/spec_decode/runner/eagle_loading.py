@@ -61,9 +61,10 @@ def build_head(
     dtype: torch.dtype,
     max_len: int,
     kernels,
+    directory: str,
 ) -> tuple[torch.nn.Module, TargetStates]:
-    """The head of `method` with its weights, sharing what it lacks with `target`, and the
-    target's states it reads."""
+    """The head of `method` (read from `directory`) with its weights, sharing what it lacks
+    with `target`, and the target's states it reads."""
     shared = TargetParts(target.model.embed_tokens, target.compute_logits)
     if method == "eagle3":
         layers = aux_layers(config, target.config.num_hidden_layers)
@@ -83,11 +84,13 @@ def build_head(
         head = EagleHead(config, backend, dtype, max_len, kernels, "fc.bias" in tensors)
         states = TargetStates()
     head.share_target(shared)
-    _load(head, method, tensors)
+    _load(head, method, tensors, directory)
     return head.eval(), states
 
 
-def _load(head: torch.nn.Module, method: str, tensors: dict[str, torch.Tensor]) -> None:
+def _load(
+    head: torch.nn.Module, method: str, tensors: dict[str, torch.Tensor], directory: str
+) -> None:
     params = dict(head.named_parameters())
     unloaded = set(params)
     for name, tensor in tensors.items():
@@ -95,7 +98,7 @@ def _load(head: torch.nn.Module, method: str, tensors: dict[str, torch.Tensor]) 
         if target_name is None:
             continue
         if target_name == "d2t":
-            head.d2t.copy_(tensor.to(torch.long))
+            head.d2t.copy_(checked_d2t(tensor, head.draft_vocab_size, head.vocab_size, directory))
             continue
         param_name, shard_id = fused_param_name(target_name)
         if param_name not in params:
@@ -111,6 +114,26 @@ def _load(head: torch.nn.Module, method: str, tensors: dict[str, torch.Tensor]) 
         unloaded.discard(param_name)
     if unloaded:
         raise ValueError(f"speculative_config: the head is missing weights for {sorted(unloaded)}")
+
+
+def checked_d2t(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int, directory: str):
+    """int64 `d2t` once every draft id maps inside the target's vocabulary: checked at
+    start-up, since an id past it fails a step and a negative one indexes from the end."""
+    problem = _d2t_problem(d2t, draft_vocab_size, vocab_size)
+    if problem is not None:
+        raise ValueError(f"speculative_config: the head {directory!r}: d2t {problem}")
+    return d2t.long()
+
+
+def _d2t_problem(d2t: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> str | None:
+    if tuple(d2t.shape) != (draft_vocab_size,):
+        return f"has shape {tuple(d2t.shape)}, not ({draft_vocab_size},)"
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        return f"is {d2t.dtype}, not integer offsets"
+    target_ids = torch.arange(draft_vocab_size) + d2t.long()
+    if draft_vocab_size and not (target_ids.min() >= 0 and target_ids.max() < vocab_size):
+        return f"maps draft ids outside the target's {vocab_size} tokens"
+    return None
 
 
 def _head_name(method: str, name: str) -> str | None:
