@@ -58,6 +58,13 @@ def _w8a8(weights: dict | None = None, activations: dict | None = None, **top) -
     return {**W8A8, "config_groups": {"group_0": changed}, **top}
 
 
+def _fp8_ct_block(block: tuple = (128, 128), group_size: object = 128) -> dict:
+    """compressed-tensors FP8 in blocks, activations per token and group."""
+    weights = {"type": "float", "strategy": "block", "block_structure": list(block)}
+    activations = {"type": "float", "strategy": "group", "group_size": group_size}
+    return _w8a8(weights, activations, format="float-quantized")
+
+
 def _config(quantization_config: dict | None) -> SimpleNamespace:
     return SimpleNamespace(quantization_config=quantization_config)
 
@@ -129,6 +136,10 @@ def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
         (_w8a8(kv_cache_scheme={"num_bits": 8, "type": "float"}), r"kv_cache_scheme is not"),
         ({**FP8_BLOCK, "fmt": "e5m2"}, r"fp8 e5m2 weights \(blocks.*no reader"),
         ({**FP8_BLOCK, "activation_scheme": "static"}, r"static activation scales with block"),
+        ({**FP8_BLOCK, "weight_block_size": [0, 128]}, r"\[0, 128\] is not two positive"),
+        ({**FP8_BLOCK, "weight_block_size": [128, "128"]}, r"is not two positive integers"),
+        (_fp8_ct_block(block=(128, 0)), r"block_structure \[128, 0\] is not two positive"),
+        (_fp8_ct_block(group_size=-128), r"group_size -128 is not a positive integer"),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),
     ],
 )
@@ -146,6 +157,7 @@ def test_what_is_not_served_is_refused_naming_it_and_what_is(quantization_config
          "compressed-tensors"),
         (FP8_BLOCK, "fp8"),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8"),
+        (_fp8_ct_block(), "compressed-tensors"),
     ],
 )  # fmt: skip
 def test_served_8bit_checkpoints_pick_their_method(quantization_config, method):

@@ -7,6 +7,8 @@ with the same activation quantization."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
@@ -49,6 +51,16 @@ def _weights(weight: torch.Tensor, fmt: Format):
     return tensors, layer_weights("layer", tensors, scheme)
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.activations == "group"], ids=str)
+def test_a_layer_whose_inputs_are_not_whole_activation_groups_is_refused_at_load(fmt):
+    """Activations are scaled per group of 128 inputs: 200 inputs would load and then fail
+    the first forward (the engine's first request), so the layer is refused by name."""
+    tensors = quantize_weight(torch.randn(64, 200, generator=torch.Generator()), fmt)
+    scheme = checkpoint_scheme(fmt.method, fmt.quantization_config())
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: 200 inputs.*of 128"):
+        layer_weights("model.layers.0.mlp.down_proj", tensors, scheme)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_dequantized_weights_are_the_formats_exactly(fmt):
     # 300 outputs: a last block of rows cut short.
@@ -74,7 +86,9 @@ def test_the_fp8_kernel_decodes_every_code_as_torch_does():
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f.weight_type == "float"], ids=str)
 def test_the_fp8_kernel_dequantizes_as_the_torch_path(fmt, monkeypatch):
     weight = torch.randn(300, 200, generator=torch.Generator().manual_seed(2))  # cut blocks
-    _, weights = _weights(weight, fmt)
+    # Weight-only: 200 inputs are no whole activation groups, but blocks of weights may be cut.
+    scheme = replace(checkpoint_scheme(fmt.method, fmt.quantization_config()), activations=None)
+    weights = layer_weights("layer", quantize_weight(weight, fmt), scheme)
     by_kernel = weights.dequantize()
     monkeypatch.setattr(w8a8_weights, "_KERNEL", [None])  # where the extension is missing
     assert torch.equal(by_kernel, weights.dequantize())

@@ -23,7 +23,7 @@ from pagedllm.model.layers.w8a8_linear import w8a8_layer
 from pagedllm.model.layers.w8a8_weights import W8A8Weights, can_stack, stack_weights
 from pagedllm.model.quantization.ct_w8a8 import w8a8_scheme
 from pagedllm.model.quantization.fp8 import fp8_scheme
-from pagedllm.model.quantization.w8a8_scheme import FP8, WEIGHT_BLOCK, W8A8Scheme
+from pagedllm.model.quantization.w8a8_scheme import FP8, PER_GROUP, WEIGHT_BLOCK, W8A8Scheme
 
 logger = logging.getLogger("pagedllm")
 
@@ -55,6 +55,7 @@ def layer_weights(prefix: str, tensors: dict[str, torch.Tensor], scheme: W8A8Sch
     if values is None or values.dtype != expected or values.dim() != 2:
         got = None if values is None else f"{values.dtype} {tuple(values.shape)}"
         raise ValueError(f"{prefix}: expected a 2-D {expected} weight, found {got}")
+    _check_activation_groups(prefix, values.shape[1], scheme)
     for zero_point in ("weight_zero_point", "input_zero_point"):
         if zero_point in tensors and bool(tensors[zero_point].any()):
             raise ValueError(f"{prefix}: nonzero {zero_point} (asymmetric) is not served")
@@ -67,6 +68,18 @@ def layer_weights(prefix: str, tensors: dict[str, torch.Tensor], scheme: W8A8Sch
     return W8A8Weights(
         values, _layer_scales(prefix, scale, values.shape, scheme), scheme, input_scale
     )
+
+
+def _check_activation_groups(prefix: str, cols: int, scheme: W8A8Scheme) -> None:
+    """Activations scaled per group need whole groups: checked at load, not at the first
+    forward (the engine's first request)."""
+    activations = scheme.activations
+    if activations is None or activations.strategy != PER_GROUP:
+        return
+    if cols % activations.group_size:
+        raise ValueError(
+            f"{prefix}: {cols} inputs are not whole activation groups of {activations.group_size}"
+        )
 
 
 def _layer_scales(

@@ -24,6 +24,7 @@ from pagedllm.model.quantization.w8a8_scheme import (
     WEIGHT_TENSOR,
     ActivationScheme,
     W8A8Scheme,
+    positive_ints,
 )
 
 SERVED_FORMATS = {
@@ -91,9 +92,19 @@ def _weight_strategy(weights: dict[str, Any], weight_type: str) -> tuple[str, tu
     if strategy in (WEIGHT_CHANNEL, WEIGHT_TENSOR):
         return strategy, None
     block = weights.get("block_structure")
-    if strategy == WEIGHT_BLOCK and weight_type == FP8 and block and len(block) == 2:
-        return strategy, (int(block[0]), int(block[1]))
+    if strategy == WEIGHT_BLOCK and weight_type == FP8 and block:
+        sizes = positive_ints(block, 2)
+        if sizes is None:
+            raise Refused(f"block_structure {block} is not two positive integers")
+        return strategy, sizes
     raise Refused(f"{weight_type} weights quantized per {strategy} are not served")
+
+
+def _group_size(value: Any) -> int:
+    sizes = positive_ints([value], 1)
+    if sizes is None:
+        raise Refused(f"activation group_size {value} is not a positive integer")
+    return sizes[0]
 
 
 def _activation_scheme(args: dict[str, Any] | None, weight_type: str) -> ActivationScheme | None:
@@ -105,8 +116,8 @@ def _activation_scheme(args: dict[str, Any] | None, weight_type: str) -> Activat
     strategy, dynamic = str(args.get("strategy", PER_TENSOR)), args.get("dynamic", False)
     if dynamic is True and strategy in (PER_TOKEN, PER_TENSOR):
         return ActivationScheme(strategy, True)
-    if dynamic is True and strategy == PER_GROUP and weight_type == FP8 and args.get("group_size"):
-        return ActivationScheme(strategy, True, int(args["group_size"]))
+    if dynamic is True and strategy == PER_GROUP and weight_type == FP8:
+        return ActivationScheme(strategy, True, _group_size(args.get("group_size")))
     if dynamic is False and strategy == PER_TENSOR:
         return ActivationScheme(strategy, False)
     kind = {True: "dynamic", False: "static"}.get(dynamic, str(dynamic))

@@ -23,6 +23,7 @@ from pagedllm.model.quantization.w8a8_scheme import (
     WEIGHT_TENSOR,
     ActivationScheme,
     W8A8Scheme,
+    positive_ints,
 )
 
 
@@ -57,8 +58,8 @@ class FP8Method(CheckpointMethod):
         if scheme not in ("dynamic", "static"):
             return f"activation_scheme {scheme!r} is not dynamic or static"
         block = config.get("weight_block_size")
-        if block and len(block) != 2:
-            return f"weight_block_size {block} is not [rows, columns]"
+        if block and positive_ints(block, 2) is None:
+            return f"weight_block_size {block} is not two positive integers [rows, columns]"
         if block and scheme == "static":
             return "static activation scales with block-quantized weights are not served"
         return None

@@ -11,11 +11,22 @@ static per-tensor scale from the checkpoint; or not at all (weight-only).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 INT8 = "int"
 FP8 = "float"
 WEIGHT_CHANNEL, WEIGHT_TENSOR, WEIGHT_BLOCK = "channel", "tensor", "block"
 PER_TOKEN, PER_TENSOR, PER_GROUP = "token", "tensor", "group"
+
+
+def positive_ints(values: Any, count: int) -> tuple[int, ...] | None:
+    """`values` as `count` positive integers, or None when they are not: a config's block
+    or group sizes divide the layer, so a zero, a negative or a string is refused up front."""
+    if not isinstance(values, list | tuple) or len(values) != count:
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        return None
+    return tuple(values)
 
 
 @dataclass(frozen=True)
