@@ -141,6 +141,12 @@ def test_an_unquantized_checkpoint_keeps_what_was_asked(requested):
         (_fp8_ct_block(block=(128, 0)), r"block_structure \[128, 0\] is not two positive"),
         (_fp8_ct_block(group_size=-128), r"group_size -128 is not a positive integer"),
         ({"quant_method": "bitsandbytes"}, r"'bitsandbytes' are not supported"),
+        # Present but null or not a number: refused, never a traceback from int().
+        ({**GPTQ_4BIT, "group_size": None}, r"gptq checkpoint is not served \(group_size None"),
+        ({**GPTQ_4BIT, "bits": "four"}, r"bits 'four' is not an integer"),
+        ({**AWQ_GEMM, "group_size": None}, r"awq checkpoint is not served \(group_size None"),
+        ({"quant_method": "awq", "w_bit": None}, r"w_bit None is not an integer"),
+        (_w4a16(input_activations={"num_bits": None}), r"compressed-tensors checkpoint is not"),
     ],
 )
 def test_what_is_not_served_is_refused_naming_it_and_what_is(quantization_config, named):

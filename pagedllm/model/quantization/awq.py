@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.model.quantization.gptq import PER_CHANNEL, is_served_group_size
-from pagedllm.model.quantization.method import CheckpointMethod
+from pagedllm.model.quantization.method import CheckpointMethod, config_int
 
 SERVED_BITS = (4,)
 SERVED_VERSIONS = ("gemm",)
@@ -30,8 +30,8 @@ class AWQConfig:
         """Transformers' names (`bits`, `group_size`) or AutoAWQ's own (`w_bit`,
         `q_group_size`), as vLLM reads them."""
         return cls(
-            bits=int(config.get("bits", config.get("w_bit", 4))),
-            group_size=int(config.get("group_size", config.get("q_group_size", 128))),
+            bits=config_int(config, ("bits", "w_bit"), 4),
+            group_size=config_int(config, ("group_size", "q_group_size"), 128),
             zero_point=bool(config.get("zero_point", True)),
             version=str(config.get("version") or "gemm").lower(),
         )

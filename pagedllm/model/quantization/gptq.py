@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.model.quantization.method import CheckpointMethod
+from pagedllm.model.quantization.method import CheckpointMethod, config_int
 
 SERVED_BITS = (4,)
 # The kernel's block is 32 inputs; a group spans 2^n blocks (it finds a block's scale by a
@@ -34,8 +34,8 @@ class GPTQConfig:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> GPTQConfig:
         return cls(
-            bits=int(config.get("bits", 4)),
-            group_size=int(config.get("group_size", 128)),
+            bits=config_int(config, ("bits",), 4),
+            group_size=config_int(config, ("group_size",), 128),
             desc_act=bool(config.get("desc_act", False)),
             sym=bool(config.get("sym", True)),
             checkpoint_format=str(config.get("checkpoint_format") or "gptq"),

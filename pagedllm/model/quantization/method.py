@@ -25,6 +25,26 @@ class CheckpointMethod:
         return f"{self.name} checkpoints are not served yet"
 
 
+def config_int(config: dict[str, Any], names: tuple[str, ...], default: int) -> int:
+    """The integer under the first of `names` the config holds (`default` when none is):
+    a present null or a word is a ValueError naming the field, which the registry turns into
+    a refusal rather than a traceback."""
+    for name in names:
+        if name in config:
+            return _as_int(name, config[name])
+    return default
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    raise ValueError(f"{name} {value!r} is not an integer")
+
+
 def as_dict(quantization_config: Any) -> dict[str, Any]:
     """A config's `quantization_config` as a plain dict (Transformers may give an object)."""
     if isinstance(quantization_config, dict):

@@ -65,11 +65,22 @@ def checkpoint_quantization(hf_config: Any, requested: str | None) -> str | None
             f"{name!r} (its config.json's quantization_config); leave quantization unset or "
             f"give {name!r}"
         )
-    why = method.refusal(config)
+    why, scheme = _refusal_and_scheme(method, name, config)
     if why is not None:
-        scheme = method.scheme(config)
         raise ValueError(f"model: {scheme} is not served ({why}); {served_summary()}")
     return name
+
+
+def _refusal_and_scheme(
+    method: CheckpointMethod, name: str, config: dict[str, Any]
+) -> tuple[str | None, str]:
+    """Why the checkpoint is not served (None when it is) and its scheme in words; a field
+    a method cannot parse (a null, a word where a number goes) is a refusal too."""
+    try:
+        why = method.refusal(config)
+        return why, (method.scheme(config) if why is not None else name)
+    except (TypeError, ValueError) as error:
+        return str(error), f"{name} checkpoint"
 
 
 def on_eight_bit_layers(method: str | None, hf_config: Any) -> bool:
