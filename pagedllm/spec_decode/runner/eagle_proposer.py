@@ -90,12 +90,7 @@ class EagleDrafts(DraftModelDrafts):
 
     def _chain(self, request_ids, batch, rows, ends, for_logits, chain) -> dict[str, list[int]]:
         """d1 from the catch-up's logits, then `num_speculative_tokens - 1` chained steps."""
-        temperature = self._tensor(batch.temperature[rows])
-        generators = {
-            i: batch.generators[row]
-            for i, row in enumerate(rows.tolist())
-            if row in batch.generators
-        }
+        temperature, generators = self._sampling(batch, rows)
         drafts, probs = [], []
         positions = ends  # the chained steps' positions: the drafts' KV in lookahead slots
         for step in range(self.config.num_speculative_tokens):
@@ -110,9 +105,7 @@ class EagleDrafts(DraftModelDrafts):
                 batch, rows, positions, positions + 1, chain, drafts[-1]
             )
             positions = positions + 1
-        self._keep_probs(request_ids, probs)
-        proposals = np.stack(drafts, axis=1)
-        return dict(zip(request_ids, proposals.tolist(), strict=True))
+        return self._proposals(request_ids, drafts, probs)
 
     def _catch_up_spans(self, request_ids: list[str], batch: InputBatch):
         """The requests the head can propose for, and (rows, starts, ends, the target's
