@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ct_writer import CTScheme, quantize_packed, reference_dequantize, write_ct_checkpoint
-from model_utils import make_tiny_model
-from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
+from packed_checks import LOGPROB_TOLERANCE, check_engine
+from quantized_llama import SHAPE, make_quantizable_llama
 
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 from pagedllm.model.quantization.ct_pack_format import PackedTensors, unpack_pack_quantized
@@ -101,7 +101,7 @@ def test_a_layer_takes_the_scheme_of_the_first_group_its_name_matches():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+    return make_quantizable_llama(tmp_path_factory)
 
 
 @pytest.mark.parametrize(
