@@ -13,6 +13,7 @@ is caught up later. A preempted request's blocks are new, so its draft KV starts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -78,11 +79,29 @@ class DraftModelDrafts(SampledDrafts):
         rows = np.array([batch.row(r) for r in request_ids], dtype=np.int64)
         ends = batch.num_tokens[rows]
         starts = np.array([self._num_computed[r] for r in request_ids], dtype=np.int64)
-        temperature, generators = self._sampling(batch, rows)
         # Catch up to each request's last token (sampled this step): the first drafts.
         logits = self._forward_spans(batch, rows, starts, ends)
         for request_id, end in zip(request_ids, ends.tolist(), strict=True):
             self._num_computed[request_id] = end
+
+        def next_logits(positions: np.ndarray, token_ids: np.ndarray) -> torch.Tensor:
+            return self._forward_spans(batch, rows, positions, positions + 1, token_ids)
+
+        return self._chain_drafts(request_ids, batch, rows, ends, logits, next_logits)
+
+    def _chain_drafts(
+        self,
+        request_ids: list[str],
+        batch: InputBatch,
+        rows: np.ndarray,
+        ends: np.ndarray,
+        logits: torch.Tensor,
+        next_logits: Callable[[np.ndarray, np.ndarray], torch.Tensor],
+    ) -> dict[str, list[int]]:
+        """d1 drawn from `logits` (the catch-up's), then each further draft from
+        `next_logits(positions, previous drafts)`: a single-token step per row, its KV
+        written at `positions` (the lookahead slots past `ends`)."""
+        temperature, generators = self._sampling(batch, rows)
         drafts, probs = [], []
         positions = ends
         for step in range(self.config.num_speculative_tokens):
@@ -93,7 +112,7 @@ class DraftModelDrafts(SampledDrafts):
                 break
             # Past the context nothing is verified: the last slot is rewritten instead.
             positions = np.minimum(positions, self.max_model_len - 1)
-            logits = self._forward_spans(batch, rows, positions, positions + 1, drafts[-1])
+            logits = next_logits(positions, drafts[-1])
             positions = positions + 1
         return self._proposals(request_ids, drafts, probs)
 
