@@ -3,7 +3,10 @@ and the checks that speculation leaves greedy and seeded output as the plain eng
 
 from __future__ import annotations
 
+import re
+
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 # A repeated pattern (n-gram and suffix proposals find it) and plain prompts, mixed.
 PROMPTS = [
@@ -40,3 +43,20 @@ def assert_seeded_sample_alone_as_batched(spec: LLM, max_tokens: int) -> None:
         [{"prompt_token_ids": p} for p in PROMPTS[:3]], [sampling, seeded, greedy], use_tqdm=False
     )
     assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+
+
+def assert_structured_output_as_plain(plain: LLM, spec: LLM) -> None:
+    """Under a grammar (no digits) greedy output is the plain engine's and matches it, with
+    drafts proposed (those the grammar forbids cut, the others verified)."""
+    pattern = r"[^0-9]{10,40}"
+    params = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
+    )
+    prompts = ["No digits: ", "Still none 12"]
+    drafts_before = spec.get_stats().spec_decode.num_drafts
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
+    assert spec.get_stats().spec_decode.num_drafts > drafts_before

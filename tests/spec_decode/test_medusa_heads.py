@@ -6,21 +6,23 @@ that copy a bigram target accepting every draft. One engine with heads serves mo
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import spec_checks
 import torch
 from medusa_writer import write_fasterdecoding_heads, write_vllm_heads
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, model_runner
-from spec_checks import assert_same_outputs, assert_seeded_sample_alone_as_batched, engine
+from spec_checks import (
+    assert_same_outputs,
+    assert_seeded_sample_alone_as_batched,
+    assert_structured_output_as_plain,
+    engine,
+)
 from test_rejection_sampler import TARGET_ROWS, assert_frequencies_match, uniform_metadata
 from transformers import AutoConfig
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.ops.kernel_selection import TORCH_KERNELS
-from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.medusa_config import read_medusa_config
 from pagedllm.spec_decode.runner.medusa_loading import build_medusa_heads, read_medusa_tensors
@@ -219,18 +221,7 @@ def test_prefix_hits_parallel_samples_and_seeds(plain, spec):
 
 
 def test_structured_output_with_medusa(plain, spec):
-    pattern = r"[^0-9]{10,40}"
-    params = SamplingParams(
-        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
-    )
-    prompts = ["No digits: ", "Still none 12"]
-    drafts_before = spec.get_stats().spec_decode.num_drafts
-    want = plain.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
-    assert spec.get_stats().spec_decode.num_drafts > drafts_before
+    assert_structured_output_as_plain(plain, spec)
 
 
 def test_medusa_proposes_for_lora_requests(tiny_llama, heads, tmp_path):
