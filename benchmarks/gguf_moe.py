@@ -26,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.gguf_files import add_model_shape, add_tensor, finish
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf.tensor_names import gguf_tensor_names
 from pagedllm.model.layers.fused_moe import GroupedExperts
@@ -46,13 +47,7 @@ def write_file(path: Path, args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     writer = gguf.GGUFWriter(str(path), ARCH)
-    writer.add_name("moe-bench")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_model_shape(writer, config, "moe-bench")
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_key_length(HEAD_DIM)
@@ -73,13 +68,8 @@ def write_file(path: Path, args: argparse.Namespace) -> None:
         split = np.split(array, len(parts), axis=1) if len(parts) > 1 else [array]
         for name, part in zip(parts, split, strict=True):
             kind = Q.F32 if part.ndim < 2 or ".ffn_gate_inp." in name else qtype
-            data = gguf.quants.quantize(np.ascontiguousarray(part), kind)
-            shape = {} if kind == Q.F32 else dict(raw_shape=data.shape, raw_dtype=kind)
-            writer.add_tensor(name, data, **shape)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            add_tensor(writer, name, part, kind)
+    finish(writer)
 
 
 def engine(path: Path, experts_on_blocks: bool) -> LLM:

@@ -4,12 +4,11 @@ with `d2t`/`t2d`) and EAGLE (`layers.0.*`, `fc` over [embedding, hidden])."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from head_files import write_head_files
 
 
 def head_config(target: Any, **overrides) -> dict[str, Any]:
@@ -58,14 +57,8 @@ def write_head(
 ) -> Path:
     """config.json and model.safetensors (`bin_file`: pytorch_model.bin, as the EAGLE
     authors' heads are published)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
-    if bin_file:
-        torch.save(tensors, directory / "pytorch_model.bin")
-    else:
-        save_file(tensors, directory / "model.safetensors")
-    return directory
+    weights_file = "pytorch_model.bin" if bin_file else "model.safetensors"
+    return write_head_files(directory, config, tensors, weights_file)
 
 
 def write_eagle3_head(

@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
+from benchmarks.gguf_files import add_model_shape, add_tensor, finish
 from pagedllm.model.gguf.tensor_names import GGUF_PY_VERSION, TensorNames, gguf_tensor_names
 
 
@@ -44,22 +45,8 @@ def converter_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
-def add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
-    data = gguf.quants.quantize(array.astype(np.float32), qtype)
-    if qtype in (Q.F32, Q.F16):
-        writer.add_tensor(name, data)
-    else:
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-
-
 def write_metadata(writer: gguf.GGUFWriter, arch: str, config: PreTrainedConfig, name: str) -> None:
-    writer.add_name(name)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_model_shape(writer, config, name)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
@@ -88,13 +75,6 @@ def write_model_gguf(
         add_tensor(writer, gguf_name, array, types[hf_name])
     finish(writer)
     return types
-
-
-def finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def tiny_model(model_type: str, **overrides) -> torch.nn.Module:

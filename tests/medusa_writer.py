@@ -6,12 +6,11 @@ and vLLM's converted one (`num_heads`, `hidden_size`, ...; `blocks.{i}.layers.{j
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from head_files import write_head_files
 
 
 def random_heads(
@@ -60,13 +59,8 @@ def write_fasterdecoding_heads(
         "base_model_name_or_path": "tiny-target",
         "transformers_version": "4.40.0",
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    if pickled:
-        torch.save(tensors, directory / "medusa_lm_head.pt")
-    else:
-        save_file(tensors, directory / "medusa_lm_head.safetensors")
-    return directory
+    weights_file = "medusa_lm_head.pt" if pickled else "medusa_lm_head.safetensors"
+    return write_head_files(directory, config, tensors, weights_file)
 
 
 def write_vllm_heads(
@@ -103,7 +97,4 @@ def write_vllm_heads(
         "original_lm_head": original_lm_head,
         **config_overrides,
     }
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(tensors, directory / "model.safetensors")
-    return directory
+    return write_head_files(directory, config, tensors, "model.safetensors")

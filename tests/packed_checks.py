@@ -11,8 +11,6 @@ from pathlib import Path
 import torch
 from model_utils import compare_greedy, greedy_with_logprobs, hf_greedy, model_runner
 
-# Inputs and outputs of whole groups of 128; head_dim 64 so that o_proj has 256 inputs.
-SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 PROMPT_LENGTHS = (5, 19, 33)
 MAX_NEW_TOKENS = 12
 TIE_TOLERANCE = 1e-3

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from entrypoints.server_utils import API_KEY, RunningServer
+from entrypoints.server_utils import RunningServer, shared_server
 from tiers import slow_fixture
 
 MAX_MODEL_LEN = 256
@@ -27,7 +27,4 @@ POOLING_SERVER_ARGS = [
 @pytest.fixture(scope="session")
 @slow_fixture
 def pooling_server(tmp_path_factory) -> Iterator[RunningServer]:
-    log = tmp_path_factory.mktemp("pooling-server") / "server.log"
-    running = RunningServer(POOLING_SERVER_ARGS, log, api_key=API_KEY)
-    yield running
-    assert running.stop() == 0, running.log()[-20000:]
+    yield from shared_server(tmp_path_factory, "pooling-server", POOLING_SERVER_ARGS)

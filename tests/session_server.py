@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from entrypoints.server_utils import API_KEY, RunningServer
+from entrypoints.server_utils import RunningServer, shared_server
 from tiers import slow_fixture
 
 SERVER_ARGS = [
@@ -26,7 +26,4 @@ SERVER_ARGS = [
 @pytest.fixture(scope="session")
 @slow_fixture
 def server(tmp_path_factory) -> Iterator[RunningServer]:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    running = RunningServer(SERVER_ARGS, log, api_key=API_KEY)
-    yield running
-    assert running.stop() == 0, running.log()
+    yield from shared_server(tmp_path_factory, "server", SERVER_ARGS)

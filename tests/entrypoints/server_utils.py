@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx2 as httpx
@@ -47,6 +47,16 @@ def queue_is_full(server: RunningServer) -> bool:
         return True
     assert probe.status_code == 400, probe.text
     return False
+
+
+def shared_server(tmp_path_factory, name: str, args: list[str]) -> Iterator[RunningServer]:
+    """A server on `args` with the tests' API key, its log in a fresh `name` folder, for a
+    fixture shared by many tests to yield from; it must stop cleanly (its log's tail says
+    why not)."""
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    running = RunningServer(args, log, api_key=API_KEY)
+    yield running
+    assert running.stop() == 0, running.log()[-20000:]
 
 
 class RunningServer:

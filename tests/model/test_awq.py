@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 from awq_writer import AWQScheme, quantize_awq, reference_dequantize, write_awq_checkpoint
-from model_utils import make_tiny_model
-from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
+from packed_checks import LOGPROB_TOLERANCE, check_engine
+from quantized_llama import SHAPE, make_quantizable_llama
 
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 from pagedllm.model.quantization.awq import AWQConfig
@@ -62,7 +62,7 @@ def test_layer_multiplies_by_the_dequantized_weights(isa):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+    return make_quantizable_llama(tmp_path_factory)
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 from ct_writer import CTScheme, quantize_packed, reference_dequantize, write_ct_checkpoint
-from model_utils import make_tiny_model
-from packed_checks import LOGPROB_TOLERANCE, SHAPE, check_engine
+from packed_checks import LOGPROB_TOLERANCE, check_engine
+from quantized_llama import SHAPE, make_quantizable_llama
 
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 from pagedllm.model.layers.linear import Linear
@@ -188,7 +188,7 @@ def test_a_packed_head_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+    return make_quantizable_llama(tmp_path_factory)
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from model_utils import (
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.gguf_files import add_model_shape
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from pagedllm.model.layers.gemma_norm import GemmaRMSNorm
@@ -75,13 +76,7 @@ def gemma(tmp_path_factory):
 
 def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
     """The keys llama.cpp's converter writes for Gemma 3, and the optional ones it reads."""
-    writer.add_name("tiny gemma 3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_model_shape(writer, config, "tiny gemma 3")
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -16,7 +16,8 @@ from gptq_writer import (
     reference_dequantize,
     write_gptq_checkpoint,
 )
-from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
+from model_utils import compare_greedy, hf_greedy, model_runner
+from quantized_llama import SHAPE, make_quantizable_llama, once_per_scheme
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
@@ -30,8 +31,6 @@ SCHEMES = [
     Scheme(-1, desc_act=False, sym=False),
     Scheme(128, desc_act=True, sym=True, checkpoint_format="gptq_v2"),
 ]
-# Inputs and outputs of whole groups of 128; head_dim 64 so that o_proj has 256 inputs.
-SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 TIE_TOLERANCE = 1e-3
 MAX_NEW_TOKENS = 12
 
@@ -102,7 +101,7 @@ def test_fused_parts_with_their_own_act_orders_are_one_layer_each():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+    return make_quantizable_llama(tmp_path_factory)
 
 
 def _checkpoints(tiny_llama, tmp_path, scheme):
@@ -114,30 +113,18 @@ def _checkpoints(tiny_llama, tmp_path, scheme):
 @pytest.fixture(scope="module")
 def written(tiny_llama, tmp_path_factory):
     """scheme -> the tiny Llama's checkpoint in it, written once for the tests that read it."""
-    cache: dict[str, tuple] = {}
-
-    def write(scheme: Scheme) -> tuple:
-        if str(scheme) not in cache:
-            directory = tmp_path_factory.mktemp("gptq")
-            cache[str(scheme)] = _checkpoints(tiny_llama, directory, scheme)
-        return cache[str(scheme)]
-
-    return write
+    return once_per_scheme(
+        lambda scheme: _checkpoints(tiny_llama, tmp_path_factory.mktemp("gptq"), scheme)
+    )
 
 
 @pytest.fixture(scope="module")
 def served(written):
     """scheme -> an engine on the tiny Llama's checkpoint in it, shared by the tests that read
     its layers and its tokens (starting one is most of a test's time)."""
-    cache: dict[str, LLM] = {}
-
-    def serve(scheme: Scheme) -> LLM:
-        if str(scheme) not in cache:
-            quantized = written(scheme)[0]
-            cache[str(scheme)] = LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
-        return cache[str(scheme)]
-
-    return serve
+    return once_per_scheme(
+        lambda scheme: LLM(str(written(scheme)[0]), max_model_len=128, kv_cache_memory="8MiB")
+    )
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=str)

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
+from quantized_llama import SHAPE, make_quantizable_llama, once_per_scheme
 from w8a8_writer import (
     Format,
     add_activation_quantization,
@@ -40,7 +41,6 @@ FORMATS = [
     Format("fp8-tensor", "fp8", "float", "tensor", "tensor"),
     Format("fp8-static", "fp8", "float", "tensor", "static"),
 ]
-SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 TIE_TOLERANCE = 1e-3
 MAX_NEW_TOKENS = 12
 
@@ -152,7 +152,7 @@ def test_fused_parts_whose_blocks_do_not_stack_are_one_layer_each():
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("llama"), **SHAPE)
+    return make_quantizable_llama(tmp_path_factory)
 
 
 def _checkpoints(tiny_llama, tmp_path, fmt):
@@ -164,28 +164,16 @@ def _checkpoints(tiny_llama, tmp_path, fmt):
 @pytest.fixture(scope="module")
 def written(tiny_llama, tmp_path_factory):
     """fmt -> the tiny Llama's checkpoint in it, written once for the tests that read it."""
-    cache: dict[str, tuple] = {}
-
-    def write(fmt: Format) -> tuple:
-        if str(fmt) not in cache:
-            cache[str(fmt)] = _checkpoints(tiny_llama, tmp_path_factory.mktemp(str(fmt)), fmt)
-        return cache[str(fmt)]
-
-    return write
+    return once_per_scheme(
+        lambda fmt: _checkpoints(tiny_llama, tmp_path_factory.mktemp(str(fmt)), fmt)
+    )
 
 
 @pytest.fixture(scope="module")
 def served(written):
     """fmt -> an engine on the tiny Llama's checkpoint in it, shared by the tests that read
     its layers and its tokens (starting one is most of a test's time)."""
-    cache: dict[str, LLM] = {}
-
-    def serve(fmt: Format) -> LLM:
-        if str(fmt) not in cache:
-            cache[str(fmt)] = _engine(written(fmt)[0], fmt)
-        return cache[str(fmt)]
-
-    return serve
+    return once_per_scheme(lambda fmt: _engine(written(fmt)[0], fmt))
 
 
 def _engine(quantized, fmt: Format) -> LLM:

@@ -6,8 +6,6 @@ as the target's, and a head that copies its target accepting every draft."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from eagle_writer import write_eagle3_head, write_eagle_head
@@ -17,12 +15,18 @@ from model_utils import (
     make_tiny_model,
     model_runner,
 )
+from spec_checks import (
+    PROMPTS,
+    assert_same_outputs,
+    assert_seeded_sample_alone_as_batched,
+    assert_structured_output_as_plain,
+    engine,
+)
 from test_rejection_sampler import TARGET_ROWS, assert_frequencies_match, uniform_metadata
 from transformers import AutoConfig
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.model.hidden_tap import HiddenStateTap
-from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.eagle_head import Eagle3Head
 from pagedllm.spec_decode.runner.eagle_loading import checked_d2t
@@ -34,25 +38,12 @@ from pagedllm.spec_decode.runner.rejection_sampler import (
 )
 from pagedllm.spec_decode.runner.target_state_buffer import PendingStates
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11] * 5,
-    [40, 41, 42, 43] * 6 + [17, 18],
-    list(range(100, 130)),
-    [3, 200, 7, 90, 45, 300, 12, 8],
-    [70, 71, 72, 73, 74, 75] * 4,
-    list(range(250, 262)),
-]
 MAX_TOKENS = 40
 # Under chunked prefill and preemption each step is small, so steps are many: fewer tokens
 # still fill the pool past what fits (the test asserts the preemptions).
 CHUNKED_MAX_TOKENS = 24
 # The tiny target has 2 layers: vLLM's default (2, 1, -1) does not fit it.
 AUX_LAYERS = [0, 1, 2]
-
-
-def engine(directory, speculative_config=None, **engine_args) -> LLM:
-    settings = {"max_model_len": 256, "kv_cache_memory": "8MiB", **engine_args}
-    return LLM(str(directory), speculative_config=speculative_config, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -274,38 +265,16 @@ def test_prefix_hits_parallel_samples_and_seeds(plain, spec_engines):
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),  # cached now
         SamplingParams(temperature=0, max_tokens=8, n=3, ignore_eos=True),
     ):
-        want = plain.generate(prompts, params, use_tqdm=False)
-        got = spec.generate(prompts, params, use_tqdm=False)
-        for a, b in zip(want, got, strict=True):
-            assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert_same_outputs(plain, spec, prompts, params)
     assert spec.get_stats().prefix_cache_hits > hits_before
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=11)
-    alone = spec.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
-    batch = spec.generate(
-        [prompts[0], {"prompt_token_ids": PROMPTS[1]}, prompts[2]],
-        [SamplingParams(temperature=1.0, max_tokens=12), seeded, SamplingParams(max_tokens=5)],
-        use_tqdm=False,
-    )
-    assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert_seeded_sample_alone_as_batched(spec, max_tokens=12)
     assert spec.get_stats().spec_decode.num_drafts > drafts_before
 
 
 def test_structured_output_with_a_head(plain, spec_engines):
     """Drafts the grammar forbids (a digit) are cut, the others verified; greedy output is
     the same as without speculation and matches the pattern."""
-    pattern = r"[^0-9]{10,40}"
-    params = SamplingParams(
-        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
-    )
-    prompts = ["No digits: ", "Still none 12"]
-    spec = spec_engines["eagle"]
-    drafts_before = spec.get_stats().spec_decode.num_drafts
-    want = plain.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
-    assert spec.get_stats().spec_decode.num_drafts > drafts_before
+    assert_structured_output_as_plain(plain, spec_engines["eagle"])
 
 
 @pytest.fixture(scope="module")

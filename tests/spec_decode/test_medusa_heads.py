@@ -6,37 +6,31 @@ that copy a bigram target accepting every draft. One engine with heads serves mo
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
+import spec_checks
 import torch
 from medusa_writer import write_fasterdecoding_heads, write_vllm_heads
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, model_runner
+from spec_checks import (
+    assert_same_outputs,
+    assert_seeded_sample_alone_as_batched,
+    assert_structured_output_as_plain,
+    engine,
+)
 from test_rejection_sampler import TARGET_ROWS, assert_frequencies_match, uniform_metadata
 from transformers import AutoConfig
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.ops.kernel_selection import TORCH_KERNELS
-from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.medusa_config import read_medusa_config
 from pagedllm.spec_decode.runner.medusa_loading import build_medusa_heads, read_medusa_tensors
 from pagedllm.spec_decode.runner.medusa_proposer import MedusaDrafts
 from pagedllm.spec_decode.runner.rejection_sampler import rejection_sample, target_probs
 
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11] * 5,
-    [40, 41, 42, 43] * 6 + [17, 18],
-    list(range(100, 130)),
-    [3, 200, 7, 90, 45, 300, 12, 8],
-]
+PROMPTS = spec_checks.PROMPTS[:4]
 MAX_TOKENS = 32
-
-
-def engine(directory, speculative_config=None, **engine_args) -> LLM:
-    settings = {"max_model_len": 256, "kv_cache_memory": "8MiB", **engine_args}
-    return LLM(str(directory), speculative_config=speculative_config, **settings)
 
 
 def medusa(directory, num_speculative_tokens: int, **more) -> dict:
@@ -221,34 +215,13 @@ def test_prefix_hits_parallel_samples_and_seeds(plain, spec):
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, n=3, ignore_eos=True),
     ):
-        want = plain.generate(prompts, params, use_tqdm=False)
-        got = spec.generate(prompts, params, use_tqdm=False)
-        for a, b in zip(want, got, strict=True):
-            assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert_same_outputs(plain, spec, prompts, params)
     assert spec.get_stats().prefix_cache_hits > hits_before
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, seed=11)
-    alone = spec.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
-    batch = spec.generate(
-        [prompts[0], {"prompt_token_ids": PROMPTS[1]}, prompts[2]],
-        [SamplingParams(temperature=1.0, max_tokens=12), seeded, SamplingParams(max_tokens=5)],
-        use_tqdm=False,
-    )
-    assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert_seeded_sample_alone_as_batched(spec, max_tokens=12)
 
 
 def test_structured_output_with_medusa(plain, spec):
-    pattern = r"[^0-9]{10,40}"
-    params = SamplingParams(
-        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=pattern)
-    )
-    prompts = ["No digits: ", "Still none 12"]
-    drafts_before = spec.get_stats().spec_decode.num_drafts
-    want = plain.generate(prompts, params, use_tqdm=False)
-    got = spec.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(want, got, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert re.fullmatch(pattern, b.outputs[0].text), b.outputs[0].text
-    assert spec.get_stats().spec_decode.num_drafts > drafts_before
+    assert_structured_output_as_plain(plain, spec)
 
 
 def test_medusa_proposes_for_lora_requests(tiny_llama, heads, tmp_path):

@@ -7,24 +7,11 @@ from __future__ import annotations
 
 import pytest
 from model_utils import compare_to_reference_engine, greedy_with_logprobs, model_runner
+from spec_checks import PROMPTS, assert_seeded_sample_alone_as_batched, engine
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
-# A repeated pattern (n-gram and suffix proposals find it) and plain prompts, mixed.
-PROMPTS = [
-    [5, 6, 7, 8, 9, 10, 11] * 5,
-    [40, 41, 42, 43] * 6 + [17, 18],
-    list(range(100, 130)),
-    [3, 200, 7, 90, 45, 300, 12, 8],
-    [70, 71, 72, 73, 74, 75] * 4,
-    list(range(250, 262)),
-]
 MAX_TOKENS = 40
-
-
-def engine(directory, speculative_config=None, **engine_args) -> LLM:
-    settings = {"max_model_len": 256, "kv_cache_memory": "8MiB", **engine_args}
-    return LLM(str(directory), speculative_config=speculative_config, **settings)
 
 
 def method_configs(tiny_model_factory) -> dict[str, dict]:
@@ -140,16 +127,7 @@ def test_logprobs_penalties_and_n_with_speculation(tiny_llama):
 def test_seeded_sampling_is_reproducible_with_speculation(tiny_llama):
     """A seeded request samples the same tokens whatever else is in the batch."""
     config = {"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 3}
-    llm = engine(tiny_llama, config)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11)
-    alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)
-    others = [{"prompt_token_ids": p} for p in (PROMPTS[0], PROMPTS[2])]
-    batch = llm.generate(
-        [others[0], {"prompt_token_ids": PROMPTS[1]}, others[1]],
-        [SamplingParams(temperature=1.0, max_tokens=24), seeded, SamplingParams(max_tokens=5)],
-        use_tqdm=False,
-    )
-    assert batch[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert_seeded_sample_alone_as_batched(engine(tiny_llama, config), max_tokens=24)
 
 
 def test_disable_by_batch_size_stops_speculating(tiny_llama):

@@ -368,10 +368,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, torch.Tensor):
                 tensor = tensor.to(param.dtype)
             # (A lazy slice is narrowed by the loader; copy_ converts the dtype of the piece.)
-            if shard_id is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
+            load_param(param, tensor, shard_id)
             unloaded.discard(param_name)
         if unloaded:
             raise ValueError(f"checkpoint is missing weights for: {sorted(unloaded)[:8]}")
@@ -390,6 +387,15 @@ class LlamaForCausalLM(nn.Module):
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
             return int(parts[2]) not in self.model.stage_layers
         return parts[:2] in (["model", "embed_tokens"], ["model", "norm"]) or parts[0] == "lm_head"
+
+
+def load_param(param: nn.Parameter, tensor: Any, shard_id: str | None) -> None:
+    """Hand `tensor` to the parameter's own loader: whole, or as shard `shard_id` of a
+    fused parameter (fused_param_name's)."""
+    if shard_id is None:
+        param.weight_loader(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard_id)
 
 
 def fused_param_name(name: str) -> tuple[str, str | None]:

@@ -13,6 +13,7 @@ is caught up later. A preempted request's blocks are new, so its draft KV starts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -20,8 +21,8 @@ import torch
 
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.runner.proposer import Proposer
 from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
+from pagedllm.spec_decode.runner.sampled_drafts import SampledDrafts
 
 if TYPE_CHECKING:
     from pagedllm.runner.compiled_forward import CompiledDecode
@@ -37,7 +38,7 @@ class Spans(NamedTuple):
     last_rows: np.ndarray  # per request: its last token's index in the forward
 
 
-class DraftModelDrafts(Proposer):
+class DraftModelDrafts(SampledDrafts):
     def __init__(
         self,
         config: SpeculativeConfig,
@@ -48,16 +49,13 @@ class DraftModelDrafts(Proposer):
         device: torch.device,
         compiled: CompiledDecode | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, device)
         # The chained single-token steps through torch.compile (EngineArgs.compile).
         self.compiled = compiled
         self.model = model
         self.attention_backend = attention_backend
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.device = device
-        # q of the drafts proposed last, for requests that sample (greedy ones have none).
-        self._probs: dict[str, torch.Tensor] = {}
         # Request id -> how many of its leading tokens have their draft KV computed.
         self._num_computed: dict[str, int] = {}
 
@@ -65,7 +63,7 @@ class DraftModelDrafts(Proposer):
         self._num_computed[request_id] = 0
 
     def remove_request(self, request_id: str) -> None:
-        self._probs.pop(request_id, None)
+        super().remove_request(request_id)
         self._num_computed.pop(request_id, None)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -81,16 +79,29 @@ class DraftModelDrafts(Proposer):
         rows = np.array([batch.row(r) for r in request_ids], dtype=np.int64)
         ends = batch.num_tokens[rows]
         starts = np.array([self._num_computed[r] for r in request_ids], dtype=np.int64)
-        temperature = self._tensor(batch.temperature[rows])
-        generators = {
-            i: batch.generators[row]
-            for i, row in enumerate(rows.tolist())
-            if row in batch.generators
-        }
         # Catch up to each request's last token (sampled this step): the first drafts.
         logits = self._forward_spans(batch, rows, starts, ends)
         for request_id, end in zip(request_ids, ends.tolist(), strict=True):
             self._num_computed[request_id] = end
+
+        def next_logits(positions: np.ndarray, token_ids: np.ndarray) -> torch.Tensor:
+            return self._forward_spans(batch, rows, positions, positions + 1, token_ids)
+
+        return self._chain_drafts(request_ids, batch, rows, ends, logits, next_logits)
+
+    def _chain_drafts(
+        self,
+        request_ids: list[str],
+        batch: InputBatch,
+        rows: np.ndarray,
+        ends: np.ndarray,
+        logits: torch.Tensor,
+        next_logits: Callable[[np.ndarray, np.ndarray], torch.Tensor],
+    ) -> dict[str, list[int]]:
+        """d1 drawn from `logits` (the catch-up's), then each further draft from
+        `next_logits(positions, previous drafts)`: a single-token step per row, its KV
+        written at `positions` (the lookahead slots past `ends`)."""
+        temperature, generators = self._sampling(batch, rows)
         drafts, probs = [], []
         positions = ends
         for step in range(self.config.num_speculative_tokens):
@@ -101,11 +112,9 @@ class DraftModelDrafts(Proposer):
                 break
             # Past the context nothing is verified: the last slot is rewritten instead.
             positions = np.minimum(positions, self.max_model_len - 1)
-            logits = self._forward_spans(batch, rows, positions, positions + 1, drafts[-1])
+            logits = next_logits(positions, drafts[-1])
             positions = positions + 1
-        self._keep_probs(request_ids, probs)
-        proposals = np.stack(drafts, axis=1)
-        return dict(zip(request_ids, proposals.tolist(), strict=True))
+        return self._proposals(request_ids, drafts, probs)
 
     def _forward_spans(self, batch: InputBatch, rows, starts, ends, token_ids=None):
         """The tokens at positions [start, end) of each row through the draft (their KV
@@ -139,22 +148,3 @@ class DraftModelDrafts(Proposer):
         )
         metadata = self.attention_backend.build_metadata(layout, self.device)
         return Spans(metadata, positions, token_row, query_start_loc[1:] - 1)
-
-    def _keep_probs(self, request_ids: list[str], probs: list[torch.Tensor | None]) -> None:
-        if probs[0] is None:  # every request is greedy
-            return
-        stacked = torch.stack(probs, dim=1)  # [R, k, V]
-        for index, request_id in enumerate(request_ids):
-            self._probs[request_id] = stacked[index]
-
-    def draft_probs(
-        self, request_ids: list[str], request_drafts: list[list[int]]
-    ) -> list[torch.Tensor | None]:
-        """q of each request's drafts as scheduled (a prefix of what was proposed)."""
-        return [
-            None if (q := self._probs.get(r)) is None else q[: len(drafts)]
-            for r, drafts in zip(request_ids, request_drafts, strict=True)
-        ]
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagedllm.model.loader import ModelSource, iter_weights
-from pagedllm.model.models.llama import fused_param_name
+from pagedllm.model.models.llama import fused_param_name, load_param
 from pagedllm.spec_decode.head_layers import aux_layers
 from pagedllm.spec_decode.runner.eagle_head import Eagle3Head, EagleHead, TargetParts
 from pagedllm.spec_decode.runner.proposer import TargetStates
@@ -106,11 +106,7 @@ def _load(
                 f"speculative_config: head tensor {name!r} has no place in a {method} head"
             )
         param = params[param_name]
-        tensor = tensor.to(param.dtype)
-        if shard_id is None:
-            param.weight_loader(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
+        load_param(param, tensor.to(param.dtype), shard_id)
         unloaded.discard(param_name)
     if unloaded:
         raise ValueError(f"speculative_config: the head is missing weights for {sorted(unloaded)}")

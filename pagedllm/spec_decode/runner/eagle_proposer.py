@@ -27,7 +27,6 @@ import torch
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
 from pagedllm.spec_decode.runner.proposer import TargetStates
-from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
 from pagedllm.spec_decode.runner.target_state_buffer import PendingStates
 
 if TYPE_CHECKING:
@@ -89,30 +88,18 @@ class EagleDrafts(DraftModelDrafts):
         return self._chain(request_ids, batch, rows, ends, for_logits, chain)
 
     def _chain(self, request_ids, batch, rows, ends, for_logits, chain) -> dict[str, list[int]]:
-        """d1 from the catch-up's logits, then `num_speculative_tokens - 1` chained steps."""
-        temperature = self._tensor(batch.temperature[rows])
-        generators = {
-            i: batch.generators[row]
-            for i, row in enumerate(rows.tolist())
-            if row in batch.generators
-        }
-        drafts, probs = [], []
-        positions = ends  # the chained steps' positions: the drafts' KV in lookahead slots
-        for step in range(self.config.num_speculative_tokens):
-            logits = self.model.compute_logits(for_logits)
-            token_ids, q = draft_sample(logits, temperature, generators)
-            drafts.append(token_ids.cpu().numpy())
-            probs.append(q)
-            if step + 1 == self.config.num_speculative_tokens:
-                break
-            positions = np.minimum(positions, self.max_model_len - 1)
-            for_logits, chain = self._forward_head(
-                batch, rows, positions, positions + 1, chain, drafts[-1]
+        """d1 from the catch-up's logits, then `num_speculative_tokens - 1` chained steps,
+        each reading the head's own state of the position before (`chain`)."""
+        chained = [chain]
+
+        def next_logits(positions: np.ndarray, token_ids: np.ndarray) -> torch.Tensor:
+            for_logits, chained[0] = self._forward_head(
+                batch, rows, positions, positions + 1, chained[0], token_ids
             )
-            positions = positions + 1
-        self._keep_probs(request_ids, probs)
-        proposals = np.stack(drafts, axis=1)
-        return dict(zip(request_ids, proposals.tolist(), strict=True))
+            return self.model.compute_logits(for_logits)
+
+        logits = self.model.compute_logits(for_logits)
+        return self._chain_drafts(request_ids, batch, rows, ends, logits, next_logits)
 
     def _catch_up_spans(self, request_ids: list[str], batch: InputBatch):
         """The requests the head can propose for, and (rows, starts, ends, the target's

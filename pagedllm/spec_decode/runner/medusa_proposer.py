@@ -21,8 +21,9 @@ import torch
 
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.medusa_head import MedusaHeads
-from pagedllm.spec_decode.runner.proposer import Proposer, TargetStates
+from pagedllm.spec_decode.runner.proposer import TargetStates
 from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
+from pagedllm.spec_decode.runner.sampled_drafts import SampledDrafts
 
 if TYPE_CHECKING:
     from pagedllm.runner.input_batch import InputBatch
@@ -41,22 +42,16 @@ class _StepRows:
         return self.offset + index if 0 <= index < self.num_rows else None
 
 
-class MedusaDrafts(Proposer):
+class MedusaDrafts(SampledDrafts):
     target_states = TargetStates()  # the target's normed output
 
     def __init__(self, config: SpeculativeConfig, heads: MedusaHeads, device: torch.device):
-        super().__init__(config)
+        super().__init__(config, device)
         assert heads.num_heads == config.num_speculative_tokens
         self.heads = heads
-        self.device = device
         # The last forward's states and each request's rows there (until it proposes).
         self._states: torch.Tensor | None = None
         self._rows: dict[str, _StepRows] = {}
-        # q of the drafts proposed last, for requests that sample (greedy ones have none).
-        self._probs: dict[str, torch.Tensor] = {}
-
-    def remove_request(self, request_id: str) -> None:
-        self._probs.pop(request_id, None)
 
     def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
         offsets = np.concatenate(([0], np.cumsum(num_tokens)))
@@ -91,31 +86,10 @@ class MedusaDrafts(Proposer):
         return self._draft(kept, batch, np.array(batch_rows, dtype=np.int64), hidden)
 
     def _draft(self, request_ids, batch: InputBatch, rows, hidden) -> dict[str, list[int]]:
-        temperature = self._tensor(batch.temperature[rows])
-        generators = {
-            i: batch.generators[row]
-            for i, row in enumerate(rows.tolist())
-            if row in batch.generators
-        }
+        temperature, generators = self._sampling(batch, rows)
         drafts, probs = [], []
         for logits in self.heads(hidden):  # head by head: a seeded row's draws in order
             token_ids, q = draft_sample(logits, temperature, generators)
             drafts.append(token_ids.cpu().numpy())
             probs.append(q)
-        if probs[0] is not None:  # some request samples
-            stacked = torch.stack(probs, dim=1)  # [R, k, V]
-            self._probs = {r: stacked[i] for i, r in enumerate(request_ids)}
-        proposals = np.stack(drafts, axis=1)
-        return dict(zip(request_ids, proposals.tolist(), strict=True))
-
-    def draft_probs(
-        self, request_ids: list[str], request_drafts: list[list[int]]
-    ) -> list[torch.Tensor | None]:
-        """q of each request's drafts as scheduled (a prefix of what was proposed)."""
-        return [
-            None if (q := self._probs.get(r)) is None else q[: len(drafts)]
-            for r, drafts in zip(request_ids, request_drafts, strict=True)
-        ]
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        return self._proposals(request_ids, drafts, probs)
