@@ -5,14 +5,14 @@ Quantized models compute in float32, and held as fp32 a 16-bit embedding and its
 took twice the bytes the checkpoint stores: at Llama-3.2-1B's shape 1.05 GB against 0.525 GB,
 which put the whole model at 1.35-1.52x its checkpoint's tensor bytes. Every fp16 and bf16
 value is an fp32 value, so nothing is rounded: the lookup gathers 16-bit rows and converts
-them (`VocabParallelEmbedding.compute_dtype`), and `StoredDtypeHead` converts its weight a
-band of rows at a time into a shared fp32 buffer and multiplies it with the kernel the fp32
-head's rows took (`fused.linear`). Each output column is a dot product over the same fp32
-values in the same order, so below `fused.PACKED_MIN_ROWS` rows (decode of a few
-sequences, and each prefill's last rows) the logits are the fp32 head's bit for bit. From
-there the fp32 head ran on oneDNN's packed fp32 copy, a third copy of the vocabulary this
-head does not keep; its bands run on torch's sgemm, whose sums differ from oneDNN's by
-rounding alone.
+them (`VocabParallelEmbedding.compute_dtype`). `StoredDtypeHead` multiplies up to
+`fused.SKINNY_MAX_ROWS` rows on the skinny kernel, which converts each 16-bit weight vector
+to fp32 in registers and sums in the fp32 weight's order: half the bytes read, and below
+`fused.PACKED_MIN_ROWS` rows (decode of a few sequences, each prefill's last rows), where
+the fp32 head took that kernel too, the fp32 head's logits bit for bit. From there the fp32
+head ran on oneDNN's packed fp32 copy, a third copy of the vocabulary this head does not
+keep, whose sums differ from the skinny kernel's by rounding alone. More rows convert a band
+of 1 MiB of rows at a time into a shared fp32 buffer and multiply it on torch's sgemm.
 
 Under tensor parallelism the 16-bit weight is this rank's rows of the padded vocabulary, as
 the fp32 one was (`VocabShard`). GGUF checkpoints keep their own blocks (gguf_embedding.py).
@@ -39,6 +39,7 @@ from pagedllm.model.layers.linear import (
 from pagedllm.model.layers.vocab_parallel import VocabParallelEmbedding, VocabShard
 from pagedllm.model.layers.w8a8_linear import BAND_BYTES, _scratch
 from pagedllm.ops import fused
+from pagedllm.ops.extension import load
 from pagedllm.ops.kernel_selection import KernelSelection
 
 _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
@@ -96,6 +97,10 @@ class StoredDtypeHead(MatmulIntoLinear):
         self.band_rows = max(1, BAND_BYTES // (4 * self.in_features))
 
     def matmul_into(self, x2: torch.Tensor, out: torch.Tensor) -> None:
+        if self.kernels.fused_ops and x2.shape[0] <= fused.SKINNY_MAX_ROWS:
+            # Converted in registers: half the bytes read, the fp32 kernel's sums.
+            load().skinny_linear(out, x2, self.weight)
+            return
         for start in range(0, self.out_features, self.band_rows):
             stop = min(start + self.band_rows, self.out_features)
             band = _scratch(stop - start, self.in_features).copy_(self.weight[start:stop])
