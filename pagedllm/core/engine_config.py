@@ -153,7 +153,8 @@ def model_dtype(args: EngineArgs, hf_config: Any, is_gguf: bool, log: bool = Tru
     the CPU bfloat16 is kept only where the CPU has bf16 arithmetic (AVX512-BF16 or AMX;
     elsewhere every bf16 product is converted to fp32 and runs slower than fp32 itself) and
     float16, which the CPU kernels do not take, becomes float32 (exact: every fp16 value is
-    an fp32 value). Quantized models compute in float32."""
+    an fp32 value). Quantized models compute in float32 (a 16-bit embedding and head stay in
+    their stored dtype, converted exactly: model/layers/stored_vocab.py)."""
     if args.dtype != "auto":
         return resolve_dtype(args.dtype)
     stored = checkpoint_dtype(hf_config, is_gguf)

@@ -26,6 +26,11 @@ from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
 from pagedllm.model.layers.packed_dummy import keep_dummy_gptq_weights
 from pagedllm.model.layers.quantization import quantize_model
+from pagedllm.model.layers.stored_vocab import (
+    keep_vocab_in_stored_dtype,
+    stored_vocab_dtype,
+    stored_vocab_enabled,
+)
 from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, keep_w8a8_weights
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.model.quantization.compressed_tensors import is_pack_quantized
@@ -189,6 +194,12 @@ class ModelBuilder:
         elif quantization in KEEP_PACKED_WEIGHTS:
             config = quantization_config(model_config.hf_config)
             on_blocks = KEEP_PACKED_WEIGHTS[quantization](model, source.path, config)
+        if quantization in KEEP_PACKED_WEIGHTS and stored_vocab_enabled():
+            # Their embedding and head stay in the checkpoint's 16-bit dtype (stored_vocab).
+            directory = None if model_config.load_format == "dummy" else source.path
+            vocab_dtype = stored_vocab_dtype(directory, model_config.hf_config)
+            if vocab_dtype is not None:
+                keep_vocab_in_stored_dtype(model, vocab_dtype)
         load_weights(
             model,
             source,

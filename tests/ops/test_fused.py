@@ -62,6 +62,23 @@ def test_skinny_linear_matches_torch(rows, in_features, out_features):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+@pytest.mark.parametrize(("in_features", "out_features"), [(13, 7), (1536, 129)])
+def test_skinny_linear_on_a_16_bit_weight_sums_the_fp32_weights_products(
+    dtype, rows, in_features, out_features
+):
+    """A 16-bit weight is converted in registers (fp16, bf16: every value an fp32 one) and
+    multiplied in the fp32 weight's order: the same sums bit for bit, tails included."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features).to(dtype)
+    out, expected = torch.empty(rows, out_features), torch.empty(rows, out_features)
+    extension.load().skinny_linear(out, x, weight)
+    extension.load().skinny_linear(expected, x, weight.float())
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(out, x @ weight.float().T, rtol=1e-5, atol=1e-4)
+
+
 def test_skinny_linear_reads_strided_rows_and_leaves_larger_batches_to_torch(monkeypatch):
     torch.manual_seed(5)
     weight = torch.randn(64, 40)

@@ -64,6 +64,9 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.shard = VocabShard(vocab_size)
         self.tp_size = self.shard.tp_group.world_size
+        # The rows' dtype out of the lookup: a weight kept in a checkpoint's 16-bit dtype
+        # under fp32 compute (stored_vocab.py) has its gathered rows converted.
+        self.compute_dtype = dtype
         self.weight = set_weight_loader(
             nn.Parameter(
                 torch.empty(self.shard.rows, hidden_size, dtype=dtype), requires_grad=False
@@ -77,10 +80,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, self.weight).to(self.compute_dtype)
         mine = (input_ids >= self.shard.start) & (input_ids < self.shard.end)
         local_ids = torch.where(mine, input_ids - self.shard.start, 0)
-        out = F.embedding(local_ids, self.weight)
+        out = F.embedding(local_ids, self.weight).to(self.compute_dtype)
         out.masked_fill_(~mine.unsqueeze(-1), 0)
         return self.shard.tp_group.all_reduce(out)
 

@@ -6,9 +6,16 @@
 // matmuls. Here each thread streams its own range of weight rows once and keeps the input
 // rows in L1; up to some 100 rows this also beats sgemm, whose blocking is made for larger
 // problems (benchmarks/RESULTS.md, "Skinny linear").
+//
+// The weight may also be fp16 or bf16 (a quantized checkpoint's LM head kept in its stored
+// dtype, model/layers/stored_vocab.py): each weight vector is converted to fp32 in registers
+// (exact) and multiplied in the same order, so the sums are the fp32 weight's bit for bit
+// while half the bytes are read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -29,10 +36,39 @@ constexpr int kRowsPerPass = 4;
 // stay in L2 while the later passes of input rows read them again.
 constexpr int64_t kWeightRowGrain = 64;
 
+// Eight weights as fp32: fp32 as is, fp16 through F16C, bf16 as the
+// high half of an fp32.
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+inline __m256 load8(const at::BFloat16* w) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// The last k % 16 products, one code path for every weight dtype (the compiler would
+// otherwise contract or vectorize each dtype's loop its own way, and the sums would differ).
+__attribute__((noinline)) float tail_sum(const float* x, const float* w, int64_t n, float sum) {
+  for (int64_t t = 0; t < n; ++t) sum += x[t] * w[t];
+  return sum;
+}
+
+// The tail's weights as fp32: an fp32 weight's own, a 16-bit one's converted (n < 16) into a
+// per-thread buffer.
+inline const float* tail_as_fp32(const float* w, int64_t) { return w; }
+template <typename W>
+inline const float* tail_as_fp32(const W* w, int64_t n) {
+  thread_local float converted[16];
+  for (int64_t t = 0; t < n; ++t) converted[t] = static_cast<float>(w[t]);
+  return converted;
+}
+
+template <typename W>
 struct Operands {
   const float* x;
   int64_t x_stride;
-  const float* w;
+  const W* w;
   int64_t w_stride;
   float* out;
   int64_t out_stride;
@@ -43,50 +79,40 @@ struct Operands {
 // a single sequential stream per thread is what the prefetcher serves best (four rows read
 // side by side drew 27 GB/s where this draws 32, of the 34 GB/s two cores stream here).
 // Two accumulators per input row hide the FMA latency.
-template <int MR>
-inline void weight_row(const float* x, int64_t x_stride, const float* w, int64_t k, float* out,
+template <int MR, typename W>
+inline void weight_row(const float* x, int64_t x_stride, const W* w, int64_t k, float* out,
                        int64_t out_stride) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   int64_t kk = 0;
   for (; kk + 16 <= k; kk += 16) {
-    const __m256 w0 = _mm256_loadu_ps(w + kk);
-    const __m256 w1 = _mm256_loadu_ps(w + kk + 8);
+    const __m256 w0 = load8(w + kk);
+    const __m256 w1 = load8(w + kk + 8);
     for (int i = 0; i < MR; ++i) {
       acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * x_stride + kk), acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * x_stride + kk + 8), acc[i][1]);
     }
   }
+  const float* tail = tail_as_fp32(w + kk, k - kk);
   for (int i = 0; i < MR; ++i) {
-    float sum = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
-    for (int64_t t = kk; t < k; ++t) sum += x[i * x_stride + t] * w[t];
-    out[i * out_stride] = sum;
+    const float sum = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+    out[i * out_stride] = tail_sum(x + i * x_stride + kk, tail, k - kk, sum);
   }
 }
 
-template <int MR>
-void weight_rows(const Operands& a, int64_t m, int64_t n_begin, int64_t n_end) {
+template <int MR, typename W>
+void weight_rows(const Operands<W>& a, int64_t m, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     weight_row<MR>(a.x + m * a.x_stride, a.x_stride, a.w + n * a.w_stride, a.k,
                    a.out + m * a.out_stride + n, a.out_stride);
   }
 }
 
-// out [M, N] = x [M, K] @ weight [N, K]^T, rows with unit stride in the last dimension.
-void skinny_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &x, &weight}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 2 &&
-                    t->stride(1) == 1,
-                "skinny_linear: expected 2-D fp32 CPU tensors with unit stride in the last "
-                "dimension");
-  }
-  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0),
-              "skinny_linear: shapes do not match: out ", out.sizes(), ", x ", x.sizes(),
-              ", weight ", weight.sizes());
-  const Operands a{x.data_ptr<float>(),   x.stride(0),   weight.data_ptr<float>(),
-                   weight.stride(0),      out.data_ptr<float>(), out.stride(0),
-                   x.size(1)};
+template <typename W>
+void skinny_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  const Operands<W> a{x.data_ptr<float>(),   x.stride(0),   weight.data_ptr<W>(),
+                      weight.stride(0),      out.data_ptr<float>(), out.stride(0),
+                      x.size(1)};
   const int64_t rows = x.size(0);
   at::parallel_for(0, weight.size(0), kWeightRowGrain, [&](int64_t begin, int64_t end) {
     // With more rows than one pass takes, the later passes over a slice of weight rows
@@ -101,6 +127,32 @@ void skinny_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight
       for (; m < rows; ++m) weight_rows<1>(a, m, n, n_end);
     }
   });
+}
+
+// out [M, N] = x [M, K] @ weight [N, K]^T, rows with unit stride in the last dimension; out
+// and x fp32, weight fp32, fp16 or bf16.
+void skinny_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &x, &weight}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1,
+                "skinny_linear: expected 2-D CPU tensors with unit stride in the last "
+                "dimension");
+  }
+  const auto weight_type = weight.scalar_type();
+  TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                  (weight_type == at::kFloat || weight_type == at::kHalf ||
+                   weight_type == at::kBFloat16),
+              "skinny_linear: expected fp32 out and x, and an fp32, fp16 or bf16 weight");
+  TORCH_CHECK(x.size(1) == weight.size(1) && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0),
+              "skinny_linear: shapes do not match: out ", out.sizes(), ", x ", x.sizes(),
+              ", weight ", weight.sizes());
+  if (weight_type == at::kHalf) {
+    skinny_rows<at::Half>(out, x, weight);
+  } else if (weight_type == at::kBFloat16) {
+    skinny_rows<at::BFloat16>(out, x, weight);
+  } else {
+    skinny_rows<float>(out, x, weight);
+  }
 }
 
 }  // namespace
