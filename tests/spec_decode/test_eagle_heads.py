@@ -6,6 +6,8 @@ as the target's, and a head that copies its target accepting every draft."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from eagle_writer import write_eagle3_head, write_eagle_head
