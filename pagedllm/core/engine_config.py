@@ -242,22 +242,8 @@ def verify_checkpoint_quantization(
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
-    eight_bit = on_eight_bit_layers(quantization, hf_config)
-    refused = [
-        *(
-            (eight_bit and is_on, f"{what} (8-bit layers: one rank, no adapters yet)")
-            for is_on, what in (
-                (
-                    args.tensor_parallel_size > 1,
-                    f"tensor_parallel_size={args.tensor_parallel_size}",
-                ),
-                (
-                    args.pipeline_parallel_size > 1,
-                    f"pipeline_parallel_size={args.pipeline_parallel_size}",
-                ),
-                (args.enable_lora, "enable_lora"),
-            )
-        ),
+    refused = _eight_bit_refusals(args) if on_eight_bit_layers(quantization, hf_config) else []
+    refused += [
         (
             # A row-parallel packed layer computes its output rows over the gathered input
             # (`packed_parallel.py`): it has no partial product for a rank's LoRA delta.
@@ -277,6 +263,19 @@ def verify_checkpoint_quantization(
                 f"a checkpoint stored quantized with {quantization!r} is not served with "
                 f"{what} (yet)"
             )
+
+
+def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
+    """The W8A8 / FP8 layers (`w8a8_swap`) run on one rank, without adapters, for now."""
+    why = "(8-bit layers: one rank, no adapters yet)"
+    return [
+        (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size} {why}"),
+        (
+            args.pipeline_parallel_size > 1,
+            f"pipeline_parallel_size={args.pipeline_parallel_size} {why}",
+        ),
+        (args.enable_lora, f"enable_lora {why}"),
+    ]
 
 
 def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
