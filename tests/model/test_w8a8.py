@@ -134,6 +134,21 @@ def test_layer_computes_the_reference_math(fmt, on_fbgemm, rows, monkeypatch):
     torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_a_band_layer_runs_outside_inference_mode_after_a_step_inside_it(monkeypatch):
+    # The band buffer is shared by every layer; first made in an engine step (under
+    # inference mode), it must still take writes when a layer is called directly.
+    monkeypatch.setattr(w8a8_linear, "_SCRATCH", [torch.empty(0)])
+    fmt = FORMATS[2]  # int8 weight-only: bands of dequantized rows
+    generator = torch.Generator().manual_seed(5)
+    _, weights = _weights(torch.randn(300, 256, generator=generator), fmt)
+    layer = w8a8_linear.w8a8_layer(weights)
+    assert isinstance(layer, TiledDequantLinear)
+    x = torch.randn(6, 256, generator=generator)
+    with torch.inference_mode():
+        inside = layer(x).clone()
+    assert torch.equal(layer(x), inside)
+
+
 def test_fused_parts_whose_blocks_do_not_stack_are_one_layer_each():
     fmt = Format("fp8-block", "fp8", "float", "block", "group")
     generator = torch.Generator().manual_seed(4)

@@ -50,9 +50,12 @@ _SCRATCH: list[torch.Tensor] = [torch.empty(0)]
 
 def _scratch(rows: int, cols: int) -> torch.Tensor:
     """One band's fp32 buffer, shared by every layer (the forward pass runs one at a time),
-    so a band costs neither an allocation nor fresh pages."""
+    so a band costs neither an allocation nor fresh pages. A normal tensor even when first
+    made under `torch.inference_mode` (the engine's steps): an inference tensor could not
+    be written outside it, as a layer called directly does."""
     if _SCRATCH[0].numel() < rows * cols:
-        _SCRATCH[0] = torch.empty(rows * cols)
+        with torch.inference_mode(False):
+            _SCRATCH[0] = torch.empty(rows * cols)
     return _SCRATCH[0][: rows * cols].view(rows, cols)
 
 
