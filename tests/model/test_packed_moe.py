@@ -3,8 +3,8 @@ packed integers (`model/layers/packed_experts.py`): the block equals the stacked
 experts on the dequantized weights (gate and up in one kernel call or, with act-order's
 two input orders, one each; experts that get no token), tensor-parallel ranks' partial
 outputs sum to the block's (each rank holding about half the tables) where their down
-inputs are whole groups and are refused by name where not, an expert quantized in part is
-refused, the block traces whole for the compiled decode step; and whole tiny Mixtral and
+inputs are whole groups and are refused by name where not, an expert quantized in part and
+a quantized router are refused, the block traces whole for the compiled decode step; and whole tiny Mixtral and
 Qwen3-MoE checkpoints written by the test writers give Transformers' greedy tokens on the
 dequantized model, every expert packed, their bytes about the checkpoint's."""
 
@@ -269,3 +269,25 @@ def test_dummy_weights_put_the_experts_on_random_packed_layers(sources, tmp_path
     assert all(
         math.isfinite(lp.logprob) for step in output.outputs[0].logprobs for lp in step.values()
     )
+
+
+def test_a_quantized_router_is_refused_by_name():
+    """The tools leave the router unquantized; a checkpoint that packs it is refused, not
+    read as an expert."""
+    from transformers import AutoConfig
+
+    from pagedllm.model.layers.packed_swap import swap_packed_layers
+    from pagedllm.model.registry import resolve_model_class
+    from pagedllm.ops.attention_registry import get_attention_backend
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=64,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, moe_intermediate_size=32,
+    )  # fmt: skip
+    model_class = resolve_model_class(config.architectures)
+    model = model_class(config, get_attention_backend("torch"), torch.float32, 256)
+    layers = {"model.layers.0.mlp.gate": {"qweight": torch.zeros(8, EXPERTS)}}
+    named = r"'model\.layers\.0\.mlp\.gate'.*MoE routers .* not served"
+    with pytest.raises(ValueError, match=named):
+        swap_packed_layers(model, layers, lambda prefix, tensors: None, "gptq")
