@@ -90,7 +90,12 @@ def reference_dequantize(tensors: dict[str, torch.Tensor], scheme: AWQScheme) ->
 
 
 def write_awq_checkpoint(
-    source: Path, quantized: Path, dequantized: Path, scheme: AWQScheme, seed: int = 0
+    source: Path,
+    quantized: Path,
+    dequantized: Path,
+    scheme: AWQScheme,
+    seed: int = 0,
+    quantized_layers: tuple[str, ...] = QUANTIZED_LAYERS,
 ) -> int:
     """`write_gptq_checkpoint` for AWQ: returns the AWQ tensors' bytes."""
     return write_quantized_checkpoint(
@@ -101,5 +106,5 @@ def write_awq_checkpoint(
         lambda tensors: reference_dequantize(tensors, scheme),
         scheme.quantization_config(),
         seed,
-        tuple(layer for layer in QUANTIZED_LAYERS if layer not in scheme.not_converted),
+        tuple(layer for layer in quantized_layers if layer not in scheme.not_converted),
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gptq_writer import pack_int32, write_quantized_checkpoint
+from gptq_writer import QUANTIZED_LAYERS, pack_int32, write_quantized_checkpoint
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,12 @@ def reference_dequantize(tensors: dict[str, torch.Tensor], scheme: CTScheme) -> 
 
 
 def write_ct_checkpoint(
-    source: Path, quantized: Path, dequantized: Path, scheme: CTScheme, seed: int = 0
+    source: Path,
+    quantized: Path,
+    dequantized: Path,
+    scheme: CTScheme,
+    seed: int = 0,
+    quantized_layers: tuple[str, ...] = QUANTIZED_LAYERS,
 ) -> int:
     """`write_gptq_checkpoint` for pack-quantized: returns the quantized tensors' bytes."""
     return write_quantized_checkpoint(
@@ -146,4 +151,5 @@ def write_ct_checkpoint(
         lambda tensors: reference_dequantize(tensors, scheme),
         scheme.quantization_config(),
         seed,
+        quantized_layers,
     )

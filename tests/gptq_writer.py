@@ -22,6 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# With a mixture's experts: Qwen3-MoE's experts.E.gate_proj etc. are named above, Mixtral's
+# block_sparse_moe.experts.E.w1 / w3 / w2 (gate, up, down) here; the router ("gate") stays
+# unquantized, as GPTQModel and llm-compressor leave it.
+MOE_LAYERS = (*QUANTIZED_LAYERS, "w1", "w2", "w3")
 MAX_Q = 15
 
 
@@ -120,11 +124,17 @@ def reference_dequantize(tensors: dict[str, torch.Tensor], scheme: Scheme) -> to
 
 
 def write_gptq_checkpoint(
-    source: Path, quantized: Path, dequantized: Path, scheme: Scheme, seed: int = 0
+    source: Path,
+    quantized: Path,
+    dequantized: Path,
+    scheme: Scheme,
+    seed: int = 0,
+    quantized_layers: tuple[str, ...] = QUANTIZED_LAYERS,
 ) -> int:
-    """Quantize the decoder projections of the fp32 model in `source`: `quantized` gets the
-    GPTQ checkpoint, `dequantized` the same model with `reference_dequantize`'s weights
-    (unquantized, for Transformers and the fp32 engine). Returns the GPTQ tensors' bytes."""
+    """Quantize the decoder projections of the fp32 model in `source` (those named in
+    `quantized_layers`): `quantized` gets the GPTQ checkpoint, `dequantized` the same model
+    with `reference_dequantize`'s weights (unquantized, for Transformers and the fp32
+    engine). Returns the GPTQ tensors' bytes."""
     return write_quantized_checkpoint(
         source,
         quantized,
@@ -133,6 +143,7 @@ def write_gptq_checkpoint(
         lambda tensors: reference_dequantize(tensors, scheme),
         scheme.quantization_config(),
         seed,
+        quantized_layers,
     )
 
 

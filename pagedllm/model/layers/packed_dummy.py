@@ -3,12 +3,13 @@ from no file, so a directory holding only a config.json with a GPTQ `quantizatio
 (`loader.write_config_dir`) measures a quantized model of any shape (the Llama-3.2-1B
 shape's benchmarks) in the packed layers' memory and kernels.
 
-Every decoder projection a GPTQ checkpoint quantizes (q/k/v, o, gate/up, down) gets seeded
-random integers, fp16-representable scales and, unless symmetric, zero points near the
-midpoint, in groups as the config says, with a random input order under act-order; the
-weights are of the order of the loader's dummy N(0, 0.02). They go through the same swap
-as a checkpoint's (`packed_swap.swap_in`), so a tensor-parallel rank keeps its rows and a
-pipeline stage its layers; the loader's dummy pass then fills the rest.
+Every decoder projection a GPTQ checkpoint quantizes (q/k/v, o, gate/up, down, and a
+mixture's experts' gate, up and down) gets seeded random integers, fp16-representable
+scales and, unless symmetric, zero points near the midpoint, in groups as the config says,
+with a random input order under act-order; the weights are of the order of the loader's
+dummy N(0, 0.02). They go through the same swap as a checkpoint's (`packed_swap.swap_in`,
+`swap_in_experts`), so a tensor-parallel rank keeps its rows and a pipeline stage its
+layers; the loader's dummy pass then fills the rest (the routers among it).
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, GroupedExperts
 from pagedllm.model.layers.linear import Linear, MergedLinear
-from pagedllm.model.layers.packed_swap import log_swapped, require_kernels, swap_in
+from pagedllm.model.layers.packed_swap import (
+    log_swapped,
+    require_kernels,
+    swap_in,
+    swap_in_experts,
+)
 from pagedllm.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model.quantization.gptq import PER_CHANNEL, GPTQConfig
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
@@ -86,5 +93,22 @@ def keep_dummy_gptq_weights(model: nn.Module, config: dict[str, Any], seed: int 
             for shard, rows in full_rows(module).items()
         }
         swap_in(model, name, parts, method)
-    log_swapped(model, names, method)
+    experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    for name in experts:
+        _swap_in_random_experts(model, name, gptq, _generator(seed, name))
+    log_swapped(model, [*names, *experts], method)
     return set()
+
+
+def _swap_in_random_experts(
+    model: nn.Module, name: str, gptq: GPTQConfig, generator: torch.Generator
+) -> None:
+    """A mixture's experts on random packed parts, each the checkpoint's whole shape."""
+    spec = model.get_submodule(name).spec
+    hidden, intermediate = spec.hidden_size, spec.intermediate_size
+    shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden)}
+    shapes["down"] = (hidden, intermediate)
+    parts = {(e, shard) for e in range(spec.num_experts) for shard in EXPERT_SHARDS}
+    swap_in_experts(
+        model, name, parts, lambda part: random_weights(*shapes[part[1]], gptq, generator)
+    )

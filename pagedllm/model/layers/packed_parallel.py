@@ -11,6 +11,12 @@ one rank computes them.
   and an act-order layer's input order applies to the gathered input as on one rank.
   Padding rows (output rows that do not divide by tp) have scale 0: weight 0, and a zero
   point at the midpoint so a symmetric layer stays without a min table.
+
+A mixture's experts split as `GroupedExperts` splits them (`packed_experts.py`): each rank
+keeps its rows of every expert's gate and up, and its slice of every expert's down INPUTS
+(`take_input_columns`), whole groups only, so the block's one all-reduce sums the ranks'
+partial outputs as it does for fp32 experts; a gathered input per expert would cost one
+all-gather per routed expert and layer.
 """
 
 from __future__ import annotations
@@ -42,6 +48,26 @@ def take_output_rows(weights: UnpackedGPTQ, rows: RowSlice) -> UnpackedGPTQ:
         scales = torch.cat([scales, scales.new_zeros(rows.padding, scales.shape[1])])
         zeros = torch.cat([zeros, zeros.new_full((rows.padding, zeros.shape[1]), midpoint)])
     return UnpackedGPTQ(q, scales, zeros, weights.order, weights.group_size, weights.bits)
+
+
+def take_input_columns(weights: UnpackedGPTQ, start: int, count: int) -> UnpackedGPTQ:
+    """Inputs [start, start + count) of the layer with their groups' scales and zero points
+    (all of them: the layer itself). Raises ValueError where the slice would cut a group or
+    the layer reorders its inputs (act-order mixes every slice's inputs into its groups)."""
+    inputs = weights.q.shape[1]
+    if count == inputs:
+        return weights
+    q, group_size = weights.q[:, start : start + count], weights.group_size
+    if weights.order is not None:
+        raise ValueError("an act-order layer's groups take inputs from every rank's slice")
+    if group_size == inputs:  # one group a row: every slice keeps its scale
+        return UnpackedGPTQ(q, weights.scales, weights.zeros, None, count, weights.bits)
+    if start % group_size or count % group_size:
+        raise ValueError(f"a slice of {count} inputs cuts the groups of {group_size}")
+    groups = slice(start // group_size, (start + count) // group_size)
+    return UnpackedGPTQ(
+        q, weights.scales[:, groups], weights.zeros[:, groups], None, group_size, weights.bits
+    )
 
 
 def rank_weights(module: nn.Module, shard_id: str | None, weights: UnpackedGPTQ) -> UnpackedGPTQ:

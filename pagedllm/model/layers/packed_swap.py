@@ -4,27 +4,31 @@ swapped in before the loader reads any weight.
 `read_layer_tensors` gathers each quantized layer's tensors (by their leaf names) from the
 checkpoint's safetensors files; `swap_packed_layers` replaces the model's `Linear` for
 each with a `GPTQLinear` on the unpacked integers (fused q/k/v and gate/up from their
-separately quantized parts) and returns the tensor names it consumed, which the loader
-then skips. The replaced layers' fp32 storage is never written and never becomes
-resident; the loader fills the rest (embedding, norms, head, biases, layers left
-unquantized) as for an unquantized checkpoint. Each format's `keep_*_weights` (gptq_swap,
-awq_swap, ct_pack_swap) reads and unpacks; this module does the rest. A tensor-parallel
-rank keeps its rows of each layer (`packed_parallel.py`); a pipeline stage swaps in only
-its own layers and names the others' tensors as consumed, so it never reads them again.
+separately quantized parts) and each mixture's `GroupedExperts` with `PackedGroupedExperts`
+on its experts' packed parts (`packed_experts.py`), and returns the tensor names it
+consumed, which the loader then skips. The replaced layers' fp32 storage is never written
+and never becomes resident; the loader fills the rest (embedding, norms, head, routers,
+biases, layers left unquantized) as for an unquantized checkpoint. Each format's
+`keep_*_weights` (gptq_swap, awq_swap, ct_pack_swap) reads and unpacks; this module does
+the rest. A tensor-parallel rank keeps its rows of each layer (`packed_parallel.py`); a
+pipeline stage swaps in only its own layers and names the others' tensors as consumed, so
+it never reads them again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
+from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_linear import distinct_bytes
 from pagedllm.model.layers.gptq_linear import merged_gptq_layer
 from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.packed_experts import ExpertPart, UnpackPart, packed_grouped_experts
 from pagedllm.model.layers.packed_parallel import parallel_packed_layer, rank_weights
 from pagedllm.model.layers.vocab_parallel import ParallelLMHead
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
@@ -64,7 +68,7 @@ def swap_packed_layers(
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
     require_kernels(method)
-    parts, elsewhere = _parts_by_module(model, layers, method)
+    parts, experts, elsewhere = _parts_by_module(model, layers, method)
     # Another pipeline stage's layers: never read here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
@@ -73,9 +77,40 @@ def swap_packed_layers(
             for shard, (prefix, t) in module_parts.items()
         }
         swap_in(model, name, unpacked, method)
-        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
-    log_swapped(model, list(parts), method)
+        consumed |= _names(module_parts.values())
+    for name, expert_parts in experts.items():
+        _swap_experts(model, name, expert_parts, unpack, method)
+        consumed |= _names(expert_parts.values())
+    log_swapped(model, [*parts, *experts], method)
     return consumed
+
+
+def _names(parts: Iterable[tuple[str, LayerTensors]]) -> set[str]:
+    """The checkpoint names of the parts' tensors."""
+    return {f"{prefix}.{leaf}" for prefix, tensors in parts for leaf in tensors}
+
+
+def _swap_experts(
+    model: nn.Module,
+    name: str,
+    parts: dict[ExpertPart, tuple[str, LayerTensors]],
+    unpack: Unpack,
+    method: str,
+) -> None:
+    def unpack_part(part: ExpertPart) -> UnpackedGPTQ:
+        return _unpack_named(unpack, *parts[part], method)
+
+    swap_in_experts(model, name, set(parts), unpack_part)
+
+
+def swap_in_experts(
+    model: nn.Module, name: str, parts: set[ExpertPart], unpack_part: UnpackPart
+) -> None:
+    """Replace the `GroupedExperts` at `name` with its experts on their packed `parts`
+    (all of them; `packed_experts.packed_grouped_experts`). Its stacked fp32 parameters were
+    never written, so they never became resident."""
+    layer = packed_grouped_experts(model.get_submodule(name), parts, unpack_part, name)
+    _replace(model, name, layer)
 
 
 def _unpack_named(unpack: Unpack, prefix: str, tensors: LayerTensors, method: str):
@@ -115,30 +150,44 @@ def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
 
 def _parts_by_module(
     model: nn.Module, layers: dict[str, LayerTensors], method: str
-) -> tuple[dict[str, dict[str | None, tuple[str, LayerTensors]]], list[str]]:
+) -> tuple[
+    dict[str, dict[str | None, tuple[str, LayerTensors]]],
+    dict[str, dict[ExpertPart, tuple[str, LayerTensors]]],
+    list[str],
+]:
     """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)};
+    a mixture's experts module name -> {(expert, shard): (checkpoint prefix, tensors)};
     and the checkpoint prefixes of layers another pipeline stage holds."""
     target = model.checkpoint_target
     on_other_stage = getattr(model, "on_other_stage", lambda name: False)
     parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
+    experts: dict[str, dict[ExpertPart, tuple[str, LayerTensors]]] = {}
     elsewhere: list[str] = []
     for prefix, tensors in layers.items():
         param_name, shard_id = target(f"{prefix}.weight")
         if on_other_stage(param_name):
             elsewhere.append(prefix)
             continue
+        experts_name = param_name.rpartition(".")[0]
+        if isinstance(shard_id, tuple) and isinstance(_find(model, experts_name), GroupedExperts):
+            experts.setdefault(experts_name, {})[shard_id] = (prefix, tensors)
+            continue
         module_name = param_name.removesuffix(".weight")
-        try:
-            module = model.get_submodule(module_name)
-        except AttributeError:
-            module = None
+        module = _find(model, module_name)
         if not isinstance(module, Linear) or _is_head(module_name, module):
             raise ValueError(
                 f"{method} layer {prefix!r} has no linear layer to run on in pagedllm's "
-                f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
+                f"{type(model).__name__} (quantized MoE routers and heads are not served yet)"
             )
         parts.setdefault(module_name, {})[shard_id] = (prefix, tensors)
-    return parts, elsewhere
+    return parts, experts, elsewhere
+
+
+def _find(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _is_head(module_name: str, module: nn.Module) -> bool:

@@ -11,7 +11,10 @@ writes): Mixtral `block_sparse_moe.experts.E.w1|w3|w2.weight` (gate, up, down) a
 `block_sparse_moe.gate.weight`; Qwen3-MoE `mlp.experts.E.gate_proj|up_proj|down_proj.weight`
 and `mlp.gate.weight`. Transformers' in-memory names, the experts stacked
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), load too: they
-are the parameters' own names.
+are the parameters' own names. Checkpoints stored packed (GPTQ, AWQ, compressed-tensors
+pack-quantized) quantize each expert's projections under the same names (`...w1.qweight`,
+`...gate_proj.weight_packed`) and leave the router unquantized; `packed_swap` puts those
+experts on their packed integers before the loader reads the rest.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""What serving a mixture's packed experts packed buys: expert bytes and decode speed.
+
+A Qwen3-MoE-shaped config.json served with `load_format="dummy"` (random weights: decode
+speed does not depend on their values) twice: with a GPTQ 4-bit group-128 symmetric
+`quantization_config` (every matrix packed, the experts `PackedGroupedExperts`) and without
+it, in fp32 (what a GPTQ / AWQ / W4A16 MoE checkpoint had to be dequantized into before its
+experts were served packed). For each: the bytes the experts hold, and single-stream decode
+tokens/s (`--tokens` greedy tokens after an 8-token prompt, median of `--rounds`, the two
+engines interleaved).
+
+    .venv/bin/python -m benchmarks.packed_moe [--hidden 1024] [--experts 8] [--top-k 2]
+        [--expert-size 768] [--layers 4] [--tokens 64] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.fused_moe import GroupedExperts
+from pagedllm.model.layers.packed_experts import PackedGroupedExperts
+from pagedllm.model.loader import write_config_dir
+
+VOCAB, HEAD_DIM = 8192, 64
+GPTQ_G128 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+             "sym": True, "checkpoint_format": "gptq"}  # fmt: skip
+
+
+def config(args: argparse.Namespace, packed: bool) -> dict:
+    heads = args.hidden // HEAD_DIM
+    settings = dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=VOCAB,
+        hidden_size=args.hidden, intermediate_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=heads // 4, head_dim=HEAD_DIM,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, norm_topk_prob=True,
+        moe_intermediate_size=args.expert_size, max_position_embeddings=4096,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, hidden_act="silu",
+        rms_norm_eps=1e-6,
+    )  # fmt: skip
+    if packed:
+        settings["quantization_config"] = GPTQ_G128
+    return settings
+
+
+def engine(directory: str, args: argparse.Namespace, packed: bool) -> LLM:
+    path = write_config_dir(f"{directory}/{'packed' if packed else 'fp32'}", config(args, packed))
+    return LLM(str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
+               max_num_seqs=1, kv_cache_memory="64MiB", disable_log_stats=True)  # fmt: skip
+
+
+def expert_bytes(llm: LLM) -> int:
+    total = 0
+    for module in llm.model_runner.model.modules():
+        if isinstance(module, PackedGroupedExperts):
+            total += module.weight_bytes()
+        elif isinstance(module, GroupedExperts):
+            total += sum(p.numel() * p.element_size() for p in module.parameters())
+    return total
+
+
+def tokens_per_s(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": list(range(3, 11))}], params, use_tqdm=False)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in [("--hidden", 1024), ("--experts", 8), ("--top-k", 2),
+                          ("--expert-size", 768), ("--layers", 4), ("--tokens", 64),
+                          ("--rounds", 5)]:  # fmt: skip
+        parser.add_argument(flag, type=int, default=default)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        engines = {
+            "fp32 (dequantized)": engine(directory, args, packed=False),
+            "packed (GPTQ g128)": engine(directory, args, packed=True),
+        }
+        for llm in engines.values():
+            tokens_per_s(llm, 8)  # warm-up
+        rounds = {name: [] for name in engines}
+        for _ in range(args.rounds):
+            for name, llm in engines.items():
+                rounds[name].append(tokens_per_s(llm, args.tokens))
+    print(args)
+    print("| experts | expert bytes (MB) | decode tok/s (median) | rounds |")
+    print("|---|---|---|---|")
+    for name, llm in engines.items():
+        values = ", ".join(f"{v:.1f}" for v in rounds[name])
+        print(
+            f"| {name} | {expert_bytes(llm) / 1e6:.1f} | "
+            f"{statistics.median(rounds[name]):.1f} | {values} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

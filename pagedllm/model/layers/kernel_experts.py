@@ -1,0 +1,89 @@
+"""A mixture's experts each on quantized kernel layers, run grouped by routing.
+
+Owns `KernelGroupedExperts`, which stands where `GroupedExperts` stood: per expert one
+layer for its fused gate/up rows and one for its down rows, whatever kernel layers those
+are (a GGUF file's blocks, `gguf_experts.py`; a GPTQ / AWQ / compressed-tensors
+checkpoint's packed integers, `packed_experts.py`). Tokens are grouped by expert exactly
+as `GroupedExperts` groups them (`run_grouped`): an expert without routed rows costs
+nothing, and no expert is ever dequantized whole, so the experts hold about the
+checkpoint's expert bytes instead of fp32's four bytes a weight.
+
+Under torch.compile the block is one opaque op (`pagedllm::kernel_grouped_experts`), the
+layer found by its id: the grouping's sizes depend on the routing, and the kernel layers
+are not traced.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from pagedllm.model.layers.fused_moe import MoESpec, run_grouped
+from pagedllm.model.layers.gguf_linear import distinct_bytes
+from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
+
+
+class KernelGroupedExperts(nn.Module):
+    """`GroupedExperts` with expert e's gate/up in `gate_up[e]` (gate rows, then up rows)
+    and its down in `down[e]`."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        gate_up: list[nn.Module],
+        down: list[nn.Module],
+        kernels: KernelSelection = TORCH_KERNELS,
+    ) -> None:
+        super().__init__()
+        if not len(gate_up) == len(down) == spec.num_experts:
+            raise ValueError(
+                f"{spec.num_experts} experts, but {len(gate_up)} gate/up and {len(down)} down "
+                "layers"
+            )
+        self.spec, self.kernels = spec, kernels
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+
+        _LAYERS[id(self)] = self
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _kernel_grouped_experts_op(x, expert_ids, weights, id(self))
+        return self.run(x, expert_ids, weights)
+
+    def run(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The block's output (`GroupedExperts.forward`), eagerly."""
+        return run_grouped(x, expert_ids, weights, self.spec.num_experts, self._expert_ffn)
+
+    def _expert_ffn(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        hidden = fused.silu_and_mul(self.gate_up[expert](rows), self.kernels)
+        return self.down[expert](hidden)
+
+    def missing_shards(self) -> list[tuple[int, str]]:
+        """None: every expert was built whole from the checkpoint's quantized tensors."""
+        return []
+
+    def weight_bytes(self) -> int:
+        """Bytes of every expert's kernel tables."""
+        return distinct_bytes(self.buffers())
+
+
+# The live layers by id, for the compiled graph's op (weak: a dropped model frees its layers).
+_LAYERS: weakref.WeakValueDictionary[int, KernelGroupedExperts] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("pagedllm::kernel_grouped_experts", mutates_args=())
+def _kernel_grouped_experts_op(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, layer_id: int
+) -> torch.Tensor:
+    return _LAYERS[layer_id].run(x, expert_ids, weights)
+
+
+@_kernel_grouped_experts_op.register_fake
+def _(x, expert_ids, weights, layer_id):
+    return torch.empty_like(x)
