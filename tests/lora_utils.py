@@ -46,6 +46,13 @@ def make_peft_adapter(
 
 def merged_model(base_dir: Path, adapter_dir: Path | None):
     """Transformers' model with the adapter merged in (the base model for None)."""
+    model = peft_model(base_dir, adapter_dir)
+    return model if adapter_dir is None else model.merge_and_unload().eval()
+
+
+def peft_model(base_dir: Path, adapter_dir: Path | None):
+    """Transformers' model with the adapter beside its base layers, not merged: each
+    projection is base_layer(x) + B A x (the base model for None)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -53,4 +60,4 @@ def merged_model(base_dir: Path, adapter_dir: Path | None):
         return model.eval()
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
+    return PeftModel.from_pretrained(model, adapter_dir).eval()

@@ -79,6 +79,25 @@ class Format:
         }
 
 
+# The nine schemes the tests serve, by name (`format_named`).
+FORMATS = (
+    Format("ct-int8-token", "compressed-tensors", "int", "channel", "token"),
+    Format("ct-int8-static", "compressed-tensors", "int", "tensor", "static"),
+    Format("ct-int8-weight-only", "compressed-tensors", "int", "channel", None),
+    Format("ct-fp8-dynamic", "compressed-tensors", "float", "channel", "token"),
+    Format("ct-fp8-static", "compressed-tensors", "float", "tensor", "static"),
+    Format("ct-fp8-block", "compressed-tensors", "float", "block", "group"),
+    Format("fp8-block", "fp8", "float", "block", "group"),
+    Format("fp8-tensor", "fp8", "float", "tensor", "tensor"),
+    Format("fp8-static", "fp8", "float", "tensor", "static"),
+)
+
+
+def format_named(name: str) -> Format:
+    (fmt,) = [f for f in FORMATS if f.name == name]
+    return fmt
+
+
 def _max(weight_type: str) -> float:
     return 127.5 if weight_type == "int" else FP8_MAX
 
@@ -168,11 +187,14 @@ def fake_quantize_activation(x: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def add_activation_quantization(model: torch.nn.Module, fmt: Format) -> None:
-    """Fake-quantize the input of every quantized projection of a Transformers model."""
+    """Fake-quantize the input of every quantized projection of a Transformers model; under
+    a PEFT adapter (not merged), the input of its base layer only, as the 8-bit layer sees
+    it (the adapter's delta takes the unquantized input)."""
     if fmt.activations is None:
         return
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rpartition(".")[2] in QUANTIZED_LAYERS:
+        projection = name.removesuffix(".base_layer").rpartition(".")[2]
+        if isinstance(module, torch.nn.Linear) and projection in QUANTIZED_LAYERS:
             module.register_forward_pre_hook(
                 lambda _, args: (fake_quantize_activation(args[0], fmt),)
             )

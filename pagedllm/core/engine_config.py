@@ -26,11 +26,7 @@ from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
-from pagedllm.model.quantization.registry import (
-    checkpoint_quantization,
-    on_eight_bit_layers,
-    quantization_config,
-)
+from pagedllm.model.quantization.registry import checkpoint_quantization, quantization_config
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_features import cpu_features
@@ -180,7 +176,7 @@ def build_engine_config(
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
     quantization = checkpoint_quantization(hf_config, args.quantization)
-    verify_checkpoint_quantization(args, quantization, hf_config)
+    verify_checkpoint_quantization(args, quantization)
     model_config = ModelConfig(
         model=source.path,
         hf_config=hf_config,
@@ -236,17 +232,15 @@ def build_engine_config(
     )
 
 
-def verify_checkpoint_quantization(
-    args: EngineArgs, quantization: str | None, hf_config: Any
-) -> None:
+def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -> None:
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
-    refused = _eight_bit_refusals(args) if on_eight_bit_layers(quantization, hf_config) else []
-    refused += [
+    refused = [
         (
-            # A row-parallel packed layer computes its output rows over the gathered input
-            # (`packed_parallel.py`): it has no partial product for a rank's LoRA delta.
+            # A row-parallel packed or 8-bit layer computes its output rows over the gathered
+            # input (`packed_parallel.py`, `w8a8_parallel.py`): it has no partial product for
+            # a rank's LoRA delta.
             args.enable_lora and args.tensor_parallel_size > 1,
             f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
         ),
@@ -263,19 +257,6 @@ def verify_checkpoint_quantization(
                 f"a checkpoint stored quantized with {quantization!r} is not served with "
                 f"{what} (yet)"
             )
-
-
-def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
-    """The W8A8 / FP8 layers (`w8a8_swap`) run on one rank, without adapters, for now."""
-    why = "(8-bit layers: one rank, no adapters yet)"
-    return [
-        (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size} {why}"),
-        (
-            args.pipeline_parallel_size > 1,
-            f"pipeline_parallel_size={args.pipeline_parallel_size} {why}",
-        ),
-        (args.enable_lora, f"enable_lora {why}"),
-    ]
 
 
 def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
@@ -358,7 +339,6 @@ def _draft_quantization(
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return quantization
     refused = [
-        (on_eight_bit_layers(quantization, hf_config), "a draft on 8-bit layers"),
         (args.load_format == "dummy" and quantization != "gptq", "load_format='dummy'"),
         (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
     ]

@@ -4,9 +4,10 @@ experts on the dequantized weights (gate and up in one kernel call or, with act-
 two input orders, one each; experts that get no token), tensor-parallel ranks' partial
 outputs sum to the block's (each rank holding about half the tables) where their down
 inputs are whole groups and are refused by name where not, an expert quantized in part and
-a quantized router are refused, the block traces whole for the compiled decode step; and whole tiny Mixtral and
-Qwen3-MoE checkpoints written by the test writers give Transformers' greedy tokens on the
-dequantized model, every expert packed, their bytes about the checkpoint's."""
+a quantized router are refused, the block traces whole for the compiled decode step; and
+whole tiny Mixtral and Qwen3-MoE checkpoints written by the test writers give Transformers'
+greedy tokens on the dequantized model, every expert packed, their bytes about the
+checkpoint's."""
 
 from __future__ import annotations
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from gptq_writer import Scheme, quantize_weight
-from rank_columns import outlier_input, rank_columns
+from rank_columns import outlier_input, rank_columns, switch_rank
 
-from pagedllm.distributed.parallel_state import GroupCoordinator
-from pagedllm.model.layers import packed_swap, parallel_linear
+from pagedllm.model.layers import packed_swap
 from pagedllm.model.layers.gguf_linear import _NO_MINS, GGUFConcatLinear
 from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.gptq_linear import GPTQLinear
@@ -27,22 +26,10 @@ from pagedllm.model.quantization.gptq import GPTQConfig
 from pagedllm.model.quantization.gptq_format import GPTQTensors, UnpackedGPTQ, unpack_gptq
 
 
-class _StandInGroup(GroupCoordinator):
-    """Rank `rank` of a `tp`-rank group in this process (no collective is called here)."""
-
-    def __init__(self, rank: int, tp: int) -> None:
-        super().__init__(list(range(tp)), rank, torch.device("cpu"))
-
-
 @pytest.fixture
 def as_rank(monkeypatch):
     """as_rank(rank, tp): layers built next see this rank of a tp-rank group."""
-
-    def switch(rank: int, tp: int) -> None:
-        group = _StandInGroup(rank, tp)
-        monkeypatch.setattr(parallel_linear, "get_tp_group", lambda: group)
-
-    return switch
+    return lambda rank, tp: switch_rank(monkeypatch, rank, tp)
 
 
 def _unpacked(out_features: int, in_features: int, scheme: Scheme, seed: int) -> UnpackedGPTQ:

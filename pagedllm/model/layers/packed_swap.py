@@ -68,7 +68,7 @@ def swap_packed_layers(
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
     require_kernels(method)
-    parts, experts, elsewhere = _parts_by_module(model, layers, method)
+    parts, experts, elsewhere = parts_by_module(model, layers, method)
     # Another pipeline stage's layers: never read here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
@@ -110,7 +110,7 @@ def swap_in_experts(
     (all of them; `packed_experts.packed_grouped_experts`). Its stacked fp32 parameters were
     never written, so they never became resident."""
     layer = packed_grouped_experts(model.get_submodule(name), parts, unpack_part, name)
-    _replace(model, name, layer)
+    replace_module(model, name, layer)
 
 
 def _unpack_named(unpack: Unpack, prefix: str, tensors: LayerTensors, method: str):
@@ -135,7 +135,7 @@ def swap_in(model: nn.Module, name: str, parts: dict[str | None, UnpackedGPTQ], 
     """Replace the `Linear` at `name` with the packed layer on its parts' weights (whole,
     as the checkpoint holds them: this rank keeps its rows)."""
     module = model.get_submodule(name)
-    _replace(model, name, _packed_layer(name, module, parts, method))
+    replace_module(model, name, _packed_layer(name, module, parts, method))
     module._parameters.pop("weight", None)  # never loaded: its storage was never touched
 
 
@@ -148,7 +148,7 @@ def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
     )
 
 
-def _parts_by_module(
+def parts_by_module(
     model: nn.Module, layers: dict[str, LayerTensors], method: str
 ) -> tuple[
     dict[str, dict[str | None, tuple[str, LayerTensors]]],
@@ -157,7 +157,8 @@ def _parts_by_module(
 ]:
     """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)};
     a mixture's experts module name -> {(expert, shard): (checkpoint prefix, tensors)};
-    and the checkpoint prefixes of layers another pipeline stage holds."""
+    and the checkpoint prefixes of layers another pipeline stage holds. Shared by every
+    checkpoint format swapped in before loading (`w8a8_swap` too)."""
     target = model.checkpoint_target
     on_other_stage = getattr(model, "on_other_stage", lambda name: False)
     parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
@@ -214,6 +215,6 @@ def _packed_layer(
     return layer
 
 
-def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, layer: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name), child, layer)

@@ -4,7 +4,9 @@ A quantized layer's inputs come in groups that share one scale (a GGUF block, a 
 AWQ group), and act-order reorders them; cutting K per rank, as the fp32 layer does, would
 cut groups (a rank's K slice is often no whole number of them) or scatter an act-order
 layer's groups over ranks, and even where it fits, each rank's partial sum plus an
-all-reduce adds in another order than one rank's kernel. Instead each rank keeps a slice of
+all-reduce adds in another order than one rank's kernel. An 8-bit layer (int8 W8A8, FP8)
+quantizes its input on every call with a scale per token (or group, or tensor) taken over
+the whole row, which a rank's K slice does not hold. Instead each rank keeps a slice of
 the output rows over the whole K: the input shards are all-gathered (the ranks' columns in
 rank order are the layer's K in order), the rank computes its output columns in one kernel
 call as one rank does, and a second all-gather joins the outputs. Both move activations, a

@@ -35,7 +35,7 @@ from pagedllm.model.layers.w8a8_activations import (
     quantize_activations,
 )
 from pagedllm.model.layers.w8a8_weights import W8A8Weights, fp8_ops
-from pagedllm.model.quantization.w8a8_scheme import INT8
+from pagedllm.model.quantization.w8a8_scheme import INT8, W8A8Scheme
 
 BAND_BYTES = 1 << 20  # fp32 bytes of dequantized rows made at a time
 # Up to this many input rows fp8 weights are multiplied in registers (`fp8_linear`: a byte
@@ -182,6 +182,11 @@ class Int8W8A8MergedLinear(SplitOutputs, Int8W8A8Linear):
     """A fused projection (q/k/v, gate/up) on stacked int8 weights; splits like fp32's."""
 
 
+def on_int8_gemm(scheme: W8A8Scheme) -> bool:
+    """Whether a scheme's layers multiply integers (`Int8W8A8Linear`), not bands."""
+    return scheme.weight_type == INT8 and scheme.activations is not None
+
+
 def w8a8_layer(
     weights: W8A8Weights,
     bias: torch.Tensor | None = None,
@@ -189,8 +194,7 @@ def w8a8_layer(
 ) -> nn.Module:
     """The layer for one checkpoint layer's weights: int8 x int8 on the GEMM, else bands;
     with `output_sizes`, the fused projection's layer."""
-    scheme = weights.scheme
-    on_gemm = scheme.weight_type == INT8 and scheme.activations is not None
+    on_gemm = on_int8_gemm(weights.scheme)
     if output_sizes is None:
         return (Int8W8A8Linear if on_gemm else TiledDequantLinear)(weights, bias)
     layer = (Int8W8A8MergedLinear if on_gemm else TiledDequantMergedLinear)(weights, bias)

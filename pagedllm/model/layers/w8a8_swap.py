@@ -5,7 +5,9 @@ linear layers kept 8-bit.
 `weight_scale` or `weight_scale_inv` beside it; layers a config ignores have none and load
 as usual), replaces the model's `Linear` for it with its 8-bit layer (`w8a8_linear.py`;
 fused q/k/v and gate/up from their parts) before any weight is read, and returns the tensor
-names it consumed, which the loader then skips.
+names it consumed, which the loader then skips. As for the packed layers
+(`packed_swap.py`), a tensor-parallel rank keeps its rows of each layer
+(`w8a8_parallel.py`) and a pipeline stage swaps in only its own layers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch import nn
 
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, distinct_bytes
 from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.packed_swap import parts_by_module, replace_module
 from pagedllm.model.layers.w8a8_linear import w8a8_layer
+from pagedllm.model.layers.w8a8_parallel import parallel_w8a8_layer, rank_w8a8_weights
 from pagedllm.model.layers.w8a8_weights import W8A8Weights, can_stack, stack_weights
 from pagedllm.model.quantization.ct_w8a8 import w8a8_scheme
 from pagedllm.model.quantization.fp8 import fp8_scheme
@@ -107,19 +111,23 @@ def checkpoint_scheme(method: str, config: dict[str, Any]) -> W8A8Scheme:
 def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> set[str]:
     """Swap in the 8-bit layers (see the module docstring); returns the names they hold."""
     layers = read_w8a8_tensors(directory)
-    parts = _parts_by_module(model, layers)
-    consumed: set[str] = set()
+    parts, experts, elsewhere = parts_by_module(model, layers, "8-bit")
+    if experts:
+        raise ValueError(
+            f"8-bit layers of {', '.join(sorted(experts))}: a mixture's experts stored as "
+            "int8 W8A8 or FP8 are not served yet (GPTQ / AWQ / W4A16 experts are)"
+        )
+    # Another pipeline stage's layers: never swapped in here (that stage swaps its own).
+    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
         module = model.get_submodule(name)
         weights = {
-            shard: layer_weights(prefix, layers[prefix], scheme)
-            for shard, prefix in module_parts.items()
+            shard: layer_weights(prefix, tensors, scheme)
+            for shard, (prefix, tensors) in module_parts.items()
         }
-        _replace(model, name, _w8a8_layer(name, module, weights))
+        replace_module(model, name, _w8a8_layer(name, module, weights))
         module._parameters.pop("weight", None)  # never loaded: its storage was never touched
-        consumed |= {
-            f"{prefix}.{leaf}" for prefix in module_parts.values() for leaf in layers[prefix]
-        }
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
     logger.info(
         "checkpoint 8-bit layers (%s): %d layers (%.0f MB)",
         scheme.describe(),
@@ -130,43 +138,24 @@ def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> s
     return consumed
 
 
-def _parts_by_module(model: nn.Module, layers: dict[str, Any]) -> dict[str, dict[str | None, str]]:
-    """Model module name -> {shard id (None unless fused): checkpoint prefix}."""
-    parts: dict[str, dict[str | None, str]] = {}
-    for prefix in layers:
-        param_name, shard_id = model.checkpoint_target(f"{prefix}.weight")
-        module_name = param_name.removesuffix(".weight")
-        try:
-            module = model.get_submodule(module_name)
-        except AttributeError:
-            module = None
-        if not isinstance(module, Linear) or module_name == "lm_head":
-            raise ValueError(
-                f"8-bit layer {prefix!r} has no linear layer to run on in pagedllm's "
-                f"{type(model).__name__} (quantized MoE experts and heads are not served yet)"
-            )
-        parts.setdefault(module_name, {})[shard_id] = prefix
-    return parts
-
-
 def _w8a8_layer(name: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
+    """The 8-bit layer replacing `module` from this rank's rows of its parts (all of them
+    on one rank; `w8a8_parallel.py`)."""
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):
         raise ValueError(
             f"the checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts are "
             f"{sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
+    mine = {shard: rank_w8a8_weights(module, shard, weights) for shard, weights in parts.items()}
     if not isinstance(module, MergedLinear):
-        return w8a8_layer(parts[None], module.bias)
-    ordered = [parts[s] for s in order]
+        return parallel_w8a8_layer(module, mine[None])
+    ordered = [mine[s] for s in order]
     if can_stack(ordered):
         layer = w8a8_layer(stack_weights(ordered), module.bias, module.output_sizes)
     else:
         layer = GGUFConcatLinear([w8a8_layer(p) for p in ordered], module.output_sizes, module.bias)
-    layer.shard_slices = dict(module.shard_slices)
+    layer.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
+    if hasattr(module, "shard_sources"):  # and cut them as the rank's rows were cut
+        layer.shard_sources = dict(module.shard_sources)
     return layer
-
-
-def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, layer)
