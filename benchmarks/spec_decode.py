@@ -1,6 +1,8 @@
 """Speculative decoding on the default model: single-stream tokens/s with and without it.
 
-Two workloads, greedy, one request at a time:
+Two workloads, greedy, one request at a time (`--batch N`: N at once, the workload's prompts
+repeated, as W1 runs many; with a `disable_by_batch_size` below N the step does not
+speculate, and the row shows what the proposer costs when it is off):
 - "copy": the model is asked to repeat a ~440-token code listing (the first class of this
   repository's `pagedllm/core/block_pool.py`), its answer opened with a code fence; the
   case prompt lookup and suffix decoding are made for (a 135M model copies most of it and
@@ -14,10 +16,12 @@ length, and whether every output equals speculation-free decoding token for toke
 
     .venv/bin/python -m benchmarks.spec_decode [--workload copy|chat] [--max-tokens 256]
         [--configs off,ngram,suffix,self_gguf] [--rounds 3] [--compile] [--output-json out.json]
-        [--eagle-head DIR]
+        [--eagle-head DIR] [--batch N]
 
 "eagle3" (k = 3) and "eagle3_kN" (k = N) draft with the EAGLE-3 head in `--eagle-head`,
-the one `python -m benchmarks.train_eagle --out DIR` trains for the default model.
+the one `python -m benchmarks.train_eagle --out DIR` trains for the default model; a
+"_dM" suffix ("eagle3_d16", "eagle3_k2_d16") sets `disable_by_batch_size` M, as W1 runs it
+(`pagedllm bench throughput ... --speculative-config`, benchmarks/results/spec_decode.md).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pagedllm import LLM, SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 # Where benchmarks.train_eagle's head is looked for unless --eagle-head says otherwise.
 DEFAULT_EAGLE_HEAD = Path("~/.cache/pagedllm/eagle3-smollm2").expanduser()
-EAGLE3_NAME = re.compile(r"eagle3(?:_k(\d+))?")
+EAGLE3_NAME = re.compile(r"eagle3(?:_k(\d+))?(?:_d(\d+))?")
 CHAT_QUESTIONS = [
     "What is the capital of France, and what is it known for?",
     "Explain in a few sentences how a bicycle works.",
@@ -82,12 +86,15 @@ def chat_prompts(tokenizer) -> list[str]:
 
 
 def eagle3_config(name: str, head: Path) -> dict | None:
-    """The speculative_config an "eagle3" / "eagle3_kN" name stands for (None: not one)."""
+    """The speculative_config an "eagle3[_kN][_dM]" name stands for (None: not one)."""
     match = EAGLE3_NAME.fullmatch(name)
     if match is None:
         return None
     k = int(match.group(1) or 3)
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    if match.group(2) is not None:
+        config["disable_by_batch_size"] = int(match.group(2))
+    return config
 
 
 def build(name: str, max_model_len: int, compile_decode: bool, eagle_head: Path) -> LLM:
@@ -98,11 +105,20 @@ def build(name: str, max_model_len: int, compile_decode: bool, eagle_head: Path)
     )
 
 
-def run_once(llm: LLM, prompts: list[str], params) -> tuple[float, list[list[int]]]:
+def run_once(llm: LLM, prompts: list[str], params, batch: int = 1) -> tuple[float, list[list[int]]]:
+    """The prompts one at a time (`batch` 1), else `batch` of them (repeated) at once."""
     start = time.perf_counter()
-    outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    if batch == 1:
+        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outputs = llm.generate(batch_of(prompts, batch), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     return elapsed, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def batch_of(prompts: list[str], batch: int) -> list[str]:
+    """`batch` prompts: the workload's, repeated in order."""
+    return [prompts[i % len(prompts)] for i in range(batch)]
 
 
 def main() -> None:
@@ -113,6 +129,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--eagle-head", type=Path, default=DEFAULT_EAGLE_HEAD)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="requests at once (1: one stream, one at a time)"
+    )
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -127,10 +146,10 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     tokens: dict[str, list[list[int]]] = {}
     for name, llm in engines.items():
-        _, tokens[name] = run_once(llm, conversations, params)  # warm-up
+        _, tokens[name] = run_once(llm, conversations, params, args.batch)  # warm-up
     for _ in range(args.rounds):
         for name, llm in engines.items():
-            elapsed, _ = run_once(llm, conversations, params)
+            elapsed, _ = run_once(llm, conversations, params, args.batch)
             times[name].append(elapsed)
     reference = tokens.get("off")
     results = {}

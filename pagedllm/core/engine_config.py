@@ -191,7 +191,7 @@ def build_engine_config(
     )
     lora_config = args.lora_config()
     verify_lora_config(args, model_config)
-    draft_model_config = build_draft_model_config(args, model_config, parallel_config.world_size)
+    draft_model_config = build_draft_model_config(args, model_config)
     cache_config = _cache_config(args, model_config, parallel_config, log, draft_model_config)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -277,9 +277,7 @@ def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
             raise ValueError(f"enable_lora is not supported with {what} (yet)")
 
 
-def build_draft_model_config(
-    args: EngineArgs, target: ModelConfig, world_size: int = 1
-) -> ModelConfig | None:
+def build_draft_model_config(args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
     """The model that proposes for method "draft_model" (its own path), "self_quantized"
     (the target's own file, quantized) or an EAGLE head ("eagle3", "eagle": its directory,
     spec_decode/head_config.py); None for the model-free methods and Medusa heads (checked
@@ -287,12 +285,12 @@ def build_draft_model_config(
     the target's, sliding windows."""
     spec = args.speculative_config
     if spec is not None and spec.method == "medusa":
-        check_medusa_head(spec, target, world_size)
+        check_medusa_head(spec, target)
         return None
     if spec is None or not spec.uses_draft_model:
         return None
     if spec.uses_head:
-        head = build_head_config(spec, target, world_size)
+        head = build_head_config(spec, target)
         _check_no_windows(target)
         return head
     if spec.method == "self_quantized":

@@ -46,6 +46,7 @@ from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
 from pagedllm.spec_decode.medusa_config import read_medusa_config
 from pagedllm.spec_decode.runner import eagle_loading, medusa_loading
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
+from pagedllm.spec_decode.runner.eagle_head import TargetParts
 from pagedllm.spec_decode.runner.eagle_proposer import EagleDrafts
 from pagedllm.spec_decode.runner.medusa_proposer import MedusaDrafts
 
@@ -256,20 +257,23 @@ class ModelBuilder:
         return proposer, pool
 
     def build_head(
-        self, head_config: ModelConfig, num_blocks: int, target: BuiltModel
+        self, head_config: ModelConfig, num_blocks: int, target: BuiltModel, shared: TargetParts
     ) -> tuple[EagleDrafts, list[KVCache]]:
         """An EAGLE head's proposer (method "eagle3" / "eagle"), on the target's kernels and
-        sharing what its checkpoint lacks with the target, and its KV pool of the same
-        `num_blocks` blocks as the target's (as a draft model's)."""
+        sharing what its checkpoint lacks with the target (`shared`: whole on this rank,
+        whole_target_parts.py), and its KV pool of the same `num_blocks` blocks as the
+        target's (as a draft model's). Built whole, as a draft model is, even on a rank of
+        several: only the sampling rank runs it."""
         speculative_config = self.config.speculative_config
         assert speculative_config is not None
         tensors = eagle_loading.read_head_tensors(head_config.model)
-        with torch.device(self.device):
+        with torch.device(self.device), single_rank_groups():
             head, target_states = eagle_loading.build_head(
                 speculative_config.method,
                 head_config.hf_config,
                 tensors,
-                target.model,
+                target.model.config,
+                shared,
                 target.attention_backend,
                 head_config.dtype,
                 head_config.max_model_len,
@@ -293,10 +297,11 @@ class ModelBuilder:
         )
         return proposer, pool
 
-    def build_medusa(self, target: BuiltModel) -> MedusaDrafts:
+    def build_medusa(self, target: BuiltModel, shared: TargetParts) -> MedusaDrafts:
         """Medusa heads' proposer (method "medusa"): the first `num_speculative_tokens`
-        heads, on the target's kernels, scoring with the target's lm_head where the
-        checkpoint has none. No KV pool: the heads are position-wise."""
+        heads, on the target's kernels, scoring with the target's lm_head (`shared`: whole
+        on this rank) where the checkpoint has none. No KV pool: the heads are
+        position-wise."""
         spec = self.config.speculative_config
         assert spec is not None and spec.model is not None
         directory = resolve_model(spec.model).path
@@ -313,7 +318,7 @@ class ModelBuilder:
                 model_config.dtype,
                 target.kernels,
             )
-        heads.share_target_logits(target.model.compute_logits)
+        heads.share_target_logits(shared.compute_logits)
         if self.device.type == "cpu":
             pack_linear_weights(heads)  # its own layers only: the target's are packed already
         return MedusaDrafts(spec, heads, self.device)

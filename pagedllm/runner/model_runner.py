@@ -23,9 +23,12 @@ batch before laying it out. A stage after the first receives the previous stage'
 on; the last stage's ranks compute logits together (only the sampling rank gets them) and
 only the sampling rank samples. It alone proposes speculative drafts: a draft model is
 loaded there only, whole (model_building.py), with its own KV of every layer and head, and
-reads the full token history the sampling rank's batch holds. An EAGLE or Medusa head (one
-rank only) is also handed the target's hidden states of every forward (`_hand_target_states`: the
-output, or the layers `HiddenStateTap` keeps), so it needs no second pass.
+reads the full token history the sampling rank's batch holds. An EAGLE or Medusa head is
+also handed the target's hidden states of every forward (`_hand_target_states`: the output,
+or the layers `StageTap` keeps, carried from the stages that run them; whole on every
+tensor-parallel rank), so it needs no second pass, and reads them in the same step; it
+shares whole copies of the target's embedding and lm_head where they are sharded or on
+another stage (whole_target_parts.py).
 
 Observers (`add_forward_observer`) see every forward with its inputs and wall time, so
 benchmarks time and capture steps without patching the runner.
@@ -49,7 +52,6 @@ from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group, get_
 from pagedllm.errors import describe_error
 from pagedllm.kv_transfer.runner.tier_worker import KVTierWorker
 from pagedllm.lora.runner.model_manager import LoRAModelManager
-from pagedllm.model.hidden_tap import HiddenStateTap
 from pagedllm.model.loader import ModelSource
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.parallel_config import pipeline_stage_layers
@@ -65,9 +67,13 @@ from pagedllm.runner.sampling_stage import (
     injected_fault_seed,
     prompt_logprobs,
 )
+from pagedllm.runner.stage_tap import StageTap
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.head_layers import aux_layers
+from pagedllm.spec_decode.runner.eagle_head import TargetParts
 from pagedllm.spec_decode.runner.proposer import build_proposer
+from pagedllm.spec_decode.runner.whole_target_parts import target_parts
 from pagedllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -127,7 +133,8 @@ class ModelRunner:
             f"{self.pp_group.world_size})"
         )
         # The rank that samples; every other rank returns an empty output.
-        self.is_sampling_rank = tp_group.is_first_rank and self.pp_group.is_last_rank
+        self.is_first_tp_rank = tp_group.is_first_rank
+        self.is_sampling_rank = self.is_first_tp_rank and self.pp_group.is_last_rank
         self.is_first_stage = self.pp_group.is_first_rank
         self.is_last_stage = self.pp_group.is_last_rank
         self.layers = pipeline_stage_layers(
@@ -140,8 +147,9 @@ class ModelRunner:
         self._forward_observers: list[ForwardObserver] = []
         # Speculative decoding: what proposes each request's next tokens (None: off).
         self.proposer = build_proposer(config.speculative_config)
-        # The target's layers an EAGLE-3 head reads, kept during each forward (None: none).
-        self._target_tap: HiddenStateTap | None = None
+        # The target's layers an EAGLE-3 head reads, kept by this stage during each forward
+        # and carried to the last (None: none here).
+        self._stage_tap: StageTap | None = None
         # LoRA: the adapters and the model's LoRA layers (None: enable_lora is off).
         self.lora_manager: LoRAModelManager | None = None
         # KV tiers: host memory, disk, a peer instance (None: off).
@@ -177,17 +185,20 @@ class ModelRunner:
             self.model.bind_kv_cache(self.kv_caches, groups)
         self.sampler = Sampler(self.kernels)
         draft_config = self.config.draft_model_config
+        shared = self._head_target_parts()
+        self._stage_tap = self._build_stage_tap()
         # Drafts are proposed where tokens are sampled and verified; the other ranks run the
         # verification step's rows from the scheduler's token ids, as with ngram.
         if draft_config is not None and self.is_sampling_rank:
-            self._build_draft(draft_config)
+            self._build_draft(draft_config, shared)
         elif self._uses_medusa and self.is_sampling_rank:  # heads without KV of their own
+            assert shared is not None
             target = BuiltModel(self.model, self.kernels, self.attention_backend)
-            self.proposer = self.builder.build_medusa(target)
+            self.proposer = self.builder.build_medusa(target, shared)
         # Eager with several ranks: a compiled graph traces neither the collectives of
         # tensor parallelism nor a later pipeline stage's input from the previous stage.
         compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
-        if compile_decode and self._target_tap is not None:
+        if compile_decode and self._stage_tap is not None:
             # The compiled graph would not hand the tapped layers' states over.
             logger.warning("compile: an EAGLE-3 head reads the target's layers; steps stay eager")
             compile_decode = False
@@ -205,9 +216,34 @@ class ModelRunner:
         # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
-    def _build_draft(self, draft_config) -> None:
-        """The draft model or EAGLE head with its KV pool; an EAGLE-3 head's tap on the
-        target's layers."""
+    def _head_target_parts(self) -> TargetParts | None:
+        """The target's embedding and logits whole on the sampling rank, for a head (None
+        elsewhere, or without one); every rank of the first and last stages takes part
+        (sharded ones are joined from the ranks' rows, the embedding sent to the last)."""
+        spec = self.config.speculative_config
+        if spec is None or not spec.uses_head:
+            return None
+        return target_parts(self.model, self.kernels, needs_embedding=spec.method != "medusa")
+
+    def _build_stage_tap(self) -> StageTap | None:
+        """On each stage's first tensor-parallel rank, the tap on the layers of this stage
+        an EAGLE-3 head reads (the others' are carried in from the stages before)."""
+        spec, head = self.config.speculative_config, self.config.draft_model_config
+        if spec is None or spec.method != "eagle3" or head is None or not self.is_first_tp_rank:
+            return None
+        num_layers = self.config.model_config.num_layers
+        stage_tap = StageTap(
+            aux_layers(head.hf_config, num_layers),
+            self.layers,
+            num_layers,
+            self.is_last_stage,
+            self.config.model_config.hf_config.hidden_size,
+        )
+        self.model.model.hidden_tap = stage_tap.tap  # None where this stage keeps no layer
+        return stage_tap
+
+    def _build_draft(self, draft_config, shared: TargetParts | None) -> None:
+        """The draft model or EAGLE head with its KV pool."""
         num_blocks = self.kv_cache_pool[0][0].shape[0]
         spec = self.config.speculative_config
         assert spec is not None
@@ -216,14 +252,11 @@ class ModelRunner:
                 draft_config, num_blocks, self.attention_backend
             )
             return
+        assert shared is not None
         target = BuiltModel(self.model, self.kernels, self.attention_backend)
         self.proposer, self.draft_kv_pool = self.builder.build_head(
-            draft_config, num_blocks, target
+            draft_config, num_blocks, target, shared
         )
-        states = self.proposer.target_states
-        if states is not None and states.layers:
-            self._target_tap = HiddenStateTap(states.layers)
-            self.model.model.hidden_tap = self._target_tap
 
     @property
     def _uses_medusa(self) -> bool:
@@ -235,7 +268,7 @@ class ModelRunner:
         proposer = self.proposer
         if proposer is None or proposer.target_states is None:
             return
-        tap = self._target_tap
+        tap = self._stage_tap
         states = tap.take() if tap is not None else hidden_states
         first_positions = self.input_batch.num_computed_tokens[rows]
         proposer.observe_target(req_ids, first_positions, num_scheduled, states)
@@ -328,22 +361,23 @@ class ModelRunner:
             num_scheduled,
             hidden_states,
         )
-        if not len(logits_indices):
-            return output
-        logits = self.model.compute_logits(hidden_states[logits_indices])
-        if not self.is_sampling_rank:  # its tensor-parallel peers gathered its shard
-            return output
-        sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
-        SamplingStage(
-            self._sampling_tools(),
-            scheduler_output,
-            output,
-            logits,
-            rows[sample_mask],
-            sample_req_ids,
-            num_drafts[sample_mask],
-        ).run()
-        if self.proposer is not None:
+        if len(logits_indices):
+            logits = self.model.compute_logits(hidden_states[logits_indices])
+            if not self.is_sampling_rank:  # its tensor-parallel peers gathered its shard
+                return output
+            sample_req_ids = [r for r, due in zip(req_ids, sample_mask, strict=True) if due]
+            SamplingStage(
+                self._sampling_tools(),
+                scheduler_output,
+                output,
+                logits,
+                rows[sample_mask],
+                sample_req_ids,
+                num_drafts[sample_mask],
+            ).run()
+        if self.proposer is not None and self.is_sampling_rank:
+            # Every step, a step of prompt chunks alone included: a head reads the step's
+            # target states now (eagle_proposer.py), so none are held past it.
             output.draft_token_ids = self.proposer.propose(
                 list(output.sampled_token_ids), self.input_batch
             )
@@ -528,12 +562,16 @@ class ModelRunner:
         shape = (num_tokens, model_config.hf_config.hidden_size)
         hidden = self.pp_group.recv(shape, model_config.dtype)
         residual = self.pp_group.recv(shape, model_config.dtype)
+        if self._stage_tap is not None:  # the tapped layers of the stages before, after them
+            self._stage_tap.receive(self.pp_group, num_tokens, model_config.dtype)
         return hidden, residual
 
     def _send_to_next_stage(self, intermediate: tuple[torch.Tensor, torch.Tensor]) -> None:
         hidden, residual = intermediate
         self.pp_group.send(hidden)
         self.pp_group.send(residual)
+        if self._stage_tap is not None:
+            self._stage_tap.send(self.pp_group)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)

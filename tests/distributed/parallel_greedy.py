@@ -57,6 +57,9 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+# Repeated patterns (the speculative proposers find them) beside the shared prompts.
+SPEC_PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, *prompts()]
+
 _REFERENCES: dict[str, list] = {}
 
 

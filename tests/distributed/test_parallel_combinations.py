@@ -18,7 +18,14 @@ from model_utils import (
     greedy_with_logprobs,
     run_tenants,
 )
-from parallel_greedy import BLOCK_SIZE, MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+from parallel_greedy import (
+    BLOCK_SIZE,
+    MAX_TOKENS,
+    SPEC_PROMPTS,
+    TIE_TOLERANCE,
+    budget_llm,
+    prompts,
+)
 from tp_harness import run_ranks
 
 from benchmarks import random_gguf
@@ -31,8 +38,6 @@ from pagedllm.sampling_params import StructuredOutputsParams
 
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 GRAMMAR = StructuredOutputsParams(regex=r"[a-z ]{4,200}")
-# Repeated patterns (the proposers find them) beside the shared prompts.
-SPEC_PROMPTS = [[5, 6, 7, 8] * 6, [9, 10, 11] * 9, *prompts()]
 
 
 def requests() -> list[tuple]:
@@ -46,12 +51,6 @@ def requests() -> list[tuple]:
         )
         requests.append((f"r{i}", tenants[i % 3], prompt, params, None))
     return requests
-
-
-@pytest.fixture(scope="module")
-def plain_one_rank(tiny_llama) -> list:
-    """One rank's greedy answers to SPEC_PROMPTS, no feature on (shared by the tests)."""
-    return greedy_with_logprobs(budget_llm(tiny_llama), SPEC_PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,15 @@
 published layout (tests/eagle_writer.py): loading, greedy output equal to no speculation
 (under chunked prefill, preemption, prefix caching, n > 1, structured output), seeded
 sampling reproducible, the draft vocabulary's proposals under rejection sampling distributed
-as the target's, and a head that copies its target accepting every draft."""
+as the target's, a head that copies its target accepting every draft, and the target's states
+read in the step that computed them (none held past it, chunked prefill and aborts
+included). Targets on several ranks: tests/distributed/test_spec_heads_parallel.py."""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from eagle_writer import write_eagle3_head, write_eagle_head
@@ -29,6 +32,7 @@ from transformers import AutoConfig
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.model.hidden_tap import HiddenStateTap
+from pagedllm.runner.stage_tap import StageTap
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.eagle_head import Eagle3Head
 from pagedllm.spec_decode.runner.eagle_loading import checked_d2t
@@ -38,7 +42,7 @@ from pagedllm.spec_decode.runner.rejection_sampler import (
     rejection_sample,
     target_probs,
 )
-from pagedllm.spec_decode.runner.target_state_buffer import PendingStates
+from pagedllm.spec_decode.runner.step_states import StepStates
 
 MAX_TOKENS = 40
 # Under chunked prefill and preemption each step is small, so steps are many: fewer tokens
@@ -168,10 +172,6 @@ def test_what_does_not_fit_the_target_is_refused(tiny_llama, tiny_model_factory,
     head = write_eagle_head(tmp_path / "vocab", other)
     with pytest.raises(ValueError, match="vocab_size 1000"):
         engine(tiny_llama, {"method": "eagle", "model": str(head), "num_speculative_tokens": 2})
-    good = write_eagle_head(tmp_path / "good", target)
-    config = {"method": "eagle", "model": str(good), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="one rank only"):
-        engine(tiny_llama, config, tensor_parallel_size=2)
 
 
 D2T_SPOILED = {
@@ -338,26 +338,107 @@ def test_a_head_proposes_for_lora_requests(tiny_llama, heads, tmp_path):
     assert spec.get_stats().spec_decode.num_drafts > 0
 
 
-def test_steps_that_do_not_speculate_still_consume_the_states(tiny_llama, heads):
-    """With disable_by_batch_size the head proposes nothing in large steps but catches up,
-    so a request's target states are never held longer than its prompt's; a request alone
-    then speculates."""
-    config = {**heads["eagle3"], "disable_by_batch_size": 2}
-    llm = engine(tiny_llama, config, max_num_batched_tokens=16)  # prompts held over steps
+# Prompts of 3 to 4 steps' tokens under CHUNKED_PREEMPTED (max_num_batched_tokens 16).
+LONG_PROMPTS = [list(range(300, 360)), [9, 8, 7, 6, 5] * 11]
+
+
+def test_the_head_reads_each_steps_states_in_that_step(tiny_llama, heads, plain, report_ties):
+    """Long prompts prefilled in chunks, preemption and aborts: the head catches up on each
+    chunk as the target runs it, so no target state outlives its step (none held when a
+    forward starts), a step holds its own tokens' states at most, and finished or aborted
+    requests leave nothing behind; greedy output is as without speculation."""
+    llm = engine(tiny_llama, heads["eagle3"], **CHUNKED_PREEMPTED)
     runner = model_runner(llm)
-    held: list[int] = []
+    proposer = runner.proposer
+    at_forward: list[int] = []  # states held when a forward ends, before its hand-over
+    in_step: list[int] = []  # states held once the step's are handed over
+    read_alone: list[int] = []  # positions the head read in steps where nothing sampled
+    observe, propose = proposer.observe_target, proposer.propose
 
-    def record(step) -> None:
-        pending = runner.proposer._pending.values()
-        held.append(max((p.end - p.start for p in pending), default=0))
+    def observe_and_count(*args) -> None:
+        observe(*args)
+        in_step.append(proposer.step_states.num_held)
 
+    def propose_and_count(request_ids, batch):
+        before = sum(proposer._num_computed.values())
+        drafts = propose(request_ids, batch)
+        if not request_ids:
+            read_alone.append(sum(proposer._num_computed.values()) - before)
+        return drafts
+
+    proposer.observe_target, proposer.propose = observe_and_count, propose_and_count
+    prompts = LONG_PROMPTS + PROMPTS[:3]
+    want = greedy_with_logprobs(plain, prompts, CHUNKED_MAX_TOKENS)
+    with runner.forward_observer(lambda step: at_forward.append(proposer.step_states.num_held)):
+        got = greedy_with_logprobs(llm, prompts, CHUNKED_MAX_TOKENS)
+        _abort_mid_generation(llm.llm_engine)
+    ties, _ = compare_to_reference_engine(want, got, tie_tolerance=1e-4)
+    report_ties(ties, len(prompts))
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode.num_drafts > 0
+    assert at_forward and set(at_forward) == {0}
+    assert 0 < max(in_step) <= CHUNKED_PREEMPTED["max_num_batched_tokens"]
+    assert read_alone and max(read_alone) > 0  # prompt chunks read as they were computed
+    # One more request: its step removes the aborted ones; only it is left, finished.
+    one = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate({"prompt_token_ids": PROMPTS[3]}, one, use_tqdm=False)
+    assert len(proposer._num_computed) <= 1 and proposer.step_states.num_held == 0
+
+
+def _abort_mid_generation(engine) -> None:
+    """Two long requests, one aborted while its prompt is prefilled, one while decoding."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for index, prompt in enumerate(LONG_PROMPTS):
+        engine.add_request(f"aborted-{index}", {"prompt_token_ids": prompt}, params)
+    for _ in range(3):  # 115 prompt tokens at 16 a step: both still prefill
+        engine.step()
+    engine.abort_request(["aborted-0"])
+    for _ in range(8):
+        engine.step()
+    engine.abort_request(["aborted-1"])
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_steps_that_do_not_speculate_run_the_catch_up_alone(tiny_llama, heads):
+    """With disable_by_batch_size the head proposes nothing in large steps: it runs once in
+    such a step at most (its catch-up over the step's states) and never scores, so W1 pays
+    one small forward a step; a request alone then speculates."""
+    config = {**heads["eagle3"], "disable_by_batch_size": 2}
+    llm = engine(tiny_llama, config, max_num_batched_tokens=16)  # prompts over several steps
+    proposer = model_runner(llm).proposer
+    head = proposer.model
+    calls = {"forward": 0, "logits": 0}
+    forward, compute_logits, propose = head.forward, head.compute_logits, proposer.propose
+
+    def counted_forward(*args):
+        calls["forward"] += 1
+        return forward(*args)
+
+    def counted_logits(*args):
+        calls["logits"] += 1
+        return compute_logits(*args)
+
+    disabled: list[tuple[int, int]] = []  # (head forwards, scorings) of each large step
+
+    def propose_and_count(request_ids, batch):
+        before = dict(calls)
+        drafts = propose(request_ids, batch)
+        if len(request_ids) >= 2:
+            disabled.append(
+                (calls["forward"] - before["forward"], calls["logits"] - before["logits"])
+            )
+            assert not drafts
+        return drafts
+
+    head.forward, head.compute_logits = counted_forward, counted_logits
+    proposer.propose = propose_and_count
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with runner.forward_observer(record):
-        llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert llm.get_stats().spec_decode.num_drafts == 0
-    assert 0 < max(held) <= max(len(p) for p in PROMPTS)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert len(disabled) > 10 and {forwards for forwards, _ in disabled} == {1}
+    assert {scorings for _, scorings in disabled} == {0}
     llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False)
-    assert llm.get_stats().spec_decode.num_drafts > 0
+    assert llm.get_stats().spec_decode.num_drafts > 0 and calls["logits"] > 0
 
 
 def test_compile_leaves_steps_eager_for_an_eagle3_head(tiny_llama, heads, plain, pagedllm_log):
@@ -454,20 +535,52 @@ def test_tap_keeps_the_stream_entering_each_layer(tiny_llama, plain):
     assert torch.allclose(normed, states[2][0], atol=1e-4)
 
 
-def test_pending_states_follow_rejections_and_gaps():
-    pending = PendingStates()
+class _Channel:
+    """A pipeline group's send and receive between two stages, in one process."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def send(self, tensor: torch.Tensor) -> None:
+        self.sent.append(tensor)
+
+    def recv(self, shape, dtype) -> torch.Tensor:
+        tensor = self.sent.pop(0)
+        assert tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype
+        return tensor
+
+
+def test_stage_taps_carry_the_layers_to_the_last_stage_in_order():
+    """Layers (2, 0, 3) of a 3-layer target over stages [0, 2) and [2, 3): the first keeps
+    layer 0, the last layers 2 and 3 (the output) and receives the first's column; the last
+    stage's columns are in layer order, as one stage keeps them."""
+    hidden, tokens = 4, 3
+    first = StageTap((2, 0, 3), range(0, 2), 3, False, hidden)
+    last = StageTap((2, 0, 3), range(2, 3), 3, True, hidden)
+    assert first.tap.layers == (0,) and last.tap.layers == (2, 3)
+    assert (first.num_carried_in, last.num_carried_in) == (0, 1)
+    stream = {i: torch.full((tokens, hidden), float(i)) for i in range(4)}
+    channel = _Channel()
+    first.tap.keep(stream[0], None)
+    first.send(channel)
+    last.receive(channel, tokens, torch.float32)
+    last.tap.keep(stream[2], None)
+    last.tap.keep(stream[3], None)
+    columns = last.take()
+    assert columns.shape == (tokens, 3 * hidden) and not channel.sent
+    assert columns[0, ::hidden].tolist() == [0.0, 2.0, 3.0]
+    one_stage = StageTap((2, 0, 3), range(0, 3), 3, True, hidden)
+    assert one_stage.tap.layers == (0, 2, 3) and one_stage.num_carried_in == 0
+
+
+def test_step_states_are_read_once():
+    """A step's states by request and position; taking them leaves nothing held."""
+    states = StepStates()
     rows = torch.arange(10.0)[:, None]
-    pending.receive(0, rows[:6])  # a prompt of 6
-    assert (pending.start, pending.end) == (0, 6)
-    pending.receive(6, rows[6:10])  # a step verifying 3 drafts after the sampled token
-    pending.receive(7, rows[:2] + 100)  # only the first was accepted: computed again from 7
-    assert (pending.start, pending.end) == (0, 9)
-    taken = pending.take(0, 8)
-    assert taken[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 100]
-    assert (pending.start, pending.end) == (8, 8)
-    pending.receive(20, rows[:3])  # a gap: positions 8..19 were never computed here
-    assert (pending.start, pending.end) == (20, 23)
-    pending.truncate(21)
-    assert (pending.start, pending.end) == (20, 21)
-    pending.truncate(0)
-    assert pending.end == pending.start
+    states.observe(["a", "b"], np.array([0, 7]), np.array([6, 4]), rows)
+    assert states.num_held == 10
+    held, where = states.take()
+    assert held is rows  # the forward's own tensor, not a copy
+    assert (where["b"].row_of(7), where["b"].row_of(10), where["b"].end) == (6, 9, 11)
+    assert where["b"].row_of(11) is None and where["a"].row_of(-1) is None
+    assert states.num_held == 0 and states.take() == (None, {})

@@ -173,9 +173,7 @@ def test_what_does_not_fit_the_target_is_refused(
         engine(tiny_llama, medusa(directory, k))
 
 
-def test_refused_by_name(tiny_llama, heads):
-    with pytest.raises(ValueError, match="one rank only"):
-        engine(tiny_llama, medusa(heads["vllm"], 2), tensor_parallel_size=2)
+def test_refused_by_name(heads):
     with pytest.raises(ValueError, match="head's directory"):
         SpeculativeConfig.parse({"method": "medusa", "num_speculative_tokens": 2})
     config = SpeculativeConfig.parse(medusa("x", 2, draft_tensor_parallel_size=1))

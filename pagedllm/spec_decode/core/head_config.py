@@ -19,17 +19,14 @@ from pagedllm.spec_decode.head_layers import aux_layers
 from pagedllm.spec_decode.medusa_config import read_medusa_config
 
 
-def build_head_config(
-    spec: SpeculativeConfig, target: ModelConfig, parallel_world_size: int
-) -> ModelConfig:
-    """The head's `ModelConfig`; a ValueError naming what does not fit the target."""
+def build_head_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The head's `ModelConfig`; a ValueError naming what does not fit the target.
+
+    Any parallel layout fits: the head runs whole on the sampling rank, reading the target's
+    hidden states (whole on every tensor-parallel rank after each layer's all-reduce; an
+    EAGLE-3 head's layers carried from the stages that run them, runner/stage_tap.py) and
+    whole copies of its embedding and lm_head (spec_decode/runner/whole_target_parts.py)."""
     assert spec.uses_head and spec.model is not None
-    if parallel_world_size > 1:
-        raise ValueError(
-            f"speculative_config: method {spec.method!r} is served with one rank only for now "
-            "(tensor_parallel_size=1, pipeline_parallel_size=1): the head reads the target's "
-            "hidden states and shares its embedding on one rank"
-        )
     source = resolve_model(spec.model)
     if source.is_gguf:
         raise ValueError(f"speculative_config: an EAGLE head is a directory, got {spec.model!r}")
@@ -79,16 +76,12 @@ def _check_head(method: str, config: Any, target: ModelConfig, path: str) -> Non
         )
 
 
-def check_medusa_head(spec: SpeculativeConfig, target: ModelConfig, parallel_world_size: int):
+def check_medusa_head(spec: SpeculativeConfig, target: ModelConfig):
     """Medusa heads (no KV, so no `ModelConfig`): a ValueError naming what does not fit the
-    target or the engine's layout."""
+    target. Any layout fits: the heads read the last stage's normed output, whole on its
+    sampling rank, and score (without lm_heads of their own) with a whole copy of the
+    target's lm_head there."""
     assert spec.method == "medusa" and spec.model is not None
-    if parallel_world_size > 1:
-        raise ValueError(
-            "speculative_config: method 'medusa' is served with one rank only for now "
-            "(tensor_parallel_size=1, pipeline_parallel_size=1): the heads read the target's "
-            "hidden states on one rank"
-        )
     source = resolve_model(spec.model)
     if source.is_gguf or not os.path.isdir(source.path):
         raise ValueError(f"speculative_config: a Medusa head is a directory, got {spec.model!r}")

@@ -73,7 +73,7 @@ class DraftModelDrafts(SampledDrafts):
             self._num_computed[request_id] = min(self._num_computed[request_id], num_tokens)
 
     def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
-        self._probs.clear()
+        self._forget_probs(request_ids)
         if not request_ids or not self.config.speculates(len(request_ids)):
             return {}
         rows = np.array([batch.row(r) for r in request_ids], dtype=np.int64)

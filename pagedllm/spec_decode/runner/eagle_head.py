@@ -39,10 +39,11 @@ from pagedllm.ops.kernel_selection import KernelSelection
 
 @dataclass
 class TargetParts:
-    """What a head may share with its target: the embedding and the logits head."""
+    """What a head may share with its target: the embedding and the logits head (whole on
+    the sampling rank: the target's own, or copies under tensor parallelism)."""
 
-    embed_tokens: nn.Module
-    compute_logits: Any  # the target's `compute_logits`
+    embed_tokens: nn.Module | None  # None on a pipeline stage without it (Medusa's)
+    compute_logits: Any  # hidden -> [rows, vocabulary] logits
 
 
 class _Eagle3FirstLayer(nn.Module):
@@ -120,6 +121,7 @@ class _HeadBase(nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens(input_ids)
         assert self._target is not None, "a head without embeddings shares its target's"
+        assert self._target.embed_tokens is not None, "the target's embedding on this stage"
         return self._target.embed_tokens(input_ids)
 
     def attention_layers(self) -> list[nn.Module]:

@@ -56,7 +56,8 @@ def build_head(
     method: str,
     config: Any,
     tensors: dict[str, torch.Tensor],
-    target: torch.nn.Module,
+    target_config: Any,
+    shared: TargetParts,
     backend,
     dtype: torch.dtype,
     max_len: int,
@@ -64,10 +65,10 @@ def build_head(
     directory: str,
 ) -> tuple[torch.nn.Module, TargetStates]:
     """The head of `method` (read from `directory`) with its weights, sharing what it lacks
-    with `target`, and the target's states it reads."""
-    shared = TargetParts(target.model.embed_tokens, target.compute_logits)
+    with its target (`shared`; `target_config` its Hugging Face config), and the target's
+    states it reads."""
     if method == "eagle3":
-        layers = aux_layers(config, target.config.num_hidden_layers)
+        layers = aux_layers(config, target_config.num_hidden_layers)
         head = Eagle3Head(
             config,
             backend,
@@ -76,7 +77,7 @@ def build_head(
             kernels,
             own_embeddings="embed_tokens.weight" in tensors,
             own_lm_head="lm_head.weight" in tensors,
-            target_hidden_size=target.config.hidden_size,
+            target_hidden_size=target_config.hidden_size,
             num_target_states=len(layers),
         )
         states = TargetStates(layers)

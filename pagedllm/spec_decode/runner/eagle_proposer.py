@@ -4,14 +4,19 @@ The head is a draft model in all but its inputs, so it keeps `DraftModelDrafts`'
 (a pool of the target's blocks, written into the lookahead slots for the chained steps) and
 its bookkeeping of q for the rejection sampler. Its inputs at position p are the token at
 p + 1 and a hidden state of p: the target's, handed over after every forward
-(`observe_target`, held per request in `PendingStates` until the head reads them), or in
-the chained steps the head's own of the position before.
+(`observe_target`, kept in `StepStates` until the step's `propose`), or in the chained steps
+the head's own of the position before.
 
-When a request samples, the head catches up from where its KV is valid to the request's
-last verified position (N - 2 for N tokens: the state of N - 1 is computed only when the
-sampled token is verified), in one forward with every other request's catch-up; its logits
-at N - 2 propose token N. `num_speculative_tokens - 1` single-token steps propose the rest.
-A step that does not speculate still catches the head up: states are not held past it.
+After every forward the head catches up on every request the step computed, in one forward:
+from where its KV is valid to the last position the step computed whose next token is known
+(a prompt chunk's last position reads the prompt's next token; a request that sampled stops
+at N - 2 for N tokens, since the state of N - 1 is computed only when the sampled token is
+verified). So the head reads a prompt's states chunk by chunk as the target's chunked
+prefill runs, and holds no target state past the step: one step's tokens at most, whatever
+the prompts' lengths and the number of requests, and nothing for a request between steps
+(finished, aborted or preempted). For a request that sampled, the catch-up's logits at N - 2
+propose token N, and `num_speculative_tokens - 1` single-token steps propose the rest; a
+step too large to speculate (`disable_by_batch_size`) runs the catch-up alone.
 Positions the target did not compute for this request (a prefix-cache hit) have no states:
 the head keeps the KV the cache holds there (written by the request that filled those
 blocks) and starts after them; exactness never depends on it, only acceptance.
@@ -19,7 +24,7 @@ blocks) and starts after them; exactness never depends on it, only acceptance.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -27,10 +32,21 @@ import torch
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.runner.draft_model import DraftModelDrafts
 from pagedllm.spec_decode.runner.proposer import TargetStates
-from pagedllm.spec_decode.runner.target_state_buffer import PendingStates
+from pagedllm.spec_decode.runner.step_states import StepRows, StepStates
 
 if TYPE_CHECKING:
     from pagedllm.runner.input_batch import InputBatch
+
+
+class CatchUp(NamedTuple):
+    """The head's catch-up of one step: positions [start, end) of each request, with the
+    target's states of those positions."""
+
+    request_ids: list[str]
+    rows: np.ndarray  # each request's row in the batch
+    starts: np.ndarray
+    ends: np.ndarray
+    states: torch.Tensor
 
 
 class EagleDrafts(DraftModelDrafts):
@@ -46,46 +62,51 @@ class EagleDrafts(DraftModelDrafts):
     ) -> None:
         super().__init__(config, head, attention_backend, block_size, max_model_len, device)
         self.target_states = target_states
-        self._pending: dict[str, PendingStates] = {}
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        super().add_request(request_id, prompt_token_ids)
-        self._pending[request_id] = PendingStates()
-
-    def remove_request(self, request_id: str) -> None:
-        super().remove_request(request_id)
-        self._pending.pop(request_id, None)
-
-    def truncate(self, request_id: str, num_tokens: int) -> None:
-        super().truncate(request_id, num_tokens)
-        if request_id in self._pending:
-            self._pending[request_id].truncate(num_tokens)
+        self.step_states = StepStates()
 
     def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
-        offsets = np.concatenate(([0], np.cumsum(num_tokens)))
-        for index, request_id in enumerate(request_ids):
-            pending = self._pending.get(request_id)
-            if pending is not None:
-                rows = states[offsets[index] : offsets[index + 1]]
-                pending.receive(int(first_positions[index]), rows)
+        self.step_states.observe(request_ids, first_positions, num_tokens, states)
 
     def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
-        """Drafts for the requests that sampled; in a step too large to speculate
-        (`disable_by_batch_size`) the head still catches up, so that the target's states
-        are not held past the step (unlike a draft model's tokens, they cannot be had
-        again)."""
-        self._probs.clear()
-        speculates = self.config.speculates(len(request_ids))
-        request_ids, spans = self._catch_up_spans(request_ids, batch)
-        if not request_ids:
+        """Drafts for the requests that sampled (`request_ids`), after the catch-up of
+        every request the step computed."""
+        self._forget_probs(request_ids)
+        catch_up = self._catch_up(batch)
+        if catch_up is None:
             return {}
-        rows, starts, ends, states = spans
-        for_logits, chain = self._forward_head(batch, rows, starts, ends, states)
-        for request_id, end in zip(request_ids, ends.tolist(), strict=True):
+        for_logits, chain = self._forward_head(
+            batch, catch_up.rows, catch_up.starts, catch_up.ends, catch_up.states
+        )
+        for request_id, end in zip(catch_up.request_ids, catch_up.ends.tolist(), strict=True):
             self._num_computed[request_id] = end
-        if not speculates:
+        if not request_ids or not self.config.speculates(len(request_ids)):
             return {}
-        return self._chain(request_ids, batch, rows, ends, for_logits, chain)
+        drafting = self._drafting(catch_up, set(request_ids), batch)
+        if not len(drafting):
+            return {}
+        index = self._tensor(drafting)
+        return self._chain(
+            [catch_up.request_ids[i] for i in drafting.tolist()],
+            batch,
+            catch_up.rows[drafting],
+            catch_up.ends[drafting],
+            for_logits[index],
+            chain[index],
+        )
+
+    @staticmethod
+    def _drafting(catch_up: CatchUp, sampled: set[str], batch: InputBatch) -> np.ndarray:
+        """Indices into `catch_up` of the requests that sampled and were caught up to
+        their last verified position (all of them: it was computed this step)."""
+        last_verified = batch.num_tokens[catch_up.rows] - 1
+        return np.array(
+            [
+                i
+                for i, request_id in enumerate(catch_up.request_ids)
+                if request_id in sampled and catch_up.ends[i] == last_verified[i]
+            ],
+            dtype=np.int64,
+        )
 
     def _chain(self, request_ids, batch, rows, ends, for_logits, chain) -> dict[str, list[int]]:
         """d1 from the catch-up's logits, then `num_speculative_tokens - 1` chained steps,
@@ -101,31 +122,39 @@ class EagleDrafts(DraftModelDrafts):
         logits = self.model.compute_logits(for_logits)
         return self._chain_drafts(request_ids, batch, rows, ends, logits, next_logits)
 
-    def _catch_up_spans(self, request_ids: list[str], batch: InputBatch):
-        """The requests the head can propose for, and (rows, starts, ends, the target's
-        states of those positions); a request whose states are not all held yet (none
-        should be: its last verified position was computed this step) proposes nothing."""
-        kept, rows, starts, ends, states = [], [], [], [], []
-        for request_id in request_ids:
-            row = batch.row(request_id)
-            end = int(batch.num_tokens[row]) - 1  # the sampled token's position: no state yet
-            pending = self._pending[request_id]
-            pending.truncate(end)
-            start = max(self._num_computed[request_id], pending.start)
-            if start >= end or pending.end < end:
+    def _catch_up(self, batch: InputBatch) -> CatchUp | None:
+        """What the head reads of the step's states (None: nothing); they are not held
+        after, read or not."""
+        states, step_rows = self.step_states.take()
+        if states is None:
+            return None
+        kept, rows, starts, ends, state_rows = [], [], [], [], []
+        for request_id, where in step_rows.items():
+            span = self._span(request_id, where, batch)
+            if span is None:
                 continue
+            start, end = span
             kept.append(request_id)
-            rows.append(row)
+            rows.append(batch.row(request_id))
             starts.append(start)
             ends.append(end)
-            states.append(pending.take(start, end))
-        spans = (
-            np.array(rows, dtype=np.int64),
-            np.array(starts, dtype=np.int64),
-            np.array(ends, dtype=np.int64),
-            torch.cat(states) if states else None,
-        )
-        return kept, spans
+            state_rows.append(np.arange(where.row_of(start), where.row_of(end - 1) + 1))
+        if not kept:
+            return None
+        taken = states[self._tensor(np.concatenate(state_rows))]
+        return CatchUp(kept, _int64(rows), _int64(starts), _int64(ends), taken)
+
+    def _span(self, request_id: str, where: StepRows, batch: InputBatch) -> tuple[int, int] | None:
+        """Positions [start, end) of the request the head reads this step: from where its
+        KV is valid (or the first the step computed, after a prefix-cache hit) to the last
+        the step computed whose next token the batch holds (a prompt's, or the one just
+        sampled: the drafts after it are not verified)."""
+        if request_id not in self._num_computed:  # never added: nothing to catch up
+            return None
+        num_tokens = int(batch.num_tokens[batch.row(request_id)])
+        end = min(where.end, num_tokens - 1)
+        start = max(self._num_computed[request_id], where.first_position)
+        return (start, end) if start < end else None
 
     def _forward_head(self, batch, rows, starts, ends, hidden, token_ids=None):
         """The head over positions [start, end) of each row, reading the token after each
@@ -141,3 +170,7 @@ class EagleDrafts(DraftModelDrafts):
         for_logits, chain = self.model(input_ids, positions, hidden, spans.metadata)
         last = self._tensor(spans.last_rows)
         return for_logits[last], chain[last]
+
+
+def _int64(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)

@@ -13,7 +13,6 @@ head). The drafts form a chain of `num_speculative_tokens` tokens that the targe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,22 +23,10 @@ from pagedllm.spec_decode.runner.medusa_head import MedusaHeads
 from pagedllm.spec_decode.runner.proposer import TargetStates
 from pagedllm.spec_decode.runner.rejection_sampler import draft_sample
 from pagedllm.spec_decode.runner.sampled_drafts import SampledDrafts
+from pagedllm.spec_decode.runner.step_states import StepStates
 
 if TYPE_CHECKING:
     from pagedllm.runner.input_batch import InputBatch
-
-
-@dataclass(frozen=True)
-class _StepRows:
-    """Where one request's rows sit in the step's states."""
-
-    offset: int  # its first row
-    first_position: int
-    num_rows: int
-
-    def row_of(self, position: int) -> int | None:
-        index = position - self.first_position
-        return self.offset + index if 0 <= index < self.num_rows else None
 
 
 class MedusaDrafts(SampledDrafts):
@@ -50,21 +37,14 @@ class MedusaDrafts(SampledDrafts):
         assert heads.num_heads == config.num_speculative_tokens
         self.heads = heads
         # The last forward's states and each request's rows there (until it proposes).
-        self._states: torch.Tensor | None = None
-        self._rows: dict[str, _StepRows] = {}
+        self.step_states = StepStates()
 
     def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
-        offsets = np.concatenate(([0], np.cumsum(num_tokens)))
-        self._states = states
-        self._rows = {
-            request_id: _StepRows(int(offsets[i]), int(first_positions[i]), int(num_tokens[i]))
-            for i, request_id in enumerate(request_ids)
-        }
+        self.step_states.observe(request_ids, first_positions, num_tokens, states)
 
     def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
-        self._probs.clear()
-        states, self._states = self._states, None
-        rows, self._rows = self._rows, {}
+        self._forget_probs(request_ids)
+        states, rows = self.step_states.take()
         if states is None or not request_ids or not self.config.speculates(len(request_ids)):
             return {}
         kept, batch_rows, state_rows = [], [], []

@@ -64,7 +64,8 @@ class Proposer:
 
     def propose(self, request_ids: list[str], batch: InputBatch) -> dict[str, list[int]]:
         """Drafts for the requests that sampled this step (none in a step too large to
-        speculate: `disable_by_batch_size`)."""
+        speculate: `disable_by_batch_size`). Called after every forward on the sampling
+        rank, with no request when none sampled (a step of prompt chunks alone)."""
         if not request_ids or not self.config.speculates(len(request_ids)):
             return {}
         proposals = {}

@@ -23,11 +23,18 @@ class SampledDrafts(Proposer):
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         super().__init__(config)
         self.device = device
-        # q of the drafts proposed last, for requests that sample (greedy ones have none).
+        # q of each request's drafts proposed last, for requests that sample (greedy ones
+        # have none); kept until the request next samples, as a step need not schedule
+        # every request that holds drafts (a step of prompt chunks alone proposes too).
         self._probs: dict[str, torch.Tensor] = {}
 
     def remove_request(self, request_id: str) -> None:
         self._probs.pop(request_id, None)
+
+    def _forget_probs(self, request_ids: list[str]) -> None:
+        """The requests that sampled this step: their drafts were verified, their q is done."""
+        for request_id in request_ids:
+            self._probs.pop(request_id, None)
 
     def _sampling(
         self, batch: InputBatch, rows: np.ndarray
