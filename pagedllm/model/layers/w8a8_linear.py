@@ -42,7 +42,7 @@ BAND_BYTES = 1 << 20  # fp32 bytes of dequantized rows made at a time
 # Up to this many input rows fp8 weights are multiplied in registers (`fp8_linear`: a byte
 # read per weight), per kernel path; past it a band in fp32 and torch.mm took less time (one
 # thread, Llama-3.2-1B's projections, benchmarks/fp8_kernel.py). AVX2 keeps its four
-# registers' worth; AVX-512's passes of 8 rows beat the bands 1.4-2.6x at 8, 16 and 32 rows.
+# registers' worth; AVX-512's passes of 8 rows beat the bands 1.3-2.8x at 8, 16 and 32 rows.
 FUSED_MAX_ROWS = {FP8_AVX2: 4, FP8_AVX512: 32}
 INT8_ENGINE = "fbgemm"
 
