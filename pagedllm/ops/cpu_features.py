@@ -6,7 +6,7 @@ checks where `/proc/cpuinfo` is missing. `PAGEDLLM_CPU_DISABLE` (a comma-separat
 feature names, e.g. `avx512_vnni,amx_bf16`) hides features, so a machine can run, and a
 test can check, the paths an older CPU would take. The C++ kernels' baseline is AVX2 + FMA,
 read from torch's dispatch level (`ATEN_CPU_CAPABILITY=default` lowers it too); wider paths
-are chosen per kernel from these features (`gguf_kernel_isa`).
+are chosen per kernel from these features (`gguf_kernel_isa`, `fp8_kernel_isa`).
 """
 
 from __future__ import annotations
@@ -121,16 +121,30 @@ def gguf_kernel_isa(features: CpuFeatures | None = None) -> int:
     return GGUF_AVX2
 
 
+# The fp8 kernels' paths (ops/csrc/fp8_dequant.cpp's `isa`); both give the same bits.
+FP8_AVX2, FP8_AVX512 = 1, 2
+
+
+def fp8_kernel_isa(features: CpuFeatures | None = None) -> int:
+    """The widest fp8 kernel path these features allow."""
+    features = features or cpu_features()
+    if features.avx512f and features.avx512bw and features.avx512vl:
+        return FP8_AVX512
+    return FP8_AVX2
+
+
 def describe_cpu(features: CpuFeatures | None = None) -> str:
     """One line for the start-up log: the features and what each kernel family runs."""
     features = features or cpu_features()
     gguf_path = {GGUF_VNNI: "AVX-512 VNNI", GGUF_AVX2: "AVX2", GGUF_PORTABLE: "portable"}
+    fp8_path = {FP8_AVX512: "AVX-512", FP8_AVX2: "AVX2"}
     disabled = sorted(disabled_features())
     hidden = f" ({DISABLE_ENV} hides {', '.join(disabled)})" if disabled else ""
     bf16 = "yes" if features.bf16_arithmetic else "no (bf16 is converted to fp32)"
     return (
         f"CPU features: {' '.join(features.names()) or 'none of interest'}{hidden}; "
-        f"GGUF matmul path: {gguf_path[gguf_kernel_isa(features)]}; bf16 arithmetic: {bf16}"
+        f"GGUF matmul path: {gguf_path[gguf_kernel_isa(features)]}; "
+        f"fp8 path: {fp8_path[fp8_kernel_isa(features)]}; bf16 arithmetic: {bf16}"
     )
 
 

@@ -102,8 +102,11 @@ KERNEL_CASES = [
 ]
 
 
-# fp8: up to FUSED_MAX_ROWS rows multiplied in registers, more through bands and torch.mm.
-@pytest.mark.parametrize("rows", [w8a8_linear.FUSED_MAX_ROWS - 1, w8a8_linear.FUSED_MAX_ROWS + 2])
+# fp8: up to fused_max_rows() rows multiplied in registers, more through bands and torch.mm.
+FUSED_ROWS = w8a8_linear.fused_max_rows()
+
+
+@pytest.mark.parametrize("rows", [FUSED_ROWS - 1, FUSED_ROWS + 2])
 @pytest.mark.parametrize(("fmt", "on_fbgemm"), KERNEL_CASES)
 def test_layer_computes_the_reference_math(fmt, on_fbgemm, rows, monkeypatch):
     # Without VNNI fbgemm is not exact on full-range inputs; the fallback is what runs there.

@@ -14,9 +14,9 @@ is the reference's sum of (q_x s_x)(q_w s_w) up to fp32 rounding.
 `TiledDequantLinear` (fp8 weights, or int8 weights with unquantized activations): the
 activation is fake-quantized to the checkpoint's grid (values * scales, as fp32), then each
 band of ~1 MiB of dequantized rows is made in fp32 and multiplied into its columns of the
-output; only one band is ever held in fp32. Up to `FUSED_MAX_ROWS` rows (decode) fp8
-weights are instead dequantized in registers and multiplied there (`fp8_linear`,
-ops/csrc/fp8_dequant.cpp), each weight the same fp32 value the band would hold.
+output; only one band is ever held in fp32. Up to `fused_max_rows()` rows (decode: 4 on
+AVX2, 32 on AVX-512) fp8 weights are instead dequantized in registers and multiplied there
+(`fp8_linear`, ops/csrc/fp8_dequant.cpp), each weight the same fp32 value the band holds.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ from pagedllm.model.layers.w8a8_activations import (
 )
 from pagedllm.model.layers.w8a8_weights import W8A8Weights, fp8_ops
 from pagedllm.model.quantization.w8a8_scheme import INT8, W8A8Scheme
+from pagedllm.ops.cpu_features import FP8_AVX2, FP8_AVX512, fp8_kernel_isa
 
 BAND_BYTES = 1 << 20  # fp32 bytes of dequantized rows made at a time
 # Up to this many input rows fp8 weights are multiplied in registers (`fp8_linear`: a byte
-# read per weight); from 8 rows a band in fp32 and torch.mm took less time (one thread,
-# Llama-3.2-1B's q/k/v and down projections).
-FUSED_MAX_ROWS = 4
+# read per weight), per kernel path; past it a band in fp32 and torch.mm took less time (one
+# thread, Llama-3.2-1B's projections, benchmarks/fp8_kernel.py). AVX2 keeps its four
+# registers' worth; AVX-512's passes of 8 rows beat the bands 1.3-2.8x at 8, 16 and 32 rows.
+FUSED_MAX_ROWS = {FP8_AVX2: 4, FP8_AVX512: 32}
 INT8_ENGINE = "fbgemm"
 
 
@@ -57,6 +59,11 @@ def _scratch(rows: int, cols: int) -> torch.Tensor:
         with torch.inference_mode(False):
             _SCRATCH[0] = torch.empty(rows * cols)
     return _SCRATCH[0][: rows * cols].view(rows, cols)
+
+
+def fused_max_rows() -> int:
+    """The most input rows this CPU's fp8 path multiplies in registers."""
+    return FUSED_MAX_ROWS[fp8_kernel_isa()]
 
 
 def use_fbgemm() -> bool:
@@ -93,10 +100,10 @@ class TiledDequantLinear(MatmulIntoLinear):
         if activations is not None:
             x2 = fake_quantize(x2, activations, self.weights.scheme.weight_type, self.input_scale)
         ops = fp8_ops() if self.values.dtype == torch.float8_e4m3fn else None
-        if ops is not None and x2.shape[0] <= FUSED_MAX_ROWS:
+        if ops is not None and x2.shape[0] <= fused_max_rows():
             weights = self.weights
             scales = weights.kernel_scales(0, self.out_features)
-            ops.fp8_linear(out, x2, self.values, scales, *weights.kernel_blocks())
+            ops.fp8_linear(out, x2, self.values, scales, *weights.kernel_blocks(), fp8_kernel_isa())
             return
         for start in range(0, self.out_features, self.band_rows):
             stop = min(start + self.band_rows, self.out_features)

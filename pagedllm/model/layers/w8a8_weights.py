@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.model.quantization.w8a8_scheme import W8A8Scheme
+from pagedllm.ops.cpu_features import fp8_kernel_isa
 
 _KERNEL: list = []  # [torch.ops.pagedllm or None], filled on first use
 
@@ -76,9 +77,8 @@ class W8A8Weights:
             out = torch.empty(stop - start, self.in_features)
         kernel = fp8_kernel() if self.values.dtype == torch.float8_e4m3fn else None
         if kernel is not None and start % self.kernel_blocks()[0] == 0:
-            kernel(
-                out, self.values[start:stop], self.kernel_scales(start, stop), *self.kernel_blocks()
-            )
+            scales = self.kernel_scales(start, stop)
+            kernel(out, self.values[start:stop], scales, *self.kernel_blocks(), fp8_kernel_isa())
             return out
         torch.mul(self.values[start:stop].to(torch.float32), self.row_scales(start, stop), out=out)
         return out

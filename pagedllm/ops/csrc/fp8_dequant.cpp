@@ -1,16 +1,25 @@
 // fp8 e4m3 weights dequantized into fp32 (CPU) for the FP8 checkpoint layers
 // (pagedllm/model/layers/w8a8_linear.py): `fp8_dequant` makes a band of rows for torch.mm
-// (many input rows), `fp8_linear` multiplies a few input rows by the weights directly, each
-// weight decoded and scaled in registers once per pass of up to four input rows, so a decode
-// step reads one byte a weight.
+// (many input rows), `fp8_linear` multiplies input rows by the weights directly, each weight
+// decoded and scaled in registers once per pass of up to eight input rows, so a decode step
+// reads one byte a weight. Two paths, the same bits (fp8_tile.h): AVX2 + F16C, and AVX-512
+// (F, BW, VL) where the CPU has it; the caller's `isa` picks (1 AVX2, 2 AVX-512), lowered to
+// what the CPU runs.
 //
 // out[r, k] = e4m3(values[r, k]) * scales[r / row_block, k / col_block]: per output channel
-// (row_block 1, col_block K) or per block (128 x 128). The e4m3 value is made exactly from its
-// bits (torch's own conversion runs one value at a time, ~100x slower than this): a normal
-// number's exponent and mantissa move into an fp32's with the exponent bias raised by 120;
-// a subnormal one (exponent field 0) is m * 2^-9, made from the integer m so that no fp32
-// subnormal is involved (a CPU flushing those would zero it); 0x7F / 0xFF are NaN. The one
-// product with the scale rounds as the reference's fp32 dequantization does.
+// (row_block 1, col_block K) or per block (128 x 128), one rounding, as the reference's fp32
+// dequantization. The e4m3 value is made exactly from its bits (torch's own conversion runs
+// one value at a time, ~100x slower than this):
+// - fast (every byte but the NaNs): the sign and the 7 magnitude bits placed in an fp16's
+//   (sign to bit 15, magnitude to bits 7..13) are the fp16 e4m3 * 2^-8, subnormals included
+//   (the fp16's 5-bit exponent spans e4m3's range shifted down by 8); F16C's vcvtph2ps makes
+//   it fp32 exactly and the scale carries the 2^8 back (s * 256 is exact, so the one product
+//   rounds the same real number as e4m3 * s);
+// - exact slow path, for 16 bytes holding a NaN (0x7F / 0xFF: the fast path would read 480)
+//   or a scale too large to carry 2^8: a normal number's exponent and mantissa move into an
+//   fp32's with the exponent bias raised by 120; a subnormal one (exponent field 0) is
+//   m * 2^-9, made from the integer m so that no fp32 subnormal is involved (a CPU flushing
+//   those would zero it).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,15 +34,17 @@
 
 #include "vec_avx2.h"
 
+#define PAGEDLLM_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 constexpr int kExponentShift = 20;         // e4m3's 7 magnitude bits under fp32's exponent
 constexpr int32_t kBiasRaise = 120 << 23;  // fp32 bias 127 minus e4m3 bias 7
 constexpr int32_t kNanMagnitude = 0x7F;
 constexpr int64_t kRowGrain = 16;
-// fp8_linear: input rows sharing one pass over a weight row (their sums take 4 registers).
-constexpr int kRowsPerPass = 4;
 constexpr int64_t kWeightRowGrain = 64;
+constexpr float kFold = 256.0f;  // the fast decode's e4m3 * 2^-8, carried by the scale
+constexpr int64_t kAvx2 = 1, kAvx512 = 2;
 
 float decode_scalar(uint8_t byte) {
   const int magnitude = byte & 0x7F;
@@ -76,17 +87,158 @@ inline __m256 decode8(const uint8_t* bytes) {
   return _mm256_or_ps(value, _mm256_castsi256_ps(sign));
 }
 
-// One row: columns [begin, end) share the scale s.
-void dequant_run(const uint8_t* bytes, float* out, int64_t begin, int64_t end, float s) {
-  const __m256 scale = _mm256_set1_ps(s);
-  int64_t k = begin;
-  for (; k + 8 <= end; k += 8) _mm256_storeu_ps(out + k, _mm256_mul_ps(decode8(bytes + k), scale));
-  const auto& table = decode_table();
-  for (; k < end; ++k) out[k] = table[bytes[k]] * s;
+struct LinearOperands {
+  const float* x;
+  int64_t x_stride;
+  const uint8_t* w;
+  int64_t w_stride;
+  const float* scales;
+  int64_t scale_cols;
+  int64_t row_block;
+  int64_t col_block;
+  float* out;
+  int64_t out_stride;
+  int64_t k;
+};
+
+// e4m3 bytes whose sign and magnitude, moved into an fp16's, are e4m3 * 2^-8 (16-bit
+// lanes of the sign-extended bytes: the shift leaves a copy of the sign in bit 14, cleared).
+inline __m256i half_bits(__m256i words) {
+  return _mm256_and_si256(_mm256_slli_epi16(words, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+
+// Whether any of 16 bytes is a NaN (0x7F or 0xFF).
+inline bool has_nan(__m128i bytes) {
+  const __m128i nan = _mm_set1_epi8(0x7F);
+  return _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(bytes, nan), nan)) != 0;
+}
+
+// Whether s * 256 is exact (it overflows only for s near fp32's largest; inf and NaN scales
+// stay what they are).
+inline bool folds_exactly(float s) { return std::isfinite(s * kFold) || !std::isfinite(s); }
+
+// ---- AVX2 path: 16 lanes in two 256-bit registers --------------------------------------------
+
+namespace avx2_path {
+
+struct Lanes {
+  struct V {
+    __m256 lo, hi;
+  };
+  struct Scale {
+    __m256 exact, folded;
+    bool fast;
+  };
+  static V zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static Scale scale(float s) {
+    return {_mm256_set1_ps(s), _mm256_set1_ps(s * kFold), folds_exactly(s)};
+  }
+  // 16 weights e4m3(bytes[i]) * s, exactly (see the file comment).
+  static PAGEDLLM_ALWAYS_INLINE V decode(const uint8_t* bytes, const Scale& s) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    if (s.fast && !has_nan(raw)) [[likely]] {
+      const __m256i h = half_bits(_mm256_cvtepi8_epi16(raw));
+      return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s.folded),
+              _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s.folded)};
+    }
+    return exact(bytes, s.exact);
+  }
+  // Out of line: inlined, its registers pushed the sums out of theirs.
+  static __attribute__((noinline)) V exact(const uint8_t* bytes, __m256 s) {
+    return {_mm256_mul_ps(decode8(bytes), s), _mm256_mul_ps(decode8(bytes + 8), s)};
+  }
+  static PAGEDLLM_ALWAYS_INLINE V fmadd(const V& w, const float* x, const V& acc) {
+    return {_mm256_fmadd_ps(w.lo, _mm256_loadu_ps(x), acc.lo),
+            _mm256_fmadd_ps(w.hi, _mm256_loadu_ps(x + 8), acc.hi)};
+  }
+  static float reduce(const V& v) { return pagedllm_vec::hsum(_mm256_add_ps(v.lo, v.hi)); }
+  static void store(float* out, const V& v) {
+    _mm256_storeu_ps(out, v.lo);
+    _mm256_storeu_ps(out + 8, v.hi);
+  }
+};
+
+#include "fp8_tile.h"
+
+// 16 vector registers, each sum taking two: at most 8 of them beside the decode's.
+void linear(const LinearOperands& a, int64_t rows, int64_t n_begin, int64_t n_end) {
+  if (rows == 1) return weight_rows<1, 2>(a, rows, n_begin, n_end);
+  weight_rows<4, 1>(a, rows, n_begin, n_end);
+}
+
+}  // namespace avx2_path
+
+// ---- AVX-512 path: 16 lanes in one 512-bit register ------------------------------------------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw")
+
+namespace avx512_path {
+
+struct Lanes {
+  using V = __m512;
+  struct Scale {
+    __m512 exact, folded;
+    bool fast;
+  };
+  static V zero() { return _mm512_setzero_ps(); }
+  static Scale scale(float s) {
+    return {_mm512_set1_ps(s), _mm512_set1_ps(s * kFold), folds_exactly(s)};
+  }
+  static PAGEDLLM_ALWAYS_INLINE V decode(const uint8_t* bytes, const Scale& s) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+    if (s.fast && !has_nan(raw)) [[likely]] {
+      return _mm512_mul_ps(_mm512_cvtph_ps(half_bits(_mm256_cvtepi8_epi16(raw))), s.folded);
+    }
+    return exact(bytes, s.exact);
+  }
+  static __attribute__((noinline)) V exact(const uint8_t* bytes, __m512 s) {
+    const __m512 joined = _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(decode8(bytes))),
+        _mm256_castps_pd(decode8(bytes + 8)), 1));
+    return _mm512_mul_ps(joined, s);
+  }
+  static PAGEDLLM_ALWAYS_INLINE V fmadd(V w, const float* x, V acc) {
+    return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc);
+  }
+  // As the AVX2 path's: the high eight lanes added to the low eight, then the same tree.
+  static float reduce(V v) {
+    const __m256 lo = _mm512_castps512_ps256(v);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return pagedllm_vec::hsum(_mm256_add_ps(lo, hi));
+  }
+  static void store(float* out, V v) { _mm512_storeu_ps(out, v); }
+};
+
+#include "fp8_tile.h"
+
+// 32 vector registers: up to 16 sums beside the decoded weights.
+void linear(const LinearOperands& a, int64_t rows, int64_t n_begin, int64_t n_end) {
+  if (rows == 1) return weight_rows<1, 4>(a, rows, n_begin, n_end);
+  if (rows == 2) return weight_rows<2, 4>(a, rows, n_begin, n_end);
+  if (rows <= 4) return weight_rows<4, 4>(a, rows, n_begin, n_end);
+  weight_rows<8, 2>(a, rows, n_begin, n_end);
+}
+
+}  // namespace avx512_path
+
+#pragma GCC pop_options
+
+bool avx512_available() {
+  static const bool available = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512bw");
+  return available;
+}
+
+// The path to run: the caller's choice, lowered to what this CPU has.
+int64_t path_for(int64_t isa) {
+  TORCH_CHECK(isa == kAvx2 || isa == kAvx512, "fp8 kernels: isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
+  return isa == kAvx512 && avx512_available() ? kAvx512 : kAvx2;
 }
 
 void fp8_dequant(at::Tensor out, const at::Tensor& values, const at::Tensor& scales,
-                 int64_t row_block, int64_t col_block) {
+                 int64_t row_block, int64_t col_block, int64_t isa) {
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
                   out.stride(1) == 1,
               "fp8_dequant: out must be 2-D fp32 with unit stride in the last dimension");
@@ -105,66 +257,28 @@ void fp8_dequant(at::Tensor out, const at::Tensor& values, const at::Tensor& sca
   const float* scale = scales.data_ptr<float>();
   float* target = out.data_ptr<float>();
   const int64_t scale_cols = scales.size(1);
+  const bool wide = path_for(isa) == kAvx512;
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row_scales = scale + (r / row_block) * scale_cols;
       for (int64_t c = 0; c < scale_cols; ++c) {
-        dequant_run(bytes + r * values.stride(0), target + r * out.stride(0), c * col_block,
-                    std::min(cols, (c + 1) * col_block), row_scales[c]);
+        const uint8_t* row = bytes + r * values.stride(0);
+        float* row_out = target + r * out.stride(0);
+        const int64_t first = c * col_block, last = std::min(cols, (c + 1) * col_block);
+        if (wide) {
+          avx512_path::dequant_run(row, row_out, first, last, row_scales[c]);
+        } else {
+          avx2_path::dequant_run(row, row_out, first, last, row_scales[c]);
+        }
       }
     }
   });
 }
 
-struct LinearOperands {
-  const float* x;
-  int64_t x_stride;
-  const uint8_t* w;
-  int64_t w_stride;
-  const float* scales;
-  int64_t scale_cols;
-  int64_t row_block;
-  int64_t col_block;
-  float* out;
-  int64_t out_stride;
-  int64_t k;
-};
-
-// out[m..m+MR, n] = x[m..m+MR] . (e4m3(w[n]) * scale): each weight is dequantized exactly as
-// fp8_dequant makes it, then multiplied in.
-template <int MR>
-void weight_row(const LinearOperands& a, int64_t m, int64_t n) {
-  const float* x = a.x + m * a.x_stride;
-  const uint8_t* w = a.w + n * a.w_stride;
-  const float* row_scales = a.scales + (n / a.row_block) * a.scale_cols;
-  const auto& table = decode_table();
-  __m256 acc[MR];
-  float tail[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
-  for (int64_t c = 0; c < a.scale_cols; ++c) {
-    const int64_t end = std::min(a.k, (c + 1) * a.col_block);
-    const __m256 scale = _mm256_set1_ps(row_scales[c]);
-    int64_t kk = c * a.col_block;
-    for (; kk + 8 <= end; kk += 8) {
-      const __m256 weight = _mm256_mul_ps(decode8(w + kk), scale);
-      for (int i = 0; i < MR; ++i) {
-        acc[i] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(x + i * a.x_stride + kk), acc[i]);
-      }
-    }
-    for (; kk < end; ++kk) {
-      const float weight = table[w[kk]] * row_scales[c];
-      for (int i = 0; i < MR; ++i) tail[i] += x[i * a.x_stride + kk] * weight;
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    a.out[(m + i) * a.out_stride + n] = pagedllm_vec::hsum(acc[i]) + tail[i];
-  }
-}
-
 // out [M, N] (rows may be strided) = x [M, K] @ dequant(values [N, K])^T, scales as in
 // fp8_dequant.
 void fp8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& values,
-                const at::Tensor& scales, int64_t row_block, int64_t col_block) {
+                const at::Tensor& scales, int64_t row_block, int64_t col_block, int64_t isa) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
                   out.dim() == 2 && x.dim() == 2 && out.stride(1) == 1 && x.stride(1) == 1,
               "fp8_linear: out and x must be 2-D fp32 with unit stride in the last dimension");
@@ -185,23 +299,22 @@ void fp8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& values,
                          values.stride(0), scales.data_ptr<float>(), scales.size(1), row_block,
                          col_block, out.data_ptr<float>(), out.stride(0), cols};
   const int64_t rows = x.size(0);
+  const bool wide = path_for(isa) == kAvx512;
   at::parallel_for(0, n_rows, kWeightRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      int64_t m = 0;
-      for (; m + kRowsPerPass <= rows; m += kRowsPerPass) weight_row<kRowsPerPass>(a, m, n);
-      for (; m + 2 <= rows; m += 2) weight_row<2>(a, m, n);
-      for (; m < rows; ++m) weight_row<1>(a, m, n);
-    }
+    if (wide) return avx512_path::linear(a, rows, begin, end);
+    avx2_path::linear(a, rows, begin, end);
   });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("fp8_dequant(Tensor(a!) out, Tensor values, Tensor scales, int row_block, int col_block) -> ()");
+  m.def(
+      "fp8_dequant(Tensor(a!) out, Tensor values, Tensor scales, int row_block, int col_block, "
+      "int isa=1) -> ()");
   m.def(
       "fp8_linear(Tensor(a!) out, Tensor x, Tensor values, Tensor scales, int row_block, "
-      "int col_block) -> ()");
+      "int col_block, int isa=1) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
