@@ -250,10 +250,6 @@ def verify_checkpoint_quantization(
             args.enable_lora and args.tensor_parallel_size > 1,
             f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
         ),
-        (
-            args.load_format == "dummy" and quantization != "gptq",
-            "load_format='dummy' (random packed weights are made for 'gptq' only)",
-        ),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
@@ -266,8 +262,9 @@ def verify_checkpoint_quantization(
 
 
 def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
-    """The W8A8 / FP8 layers (`w8a8_swap`) run on one rank, without adapters, for now."""
-    why = "(8-bit layers: one rank, no adapters yet)"
+    """The W8A8 / FP8 layers (`w8a8_swap`) run on one rank, without adapters, on a
+    checkpoint's weights (no random ones), for now."""
+    why = "(8-bit layers: one rank, no adapters, no dummy weights yet)"
     return [
         (args.tensor_parallel_size > 1, f"tensor_parallel_size={args.tensor_parallel_size} {why}"),
         (
@@ -275,6 +272,7 @@ def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
             f"pipeline_parallel_size={args.pipeline_parallel_size} {why}",
         ),
         (args.enable_lora, f"enable_lora {why}"),
+        (args.load_format == "dummy", f"load_format='dummy' {why}"),
     ]
 
 
@@ -353,13 +351,12 @@ def _draft_quantization(
 ) -> str | None:
     """The draft's quantization: its checkpoint's method (refused by name as a target's
     would be, `checkpoint_quantization`), else `requested`; a draft stored quantized runs on
-    the CPU kernels, and takes dummy weights as a target does (GPTQ only)."""
+    the CPU kernels, and takes dummy weights as a target does."""
     quantization = checkpoint_quantization(hf_config, requested)
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return quantization
     refused = [
         (on_eight_bit_layers(quantization, hf_config), "a draft on 8-bit layers"),
-        (args.load_format == "dummy" and quantization != "gptq", "load_format='dummy'"),
         (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
     ]
     for is_refused, what in refused:
