@@ -24,6 +24,7 @@ from ct_writer import CTScheme, quantize_packed, reference_dequantize, write_ct_
 from packed_checks import LOGPROB_TOLERANCE, check_engine, dummy_and_checkpoint_layers
 from quantized_llama import SHAPE, make_quantizable_llama
 
+from pagedllm.model.layers.ct_pack_swap import layout
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.packed_swap import swap_packed_layers
@@ -183,7 +184,9 @@ def test_a_packed_head_is_refused_by_name():
         raise AssertionError(f"{prefix} was unpacked")
 
     with pytest.raises(ValueError, match=r"'lm_head'.*heads are not served"):
-        swap_packed_layers(_HeadOnly(), {"lm_head": tensors}, unpack, "compressed-tensors")
+        config = CTScheme(4, 32).quantization_config()
+        method = "compressed-tensors"
+        swap_packed_layers(_HeadOnly(), {"lm_head": tensors}, unpack, method, layout(config))
 
 
 @pytest.fixture(scope="module")

@@ -1,65 +1,58 @@
 """A checkpoint's packed integer layers (GPTQ, AWQ, compressed-tensors pack-quantized)
 swapped in before the loader reads any weight.
 
-`read_layer_tensors` gathers each quantized layer's tensors (by their leaf names) from the
-checkpoint's safetensors files; `swap_packed_layers` replaces the model's `Linear` for
-each with a `GPTQLinear` on the unpacked integers (fused q/k/v and gate/up from their
-separately quantized parts) and returns the tensor names it consumed, which the loader
-then skips. The replaced layers' fp32 storage is never written and never becomes
-resident; the loader fills the rest (embedding, norms, head, biases, layers left
-unquantized) as for an unquantized checkpoint. Each format's `keep_*_weights` (gptq_swap,
-awq_swap, ct_pack_swap) reads and unpacks; this module does the rest. A tensor-parallel
-rank keeps its rows of each layer (`packed_parallel.py`); a pipeline stage swaps in only
-its own layers and names the others' tensors as consumed, so it never reads them again.
+`packed_reads.index_layer_tensors` finds each quantized layer's tensors (by their leaf
+names) in the checkpoint's safetensors files without reading them; `swap_packed_layers`
+then reads, layer by layer, only the output rows this rank keeps (`packed_reads.read_layer`,
+`packed_parallel.py` says which), unpacks them with the format's `unpack`, replaces the
+model's `Linear` for each with a `GPTQLinear` on the integers (fused q/k/v and gate/up from
+their separately quantized parts) and returns the tensor names it consumed, which the loader
+then skips. The replaced layers' fp32 storage is never written and never becomes resident;
+the loader fills the rest (embedding, norms, head, biases, layers left unquantized) as for
+an unquantized checkpoint. Each format's `keep_*_weights` (gptq_swap, awq_swap,
+ct_pack_swap) gives its layout and unpacking; this module does the rest. A pipeline stage
+swaps in only its own layers and names the others' tensors as consumed, never reading them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import distinct_bytes
+from pagedllm.model.layers.gguf_parallel import RowSlice, rank_row_slice
 from pagedllm.model.layers.gptq_linear import merged_gptq_layer
 from pagedllm.model.layers.linear import Linear, MergedLinear
-from pagedllm.model.layers.packed_parallel import parallel_packed_layer, rank_weights
+from pagedllm.model.layers.packed_parallel import (
+    parallel_packed_layer,
+    rank_weights,
+    take_output_rows,
+)
+from pagedllm.model.layers.packed_reads import (
+    LayerSource,
+    LayerTensors,
+    PackedLayout,
+    output_rows,
+    read_layer,
+    word_window,
+)
 from pagedllm.model.layers.vocab_parallel import ParallelLMHead
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 logger = logging.getLogger("pagedllm")
 
-LayerTensors = dict[str, torch.Tensor]
 # (checkpoint prefix, its tensors) -> the layer's integers and scales
 Unpack = Callable[[str, LayerTensors], UnpackedGPTQ]
 
 
-def read_layer_tensors(
-    directory: str, leaves: tuple[str, ...], required: tuple[str, ...], method: str
-) -> dict[str, LayerTensors]:
-    """Layer prefix (HF name without the leaf) -> its tensors named by `leaves`, for every
-    prefix holding `required[0]`, from every safetensors file of `directory`."""
-    from safetensors import safe_open
-
-    found: dict[str, LayerTensors] = {}
-    for file_name in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(directory, file_name), framework="pt") as checkpoint:
-            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                prefix, _, leaf = name.rpartition(".")
-                if leaf in leaves:
-                    found.setdefault(prefix, {})[leaf] = checkpoint.get_tensor(name)
-    layers = {p: t for p, t in found.items() if required[0] in t}
-    for prefix, tensors in layers.items():
-        missing = [n for n in required if n not in tensors]
-        if missing:
-            raise ValueError(f"{method} layer {prefix!r} lacks {', '.join(missing)}")
-    return layers
-
-
 def swap_packed_layers(
-    model: nn.Module, layers: dict[str, LayerTensors], unpack: Unpack, method: str
+    model: nn.Module,
+    layers: dict[str, LayerSource],
+    unpack: Unpack,
+    method: str,
+    layout: PackedLayout,
 ) -> set[str]:
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
@@ -68,22 +61,39 @@ def swap_packed_layers(
     # Another pipeline stage's layers: never read here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
-        unpacked = {
-            shard: _unpack_named(unpack, prefix, t, method)
-            for shard, (prefix, t) in module_parts.items()
+        module = model.get_submodule(name)
+        mine = {
+            shard: _rank_part(module, shard, prefix, source, (unpack, layout), method)
+            for shard, (prefix, source) in module_parts.items()
         }
-        swap_in(model, name, unpacked, method)
+        swap_in(model, name, mine, method, rows_taken=True)
         consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
     log_swapped(model, list(parts), method)
     return consumed
 
 
-def _unpack_named(unpack: Unpack, prefix: str, tensors: LayerTensors, method: str):
-    """The layer unpacked; a malformed one refused with its checkpoint name."""
+def _rank_part(
+    module: nn.Module,
+    shard: str | None,
+    prefix: str,
+    source: LayerSource,
+    reading: tuple[Unpack, PackedLayout],
+    method: str,
+) -> UnpackedGPTQ:
+    """This rank's rows of one layer (or fused shard), read as a window of whole words and
+    cut after unpacking (`packed_reads`); a malformed layer refused with its name."""
+    unpack, layout = reading
     try:
-        return unpack(prefix, tensors)
+        rows = output_rows(source, layout)
+        keep = rank_row_slice(module, shard, rows)
+        start = keep.start if keep.rows else 0  # a rank of padding rows only reads one word
+        window = word_window(start, start + max(keep.rows, 1), rows)
+        weights = unpack(prefix, read_layer(source, layout, prefix, window))
     except ValueError as error:
         raise ValueError(f"{method} layer {prefix!r}: {error}") from error
+    if len(window) == keep.rows and not keep.padding:
+        return weights
+    return take_output_rows(weights, RowSlice(start - window.start, keep.rows, keep.padding))
 
 
 def require_kernels(method: str) -> None:
@@ -96,11 +106,18 @@ def require_kernels(method: str) -> None:
         raise ValueError(f"quantization={method!r} needs the CPU kernels: {error}") from error
 
 
-def swap_in(model: nn.Module, name: str, parts: dict[str | None, UnpackedGPTQ], method: str):
-    """Replace the `Linear` at `name` with the packed layer on its parts' weights (whole,
-    as the checkpoint holds them: this rank keeps its rows)."""
+def swap_in(
+    model: nn.Module,
+    name: str,
+    parts: dict[str | None, UnpackedGPTQ],
+    method: str,
+    rows_taken: bool = False,
+) -> None:
+    """Replace the `Linear` at `name` with the packed layer on its parts' weights: whole,
+    as the checkpoint holds them, of which this rank keeps its rows; or, `rows_taken`,
+    this rank's rows already."""
     module = model.get_submodule(name)
-    _replace(model, name, _packed_layer(name, module, parts, method))
+    _replace(model, name, _packed_layer(name, module, parts, method, rows_taken))
     module._parameters.pop("weight", None)  # never loaded: its storage was never touched
 
 
@@ -114,13 +131,13 @@ def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
 
 
 def _parts_by_module(
-    model: nn.Module, layers: dict[str, LayerTensors], method: str
-) -> tuple[dict[str, dict[str | None, tuple[str, LayerTensors]]], list[str]]:
+    model: nn.Module, layers: dict[str, LayerSource], method: str
+) -> tuple[dict[str, dict[str | None, tuple[str, LayerSource]]], list[str]]:
     """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)};
     and the checkpoint prefixes of layers another pipeline stage holds."""
     target = model.checkpoint_target
     on_other_stage = getattr(model, "on_other_stage", lambda name: False)
-    parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
+    parts: dict[str, dict[str | None, tuple[str, LayerSource]]] = {}
     elsewhere: list[str] = []
     for prefix, tensors in layers.items():
         param_name, shard_id = target(f"{prefix}.weight")
@@ -147,7 +164,11 @@ def _is_head(module_name: str, module: nn.Module) -> bool:
 
 
 def _packed_layer(
-    name: str, module: Linear, parts: dict[str | None, UnpackedGPTQ], method: str
+    name: str,
+    module: Linear,
+    parts: dict[str | None, UnpackedGPTQ],
+    method: str,
+    rows_taken: bool = False,
 ) -> nn.Module:
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):
@@ -155,7 +176,7 @@ def _packed_layer(
             f"{method} checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts "
             f"are {sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
-    mine = {shard: rank_weights(module, shard, weights) for shard, weights in parts.items()}
+    mine = parts if rows_taken else {s: rank_weights(module, s, w) for s, w in parts.items()}
     if not isinstance(module, MergedLinear):
         return parallel_packed_layer(module, mine[None])
     layer = merged_gptq_layer([mine[s] for s in order], module.output_sizes, module.bias)
