@@ -244,12 +244,6 @@ def verify_checkpoint_quantization(
         return
     refused = _eight_bit_refusals(args) if on_eight_bit_layers(quantization, hf_config) else []
     refused += [
-        (
-            # A row-parallel packed layer computes its output rows over the gathered input
-            # (`packed_parallel.py`): it has no partial product for a rank's LoRA delta.
-            args.enable_lora and args.tensor_parallel_size > 1,
-            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
-        ),
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
