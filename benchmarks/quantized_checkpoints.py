@@ -4,7 +4,9 @@ an engine holds after loading it.
 
 The writers stay with their format families (`random_gptq`, `random_w8a8`, `random_gguf`);
 the dense row is a config.json alone, loaded with `load_format="dummy"` in the dtype the CPU
-multiplies natively (bf16 with AVX512-BF16 or AMX, else fp32).
+multiplies natively (bf16 with AVX512-BF16 or AMX, else fp32). The packed formats may be too
+(`write_packed_config`, `--dummy`): random packed layers of the same shapes and bytes, no
+checkpoint written; their stored bytes are then computed from one layer's tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from benchmarks.parallel_memory import LlamaShape
 from benchmarks.random_gguf import FILE_TYPES, write_random_gguf
+from benchmarks.random_gptq import FORMATS as PACKED_FORMATS
 from benchmarks.random_gptq import write_random_packed
 from benchmarks.random_llama import PROJECTIONS
 from benchmarks.random_w8a8 import write_random_w8a8
@@ -76,6 +79,34 @@ def write_checkpoint(path: Path, shape: LlamaShape, fmt: str) -> Path:
     else:
         _write_dense(path, shape, fmt)
     return path
+
+
+def write_packed_config(path: Path, shape: LlamaShape, fmt: str) -> Path:
+    """A config.json alone for the packed `fmt` of `shape` (its quantization_config and fp16
+    embedding): with `load_format="dummy"` the model its checkpoint would be."""
+    from pagedllm.model.loader import write_config_dir
+
+    _, quantization_config = PACKED_FORMATS[PACKED[fmt]]
+    config = {**shape.hf_config(), "torch_dtype": "float16"}
+    config["quantization_config"] = quantization_config
+    return Path(write_config_dir(str(path), config))
+
+
+def packed_tensor_bytes(shape: LlamaShape, fmt: str) -> dict[str, int]:
+    """The tensor bytes `write_random_packed` would store for `fmt` (all of them and the
+    projections'), from one decoder layer's tensors: every layer's are the same shapes."""
+    layer_tensors, _ = PACKED_FORMATS[PACKED[fmt]]
+    generator = torch.Generator().manual_seed(0)
+    per_layer = sum(
+        tensor.nbytes
+        for size in PROJECTIONS.values()
+        for tensor in layer_tensors(*size(shape), generator).values()
+    )
+    projections = shape.num_layers * per_layer
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size * 2  # fp16
+    heads = 1 if shape.tie_word_embeddings else 2
+    embeddings = heads * shape.vocab_size * shape.hidden_size * 2
+    return {"all": projections + norms + embeddings, "projections": projections}
 
 
 def _safetensors_sizes(file: Path) -> dict[str, int]:

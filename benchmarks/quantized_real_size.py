@@ -16,11 +16,14 @@ child process of its own, which reports:
   token; the shapes tie the head to the embedding) over this machine's read bandwidth.
 
 llama.cpp runs the Q4_K_M file where it is built (`llama-bench` tgN, `llama-batched-bench`).
-`--decode-tokens 0` measures memory only. The CPU's flags and the load average are recorded
-with the results.
+`--decode-tokens 0` measures memory only. `--dummy` loads the packed formats (GPTQ, AWQ,
+W4A16) from a config.json alone with `load_format="dummy"`: no checkpoint is written, the
+memory is the same layers' (their stored bytes computed from one layer's tensors). The CPU's
+flags and the load average are recorded with the results.
 
     .venv/bin/python -m benchmarks.quantized_real_size --shape llama-3.2-1b
-        [--formats gptq-g128 ...] [--decode-tokens 64] [--concurrency 32] [--output-json F]
+        [--formats gptq-g128 ...] [--decode-tokens 64] [--concurrency 32] [--dummy]
+        [--output-json F]
 """
 
 from __future__ import annotations
@@ -38,13 +41,16 @@ from benchmarks.quantized_checkpoints import (
     DENSE,
     FORMATS,
     GGUF,
+    PACKED,
     checkpoint_path,
     checkpoint_tensor_bytes,
     cpu_flags,
     dense_format,
     held_projection_bytes,
     held_weight_bytes,
+    packed_tensor_bytes,
     write_checkpoint,
+    write_packed_config,
 )
 from benchmarks.random_gguf import SHAPES
 from benchmarks.real_size import (
@@ -69,6 +75,8 @@ def engine_options(path: str, fmt: str) -> dict:
         return {"quantization": "gguf"}
     if fmt in DENSE:
         return {"load_format": "dummy", "dtype": "bfloat16" if fmt == "bf16" else "float32"}
+    if fmt in PACKED and not any(Path(path).glob("*.safetensors")):  # --dummy: a config
+        return {"load_format": "dummy"}
     return {}
 
 
@@ -108,8 +116,12 @@ def run_child(path: Path, fmt: str, args: argparse.Namespace) -> dict:
 def measure_format(shape_name: str, fmt: str, args: argparse.Namespace, bandwidth: float) -> dict:
     shape = SHAPES[shape_name]
     root = PeerPaths().root / "models" if fmt == GGUF else cache_root() / "models"
-    path = write_checkpoint(checkpoint_path(root, shape_name, fmt), shape, fmt)
-    stored = checkpoint_tensor_bytes(path, shape, fmt)
+    if args.dummy and fmt in PACKED:
+        path = checkpoint_path(root, shape_name, fmt).with_name(f"config-{shape_name}-{fmt}")
+        path, stored = write_packed_config(path, shape, fmt), packed_tensor_bytes(shape, fmt)
+    else:
+        path = write_checkpoint(checkpoint_path(root, shape_name, fmt), shape, fmt)
+        stored = checkpoint_tensor_bytes(path, shape, fmt)
     result = {
         "checkpoint_tensor_bytes": stored["all"],
         "checkpoint_projection_bytes": stored["projections"],
@@ -158,6 +170,9 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=64, help="0: memory only")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="0: skip")
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
+    parser.add_argument(
+        "--dummy", action="store_true", help="packed formats: a config.json, no checkpoint"
+    )
     parser.add_argument("--output-json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-format", help=argparse.SUPPRESS)
@@ -167,7 +182,7 @@ def main() -> None:
                                args.concurrency)))  # fmt: skip
         return
     flags = cpu_flags()
-    results = {"shape": args.shape, **sitting(flags), "formats": {}}
+    results = {"shape": args.shape, "dummy_packed": args.dummy, **sitting(flags), "formats": {}}
     bandwidth = read_bandwidth_gb_s() if args.decode_tokens else 0.0
     results["read_bandwidth_gb_s"] = round(bandwidth, 1)
     for fmt in args.formats or default_formats(flags):

@@ -75,3 +75,34 @@ def check_engine(quantized: Path, dequantized: Path, method: str) -> EngineCheck
         sum(layer.weight_bytes() for layer in layers),
         max(p.numel() for n, p in model.named_parameters() if "layers" in n),
     )
+
+
+def dummy_and_checkpoint_layers(quantized: Path, shapes: Path) -> dict[str, list]:
+    """The packed layers ((description, weight bytes) each) of an engine on the checkpoint
+    `quantized` and of one on `load_format="dummy"` from its config.json alone (written to
+    `shapes`); asserts the dummy model generates finite log-probabilities."""
+    import json
+    import math
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model.layers.gptq_linear import GPTQLinear
+    from pagedllm.model.loader import write_config_dir
+
+    config = json.loads((quantized / "config.json").read_text())
+    dummy = LLM(
+        write_config_dir(str(shapes), config), max_model_len=128, kv_cache_memory="8MiB",
+        load_format="dummy", skip_tokenizer_init=True,
+    )  # fmt: skip
+    held = {}
+    for name, llm in (
+        ("checkpoint", LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")),
+        ("dummy", dummy),
+    ):
+        layers = [m for m in model_runner(llm).model.modules() if isinstance(m, GPTQLinear)]
+        held[name] = [(layer.extra_repr(), layer.weight_bytes()) for layer in layers]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    (output,) = dummy.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    logprobs = [lp.logprob for step in output.outputs[0].logprobs for lp in step.values()]
+    assert all(math.isfinite(lp) for lp in logprobs)
+    return held

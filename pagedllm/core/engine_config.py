@@ -26,7 +26,11 @@ from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.model.layers.attention import layer_sliding_windows
 from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
-from pagedllm.model.quantization.registry import checkpoint_quantization, quantization_config
+from pagedllm.model.quantization.registry import (
+    checkpoint_quantization,
+    on_eight_bit_layers,
+    quantization_config,
+)
 from pagedllm.model.registry import resolve_model_class
 from pagedllm.ops.attention_registry import check_attention_backend
 from pagedllm.ops.cpu_features import cpu_features
@@ -176,7 +180,7 @@ def build_engine_config(
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
     quantization = checkpoint_quantization(hf_config, args.quantization)
-    verify_checkpoint_quantization(args, quantization)
+    verify_checkpoint_quantization(args, quantization, hf_config)
     model_config = ModelConfig(
         model=source.path,
         hf_config=hf_config,
@@ -232,22 +236,14 @@ def build_engine_config(
     )
 
 
-def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -> None:
+def verify_checkpoint_quantization(
+    args: EngineArgs, quantization: str | None, hf_config: Any
+) -> None:
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
-    refused = [
-        (
-            # A row-parallel packed or 8-bit layer computes its output rows over the gathered
-            # input (`packed_parallel.py`, `w8a8_parallel.py`): it has no partial product for
-            # a rank's LoRA delta.
-            args.enable_lora and args.tensor_parallel_size > 1,
-            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together",
-        ),
-        (
-            args.load_format == "dummy" and quantization != "gptq",
-            "load_format='dummy' (random packed weights are made for 'gptq' only)",
-        ),
+    refused = _eight_bit_refusals(args) if on_eight_bit_layers(quantization, hf_config) else []
+    refused += [
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
@@ -257,6 +253,20 @@ def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -
                 f"a checkpoint stored quantized with {quantization!r} is not served with "
                 f"{what} (yet)"
             )
+
+
+def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
+    """What the W8A8 / FP8 layers (`w8a8_swap`) do not compose with yet: LoRA over several
+    ranks (their row-parallel layers have not been tested with a rank's gathered delta) and
+    random weights (none are made for them)."""
+    why = "(8-bit layers: not yet)"
+    return [
+        (
+            args.enable_lora and args.tensor_parallel_size > 1,
+            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together {why}",
+        ),
+        (args.load_format == "dummy", f"load_format='dummy' {why}"),
+    ]
 
 
 def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
@@ -270,6 +280,12 @@ def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:
             or model_config.architecture not in LORA_ARCHITECTURES,
             f"architecture {model_config.architecture} (LoRA serves "
             f"{', '.join(LORA_ARCHITECTURES)})",
+        ),
+        (
+            # Its row-parallel layers gather their input as the packed ones do, but a rank's
+            # gathered LoRA delta has not been checked on GGUF blocks.
+            model_config.quantization == "gguf" and args.tensor_parallel_size > 1,
+            f"quantization='gguf' and tensor_parallel_size={args.tensor_parallel_size}",
         ),
     ]
     for is_refused, what in refused:
@@ -332,12 +348,15 @@ def _draft_quantization(
 ) -> str | None:
     """The draft's quantization: its checkpoint's method (refused by name as a target's
     would be, `checkpoint_quantization`), else `requested`; a draft stored quantized runs on
-    the CPU kernels, and takes dummy weights as a target does (GPTQ only)."""
+    the CPU kernels, and takes dummy weights as a target does."""
     quantization = checkpoint_quantization(hf_config, requested)
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return quantization
     refused = [
-        (args.load_format == "dummy" and quantization != "gptq", "load_format='dummy'"),
+        (
+            on_eight_bit_layers(quantization, hf_config) and args.load_format == "dummy",
+            "load_format='dummy' (8-bit layers)",
+        ),
         (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
     ]
     for is_refused, what in refused:

@@ -24,7 +24,7 @@ from pagedllm.model.layers.ct_pack_swap import keep_pack_quantized_weights
 from pagedllm.model.layers.gguf_swap import keep_gguf_blocks
 from pagedllm.model.layers.gptq_swap import keep_gptq_weights
 from pagedllm.model.layers.onednn import pack_linear_weights
-from pagedllm.model.layers.packed_dummy import keep_dummy_gptq_weights
+from pagedllm.model.layers.packed_dummy import keep_dummy_packed_weights
 from pagedllm.model.layers.quantization import quantize_model
 from pagedllm.model.layers.stored_vocab import (
     keep_vocab_in_stored_dtype,
@@ -189,9 +189,11 @@ class ModelBuilder:
         on_blocks: set[str] = set()
         if quantization == "gguf":
             on_blocks = keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
-        elif quantization == "gptq" and model_config.load_format == "dummy":
+        elif quantization in KEEP_PACKED_WEIGHTS and model_config.load_format == "dummy":
+            # Random packed weights of the config's layers (engine_config refuses dummy
+            # weights for the 8-bit layers).
             config = quantization_config(model_config.hf_config)
-            on_blocks = keep_dummy_gptq_weights(model, config, model_config.seed)
+            on_blocks = keep_dummy_packed_weights(model, quantization, config, model_config.seed)
         elif quantization in KEEP_PACKED_WEIGHTS:
             config = quantization_config(model_config.hf_config)
             on_blocks = KEEP_PACKED_WEIGHTS[quantization](model, source.path, config)

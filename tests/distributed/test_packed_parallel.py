@@ -6,7 +6,9 @@ Each rank keeps whole output rows with all their groups (`model/layers/packed_pa
 so the packed layers compute one rank's numbers; 4 q heads on 2 KV heads keep 2 q heads a
 KV head on every rank, so the fp32 attention kernel does too. The shape is chosen so that a
 K slice per rank would cut groups: down_proj's 384 inputs are 192 a rank, one and a half
-groups of 128; the GPTQ checkpoint's act-order scatters every group over K.
+groups of 128; the GPTQ checkpoint's act-order scatters every group over K. With LoRA over
+two ranks the tokens are one rank's with the same adapters (ties counted): o and down
+apply all of A over the gathered input and their rows of B (`RankCut.gathered`).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ from __future__ import annotations
 import pytest
 from awq_writer import AWQScheme, write_awq_checkpoint
 from gptq_writer import Scheme, write_gptq_checkpoint
+from lora_utils import make_peft_adapter
 from model_utils import (
     assert_bit_equal_to_reference,
+    compare_to_reference_engine,
     greedy_with_logprobs,
     make_tiny_model,
     model_runner,
 )
-from parallel_greedy import MAX_TOKENS, budget_llm, prompts
+from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 
+from pagedllm import LoRARequest, SamplingParams
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 
 SHAPE = dict(hidden_size=256, intermediate_size=384, head_dim=64)
@@ -50,6 +55,40 @@ def checkpoints(tmp_path_factory) -> dict:
         assert any(isinstance(m, GPTQLinear) for m in model_runner(llm).model.modules())
         built[name] = (root / name, greedy_with_logprobs(llm, prompts(), MAX_TOKENS))
     return built
+
+
+def test_lora_over_packed_ranks_equals_one_rank(checkpoints, tmp_path, report_ties):
+    """GPTQ act-order (q/k/v and gate/up one layer per part) with two adapters and the base
+    model in one batch: two ranks give one rank's tokens, and the adapters change them."""
+    path, _ = checkpoints["gptq-g128-act-order"]
+    dequantized = path.parent / f"{path.name}-dequantized"
+    adapters = [
+        LoRARequest(
+            f"a{i}", i + 1, str(make_peft_adapter(dequantized, tmp_path / f"a{i}", i + 1, std=0.3))
+        )
+        for i in range(2)
+    ]
+    loras = [adapters[0], adapters[1], None, adapters[0]]
+    batch = [{"prompt_token_ids": prompt} for prompt in prompts()]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    def generate(llm, loras=loras) -> list:
+        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+        return [output.outputs[0] for output in outputs]
+
+    one_rank = budget_llm(path, enable_lora=True, max_loras=2)
+    expected = generate(one_rank)
+    base = generate(one_rank, loras=None)
+    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
+    assert changed == [lora is not None for lora in loras]
+    llm = budget_llm(path, enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        actual = generate(llm)
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
 
 
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=lambda v: str(v))

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
 import pytest
 
 from pagedllm.config import EngineArgs
-from pagedllm.core.engine_config import load_engine_config
+from pagedllm.core.engine_config import load_engine_config, verify_lora_config
+from pagedllm.lora.config import LORA_ARCHITECTURES
 from pagedllm.ops import attention_registry
 
 
@@ -50,3 +52,20 @@ def test_unsupported_models_are_refused_naming_what_is(tiny_llama, tmp_path, con
     (directory / "config.json").write_text(json.dumps({**config, **config_field}))
     with pytest.raises(ValueError, match=refused):
         load_engine_config(EngineArgs(model=str(directory), max_model_len=64), log=False)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "tp", "refused"), [("gguf", 2, True), ("gguf", 1, False), (None, 2, False)]
+)
+def test_lora_over_ranks_on_gguf_blocks_is_refused_by_name(quantization, tp, refused):
+    model_config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(intermediate_size=64),
+        architecture=LORA_ARCHITECTURES[0],
+        quantization=quantization,
+    )
+    args = EngineArgs(enable_lora=True, tensor_parallel_size=tp)
+    if not refused:
+        verify_lora_config(args, model_config)
+        return
+    with pytest.raises(ValueError, match="quantization='gguf' and tensor_parallel_size=2"):
+        verify_lora_config(args, model_config)

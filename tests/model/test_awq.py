@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from awq_writer import AWQScheme, quantize_awq, reference_dequantize, write_awq_checkpoint
-from packed_checks import LOGPROB_TOLERANCE, check_engine
+from packed_checks import LOGPROB_TOLERANCE, check_engine, dummy_and_checkpoint_layers
 from quantized_llama import SHAPE, make_quantizable_llama
 
 from pagedllm.model.layers.gptq_linear import GPTQLinear
@@ -87,20 +87,29 @@ def test_engine_is_transformers_on_the_dequantized_model(tiny_llama, tmp_path, s
     assert check.largest_layer_parameter == fp32_largest
 
 
-def test_dummy_weights_are_refused_by_name_for_awq_targets_and_drafts(tiny_llama, tmp_path):
-    """Random packed weights are made for GPTQ only (`model/layers/packed_dummy.py`)."""
+def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(tiny_llama, tmp_path):
+    """A config.json alone with load_format="dummy": the same packed layers, holding the same
+    bytes, as the checkpoint of that config (down_proj, not converted, left fp32 in both);
+    the model generates."""
+    quantized = tmp_path / "awq"
+    scheme = AWQScheme(32, not_converted=("down_proj",))
+    write_awq_checkpoint(tiny_llama, quantized, tmp_path / "dequantized", scheme)
+    held = dummy_and_checkpoint_layers(quantized, tmp_path / "shape-only")
+    assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * 3
+
+
+def test_a_dummy_draft_stored_awq_is_packed_too(tiny_llama, tmp_path):
+    """A draft's checkpoint method takes dummy weights as a target's does."""
     from pagedllm.config import EngineArgs
     from pagedllm.core.engine_config import load_engine_config
 
     quantized = tmp_path / "awq"
     write_awq_checkpoint(tiny_llama, quantized, tmp_path / "dequantized", AWQScheme(128))
     draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    for args, named in (
-        (EngineArgs(model=str(quantized), load_format="dummy"), "made for 'gptq' only"),
-        (
-            EngineArgs(model=str(tiny_llama), load_format="dummy", speculative_config=draft),
-            "stored quantized with 'awq', is not served with load_format='dummy'",
-        ),
-    ):
-        with pytest.raises(ValueError, match=named):
-            load_engine_config(args, log=False)
+    args = EngineArgs(
+        model=str(tiny_llama), load_format="dummy", speculative_config=draft,
+        skip_tokenizer_init=True,
+    )  # fmt: skip
+    _, _, config = load_engine_config(args, log=False)
+    assert config.draft_model_config.quantization == "awq"
+    assert config.draft_model_config.load_format == "dummy"

@@ -21,9 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 from ct_writer import CTScheme, quantize_packed, reference_dequantize, write_ct_checkpoint
-from packed_checks import LOGPROB_TOLERANCE, check_engine
+from packed_checks import LOGPROB_TOLERANCE, check_engine, dummy_and_checkpoint_layers
 from quantized_llama import SHAPE, make_quantizable_llama
 
+from pagedllm.model.layers.ct_pack_swap import layout
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.packed_swap import swap_packed_layers
@@ -183,7 +184,9 @@ def test_a_packed_head_is_refused_by_name():
         raise AssertionError(f"{prefix} was unpacked")
 
     with pytest.raises(ValueError, match=r"'lm_head'.*heads are not served"):
-        swap_packed_layers(_HeadOnly(), {"lm_head": tensors}, unpack, "compressed-tensors")
+        config = CTScheme(4, 32).quantization_config()
+        method = "compressed-tensors"
+        swap_packed_layers(_HeadOnly(), {"lm_head": tensors}, unpack, method, layout(config))
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +217,20 @@ def test_engine_is_transformers_on_the_dequantized_model(
     assert check.packed_layers == 2 * layers
     assert 0.9 * ct_bytes <= check.held_bytes <= most * ct_bytes
     assert check.largest_layer_parameter <= SHAPE["hidden_size"]  # no fp32 copy left behind
+
+
+@pytest.mark.parametrize(
+    ("scheme", "layers"),
+    [(CTScheme(8, -1, symmetric=True), 4), (CTScheme(4, 32, symmetric=False, actorder=True), 7)],
+    ids=str,
+)
+def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(
+    tiny_llama, tmp_path, scheme, layers
+):
+    """A config.json alone with load_format="dummy": the same packed layers (8-bit without
+    a min table; act-order's parts apart), holding the same bytes, as the checkpoint of that
+    config; the model generates."""
+    quantized = tmp_path / "ct"
+    write_ct_checkpoint(tiny_llama, quantized, tmp_path / "dequantized", scheme)
+    held = dummy_and_checkpoint_layers(quantized, tmp_path / "shape-only")
+    assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * layers

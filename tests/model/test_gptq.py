@@ -239,18 +239,3 @@ def test_dummy_weights_are_random_packed_layers_of_the_checkpoints_shapes(
     assert all(
         math.isfinite(lp.logprob) for step in output.outputs[0].logprobs for lp in step.values()
     )
-
-
-def test_lora_over_tensor_parallel_ranks_is_refused_by_name_before_any_process_starts(written):
-    """Tensor and pipeline parallelism serve these checkpoints
-    (tests/distributed/test_packed_parallel.py), LoRA too (tests/lora/test_lora_packed.py);
-    LoRA over tensor-parallel ranks does not yet."""
-    from pagedllm.config import EngineArgs
-    from pagedllm.core.engine_config import load_engine_config
-
-    quantized, _, _ = written(Scheme(128, False, True))
-    args = EngineArgs(
-        model=str(quantized), max_model_len=128, tensor_parallel_size=2, enable_lora=True
-    )
-    with pytest.raises(ValueError, match="not served with enable_lora and tensor_parallel_size=2"):
-        load_engine_config(args, log=False)

@@ -51,15 +51,15 @@ def _weights(out_features: int, in_features: int, fmt: Format, seed: int) -> W8A
     return layer_weights("layer", quantize_weight(weight, fmt), scheme)
 
 
-# Up to FUSED_MAX_ROWS rows fp8 weights are multiplied in registers, more through bands.
-ROWS = [w8a8_linear.FUSED_MAX_ROWS - 1, w8a8_linear.FUSED_MAX_ROWS + 3]
+# Up to fused_max_rows() rows fp8 weights are multiplied in registers, more through bands.
+ROWS = [w8a8_linear.fused_max_rows() - 1, w8a8_linear.fused_max_rows() + 3]
 
 
 def _columns_on_their_own(weights: W8A8Weights, rows: int) -> bool:
     """Whether the layer computes each output column apart from the others (see the module
     docstring): then a rank's columns are one rank's bit for bit."""
     in_registers = weights.values.dtype == torch.float8_e4m3fn and fp8_ops() is not None
-    return on_int8_gemm(weights.scheme) or (in_registers and rows <= w8a8_linear.FUSED_MAX_ROWS)
+    return on_int8_gemm(weights.scheme) or (in_registers and rows <= w8a8_linear.fused_max_rows())
 
 
 def _assert_one_ranks(mine: torch.Tensor, expected: torch.Tensor, exact: bool) -> None:

@@ -20,8 +20,11 @@ base weights are (`model/layers/parallel_linear.py`): a column-parallel projecti
 gate/up) keeps each shard's rows of B that its output slice holds (q heads, its KV heads,
 replicated ones included) and all of A; a row-parallel one (o, down) keeps A's columns of
 its input slice and all of B, and its delta joins the rank's partial product before the
-base's all-reduce. Adapters arrive whole (the same file on every rank) and are cut as they
-take a slot.
+base's all-reduce. A quantized row-parallel projection that keeps output rows over the
+gathered input instead (packed and GGUF layers, `model/layers/row_gather.py`) keeps all of
+A and B's rows of its output rows: its delta, over the gathered input, joins its own rows
+before the outputs are gathered, so each rank computes whole rows of the delta as one rank
+does. Adapters arrive whole (the same file on every rank) and are cut as they take a slot.
 """
 
 from __future__ import annotations
@@ -147,11 +150,13 @@ class RankCut:
     all of them): `b_rows`, per output shard, the first row of the checkpoint's B that its
     output slice starts at; `a_start`, the first of A's columns (input features) it holds;
     `partial`: its base is row-parallel over several ranks, and the delta goes into the
-    rank's partial product, before the all-reduce."""
+    rank's partial product, before the all-reduce; `gathered`: its base computes its output
+    rows over the gathered input (`row_gather.py`), and so does the delta."""
 
     b_rows: dict[str | None, int]
     a_start: int = 0
     partial: bool = False
+    gathered: bool = False
 
 
 class LoRALinear(nn.Module):
@@ -205,15 +210,23 @@ class LoRALinear(nn.Module):
         rank = lora_a.shape[0]
         offset = self.shard_index(shard) * self.max_rank
         columns = self.slices[shard]
+        first_row = self.cut.b_rows[shard]
+        # A gathered layer's last shares end in padding rows, which B has none of: left 0.
+        rows = min(columns.stop - columns.start, lora_b.shape[0] - first_row)
         lora_a = lora_a.narrow(1, self.cut.a_start, self.in_features)
-        lora_b = lora_b.narrow(0, self.cut.b_rows[shard], columns.stop - columns.start)
+        lora_b = lora_b.narrow(0, first_row, rows)
         self.lora_a[slot, :, offset : offset + rank] = lora_a.T
-        self.lora_b[slot, offset : offset + rank, columns] = lora_b.T
+        self.lora_b[slot, offset : offset + rank, columns.start : columns.start + rows] = lora_b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.state.step
         if step is None:
             return self.base(x)
+        if self.cut.gathered:
+            # Whole rows of the delta over the gathered input, into this rank's own rows.
+            whole = self.base.gathered_input(x)
+            mine = apply_lora(self, self.base.own_rows(whole), whole, step)
+            return self.base.joined_output(mine, x.shape[:-1])
         rows = x.reshape(-1, self.in_features)
         if not self.cut.partial:
             return apply_lora(self, self.base(x), rows, step)
@@ -319,10 +332,14 @@ def rank_cut(
 ) -> RankCut:
     """How this rank cuts adapters for `module`, read from how its base weight was cut: a
     column-parallel layer's `shard_sources` (its rows of each shard in the checkpoint), a
-    row-parallel one's rank (its slice of the input features)."""
+    row-parallel one's rank (its slice of the input features), or a gathered row-parallel
+    one's first output row (`row_gather.py`: all of the input features)."""
     sources = getattr(module, "shard_sources", None)
     if sources is not None:
         return RankCut({shard: sources[shard][0] for shard in shards})
+    first_row = getattr(module, "first_output_row", None)
+    if first_row is not None:
+        return RankCut({None: first_row}, gathered=True)
     if getattr(module, "tp_size", 1) > 1 and hasattr(module, "partial_forward"):
         return RankCut({None: 0}, module.tp_rank * in_features, partial=True)
     if tp_size > 1:  # a layer whose split is unknown here: refused, never applied wrong

@@ -1,69 +1,63 @@
 """A checkpoint's packed integer layers (GPTQ, AWQ, compressed-tensors pack-quantized)
 swapped in before the loader reads any weight.
 
-`read_layer_tensors` gathers each quantized layer's tensors (by their leaf names) from the
-checkpoint's safetensors files; `swap_packed_layers` replaces the model's `Linear` for
-each with a `GPTQLinear` on the unpacked integers (fused q/k/v and gate/up from their
-separately quantized parts) and each mixture's `GroupedExperts` with `PackedGroupedExperts`
-on its experts' packed parts (`packed_experts.py`), and returns the tensor names it
+`packed_reads.index_layer_tensors` finds each quantized layer's tensors (by their leaf
+names) in the checkpoint's safetensors files without reading them; `swap_packed_layers`
+then reads, layer by layer, only the output rows this rank keeps (`packed_reads.read_layer`,
+`packed_parallel.py` says which), unpacks them with the format's `unpack`, replaces the
+model's `Linear` for each with a `GPTQLinear` on the integers (fused q/k/v and gate/up from
+their separately quantized parts), and each mixture's `GroupedExperts` with
+`PackedGroupedExperts` on its experts' packed parts (read whole: each rank cuts its experts'
+rows and groups after unpacking, `packed_experts.py`), and returns the tensor names it
 consumed, which the loader then skips. The replaced layers' fp32 storage is never written
 and never becomes resident; the loader fills the rest (embedding, norms, head, routers,
 biases, layers left unquantized) as for an unquantized checkpoint. Each format's
-`keep_*_weights` (gptq_swap, awq_swap, ct_pack_swap) reads and unpacks; this module does
-the rest. A tensor-parallel rank keeps its rows of each layer (`packed_parallel.py`); a
-pipeline stage swaps in only its own layers and names the others' tensors as consumed, so
-it never reads them again.
+`keep_*_weights` (gptq_swap, awq_swap, ct_pack_swap) gives its layout and unpacking; this
+module does the rest. A pipeline stage swaps in only its own layers and names the others'
+tensors as consumed, never reading them.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 
-import torch
 from torch import nn
 
 from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_linear import distinct_bytes
+from pagedllm.model.layers.gguf_parallel import RowSlice, rank_row_slice
 from pagedllm.model.layers.gptq_linear import merged_gptq_layer
 from pagedllm.model.layers.linear import Linear, MergedLinear
 from pagedllm.model.layers.packed_experts import ExpertPart, UnpackPart, packed_grouped_experts
-from pagedllm.model.layers.packed_parallel import parallel_packed_layer, rank_weights
+from pagedllm.model.layers.packed_parallel import (
+    parallel_packed_layer,
+    rank_weights,
+    take_output_rows,
+)
+from pagedllm.model.layers.packed_reads import (
+    LayerSource,
+    LayerTensors,
+    PackedLayout,
+    output_rows,
+    read_layer,
+    word_window,
+)
 from pagedllm.model.layers.vocab_parallel import ParallelLMHead
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 logger = logging.getLogger("pagedllm")
 
-LayerTensors = dict[str, torch.Tensor]
 # (checkpoint prefix, its tensors) -> the layer's integers and scales
 Unpack = Callable[[str, LayerTensors], UnpackedGPTQ]
 
 
-def read_layer_tensors(
-    directory: str, leaves: tuple[str, ...], required: tuple[str, ...], method: str
-) -> dict[str, LayerTensors]:
-    """Layer prefix (HF name without the leaf) -> its tensors named by `leaves`, for every
-    prefix holding `required[0]`, from every safetensors file of `directory`."""
-    from safetensors import safe_open
-
-    found: dict[str, LayerTensors] = {}
-    for file_name in sorted(f for f in os.listdir(directory) if f.endswith(".safetensors")):
-        with safe_open(os.path.join(directory, file_name), framework="pt") as checkpoint:
-            for name in checkpoint.keys():  # noqa: SIM118 (safe_open is not a dict)
-                prefix, _, leaf = name.rpartition(".")
-                if leaf in leaves:
-                    found.setdefault(prefix, {})[leaf] = checkpoint.get_tensor(name)
-    layers = {p: t for p, t in found.items() if required[0] in t}
-    for prefix, tensors in layers.items():
-        missing = [n for n in required if n not in tensors]
-        if missing:
-            raise ValueError(f"{method} layer {prefix!r} lacks {', '.join(missing)}")
-    return layers
-
-
 def swap_packed_layers(
-    model: nn.Module, layers: dict[str, LayerTensors], unpack: Unpack, method: str
+    model: nn.Module,
+    layers: dict[str, LayerSource],
+    unpack: Unpack,
+    method: str,
+    layout: PackedLayout,
 ) -> set[str]:
     """Swap in the layers (see the module docstring); returns the checkpoint names they
     hold. `method` names the format in messages."""
@@ -72,20 +66,21 @@ def swap_packed_layers(
     # Another pipeline stage's layers: never read here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
-        unpacked = {
-            shard: _unpack_named(unpack, prefix, t, method)
-            for shard, (prefix, t) in module_parts.items()
+        module = model.get_submodule(name)
+        mine = {
+            shard: _rank_part(module, shard, prefix, source, (unpack, layout), method)
+            for shard, (prefix, source) in module_parts.items()
         }
-        swap_in(model, name, unpacked, method)
+        swap_in(model, name, mine, method, rows_taken=True)
         consumed |= _names(module_parts.values())
     for name, expert_parts in experts.items():
-        _swap_experts(model, name, expert_parts, unpack, method)
+        _swap_experts(model, name, expert_parts, (unpack, layout), method)
         consumed |= _names(expert_parts.values())
     log_swapped(model, [*parts, *experts], method)
     return consumed
 
 
-def _names(parts: Iterable[tuple[str, LayerTensors]]) -> set[str]:
+def _names(parts: Iterable[tuple[str, LayerSource]]) -> set[str]:
     """The checkpoint names of the parts' tensors."""
     return {f"{prefix}.{leaf}" for prefix, tensors in parts for leaf in tensors}
 
@@ -93,12 +88,19 @@ def _names(parts: Iterable[tuple[str, LayerTensors]]) -> set[str]:
 def _swap_experts(
     model: nn.Module,
     name: str,
-    parts: dict[ExpertPart, tuple[str, LayerTensors]],
-    unpack: Unpack,
+    parts: dict[ExpertPart, tuple[str, LayerSource]],
+    reading: tuple[Unpack, PackedLayout],
     method: str,
 ) -> None:
+    unpack, layout = reading
+
     def unpack_part(part: ExpertPart) -> UnpackedGPTQ:
-        return _unpack_named(unpack, *parts[part], method)
+        prefix, source = parts[part]
+        try:
+            whole = range(output_rows(source, layout))
+            return unpack(prefix, read_layer(source, layout, prefix, whole))
+        except ValueError as error:
+            raise ValueError(f"{method} layer {prefix!r}: {error}") from error
 
     swap_in_experts(model, name, set(parts), unpack_part)
 
@@ -113,12 +115,28 @@ def swap_in_experts(
     replace_module(model, name, layer)
 
 
-def _unpack_named(unpack: Unpack, prefix: str, tensors: LayerTensors, method: str):
-    """The layer unpacked; a malformed one refused with its checkpoint name."""
+def _rank_part(
+    module: nn.Module,
+    shard: str | None,
+    prefix: str,
+    source: LayerSource,
+    reading: tuple[Unpack, PackedLayout],
+    method: str,
+) -> UnpackedGPTQ:
+    """This rank's rows of one layer (or fused shard), read as a window of whole words and
+    cut after unpacking (`packed_reads`); a malformed layer refused with its name."""
+    unpack, layout = reading
     try:
-        return unpack(prefix, tensors)
+        rows = output_rows(source, layout)
+        keep = rank_row_slice(module, shard, rows)
+        start = keep.start if keep.rows else 0  # a rank of padding rows only reads one word
+        window = word_window(start, start + max(keep.rows, 1), rows)
+        weights = unpack(prefix, read_layer(source, layout, prefix, window))
     except ValueError as error:
         raise ValueError(f"{method} layer {prefix!r}: {error}") from error
+    if len(window) == keep.rows and not keep.padding:
+        return weights
+    return take_output_rows(weights, RowSlice(start - window.start, keep.rows, keep.padding))
 
 
 def require_kernels(method: str) -> None:
@@ -131,11 +149,18 @@ def require_kernels(method: str) -> None:
         raise ValueError(f"quantization={method!r} needs the CPU kernels: {error}") from error
 
 
-def swap_in(model: nn.Module, name: str, parts: dict[str | None, UnpackedGPTQ], method: str):
-    """Replace the `Linear` at `name` with the packed layer on its parts' weights (whole,
-    as the checkpoint holds them: this rank keeps its rows)."""
+def swap_in(
+    model: nn.Module,
+    name: str,
+    parts: dict[str | None, UnpackedGPTQ],
+    method: str,
+    rows_taken: bool = False,
+) -> None:
+    """Replace the `Linear` at `name` with the packed layer on its parts' weights: whole,
+    as the checkpoint holds them, of which this rank keeps its rows; or, `rows_taken`,
+    this rank's rows already."""
     module = model.get_submodule(name)
-    replace_module(model, name, _packed_layer(name, module, parts, method))
+    replace_module(model, name, _packed_layer(name, module, parts, method, rows_taken))
     module._parameters.pop("weight", None)  # never loaded: its storage was never touched
 
 
@@ -149,10 +174,10 @@ def log_swapped(model: nn.Module, names: list[str], method: str) -> None:
 
 
 def parts_by_module(
-    model: nn.Module, layers: dict[str, LayerTensors], method: str
+    model: nn.Module, layers: dict[str, LayerSource], method: str
 ) -> tuple[
-    dict[str, dict[str | None, tuple[str, LayerTensors]]],
-    dict[str, dict[ExpertPart, tuple[str, LayerTensors]]],
+    dict[str, dict[str | None, tuple[str, LayerSource]]],
+    dict[str, dict[ExpertPart, tuple[str, LayerSource]]],
     list[str],
 ]:
     """Model module name -> {shard id (None unless fused): (checkpoint prefix, tensors)};
@@ -161,8 +186,8 @@ def parts_by_module(
     checkpoint format swapped in before loading (`w8a8_swap` too)."""
     target = model.checkpoint_target
     on_other_stage = getattr(model, "on_other_stage", lambda name: False)
-    parts: dict[str, dict[str | None, tuple[str, LayerTensors]]] = {}
-    experts: dict[str, dict[ExpertPart, tuple[str, LayerTensors]]] = {}
+    parts: dict[str, dict[str | None, tuple[str, LayerSource]]] = {}
+    experts: dict[str, dict[ExpertPart, tuple[str, LayerSource]]] = {}
     elsewhere: list[str] = []
     for prefix, tensors in layers.items():
         param_name, shard_id = target(f"{prefix}.weight")
@@ -197,7 +222,11 @@ def _is_head(module_name: str, module: nn.Module) -> bool:
 
 
 def _packed_layer(
-    name: str, module: Linear, parts: dict[str | None, UnpackedGPTQ], method: str
+    name: str,
+    module: Linear,
+    parts: dict[str | None, UnpackedGPTQ],
+    method: str,
+    rows_taken: bool = False,
 ) -> nn.Module:
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):
@@ -205,7 +234,7 @@ def _packed_layer(
             f"{method} checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts "
             f"are {sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
-    mine = {shard: rank_weights(module, shard, weights) for shard, weights in parts.items()}
+    mine = parts if rows_taken else {s: rank_weights(module, s, w) for s, w in parts.items()}
     if not isinstance(module, MergedLinear):
         return parallel_packed_layer(module, mine[None])
     layer = merged_gptq_layer([mine[s] for s in order], module.output_sizes, module.bias)

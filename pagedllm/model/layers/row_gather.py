@@ -35,16 +35,34 @@ class GatheredRowParallel:
     matmul_into: Callable[[torch.Tensor, torch.Tensor], None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        leading = x.shape[:-1]
-        whole = self.tp_group.all_gather(x.reshape(-1, x.shape[-1]), dim=-1)
+        return self.joined_output(self.own_rows(self.gathered_input(x)), x.shape[:-1])
+
+    # The forward's three steps apart, so that LoRA adds a rank's delta to its own rows
+    # (computed over the gathered input too) before the outputs are joined.
+    def gathered_input(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, K]: every rank's input columns, in rank order."""
+        return self.tp_group.all_gather(x.reshape(-1, x.shape[-1]), dim=-1)
+
+    def own_rows(self, whole: torch.Tensor) -> torch.Tensor:
+        """[tokens, out_features]: this rank's output columns over the whole input."""
         mine = torch.empty((whole.shape[0], self.out_features), dtype=torch.float32)
         self.matmul_into(whole, mine)
+        return mine
+
+    def joined_output(self, mine: torch.Tensor, leading: torch.Size) -> torch.Tensor:
+        """Every rank's output columns joined (padding cut), the bias added once."""
         out = self.tp_group.all_gather(mine, dim=-1)
         if out.shape[-1] != self.full_out_features:  # padding rows of the last shares
             out = out[:, : self.full_out_features].contiguous()
         if self.bias is not None:
             out.add_(self.bias)
         return out.reshape(*leading, self.full_out_features)
+
+    @property
+    def first_output_row(self) -> int:
+        """The layer's output row this rank's rows start at (equal shares, the last ones
+        padded: `gguf_parallel.output_row_slice`)."""
+        return min(self.full_out_features, self.tp_group.rank_in_group * self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, full_out_features={self.full_out_features}"  # type: ignore[misc]

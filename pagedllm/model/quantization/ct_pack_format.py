@@ -57,7 +57,7 @@ def _words(values: int, bits: int) -> int:
     return -(-values * bits // 32)
 
 
-def _layer_shape(weight_shape: torch.Tensor) -> tuple[int, int]:
+def layer_shape(weight_shape: torch.Tensor) -> tuple[int, int]:
     """(N, K) from weight_shape: two positive integers."""
     values = weight_shape.tolist() if not weight_shape.is_floating_point() else None
     if not (isinstance(values, list) and len(values) == 2 and min(values) > 0):
@@ -79,7 +79,7 @@ def _zero_points(tensors: PackedTensors, scheme: PackedScheme, rows: int, groups
 
 def unpack_pack_quantized(tensors: PackedTensors, scheme: PackedScheme) -> UnpackedGPTQ:
     """The integers and scales of one layer (see the module docstring)."""
-    rows, cols = _layer_shape(tensors.weight_shape)
+    rows, cols = layer_shape(tensors.weight_shape)
     group_size = cols if scheme.group_size == PER_CHANNEL else scheme.group_size
     if cols % group_size:
         raise ValueError(f"{cols} inputs are not groups of {group_size}")

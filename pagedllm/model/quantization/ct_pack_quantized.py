@@ -98,6 +98,22 @@ def _best_groups(config: dict[str, Any], layer: str) -> dict[str, dict[str, Any]
     return {name: group for name, (rank, group) in ranked.items() if rank == best}
 
 
+def is_quantized_layer(config: dict[str, Any], layer: str) -> bool:
+    """Whether a checkpoint of `config` stores `layer` packed: some config group targets it
+    and `ignore` does not name it (a name, a "re:" pattern or the class, as targets)."""
+    ignored = any(match_rank(layer, target) is not None for target in config.get("ignore") or ())
+    return not ignored and bool(_best_groups(config, layer))
+
+
+def has_group_actorder(config: dict[str, Any], layer: str) -> bool:
+    """Whether `layer`'s group orders its inputs by activation in groups ("group", or the
+    older `true`): its layers then store a `weight_g_idx`."""
+    return any(
+        (group.get("weights") or {}).get("actorder") in ("group", True)
+        for group in _best_groups(config, layer).values()
+    )
+
+
 def layer_scheme(config: dict[str, Any], layer: str) -> PackedScheme:
     """The scheme of the packed layer `layer` (its checkpoint name, without `.weight`)."""
     groups = _best_groups(config, layer)
