@@ -416,6 +416,34 @@ def test_registry_ids_are_never_reused_and_checks_run_off_the_loop():
         registry.add_static((LoRAModulePath("x", "/broken"),))
 
 
+def test_a_runtime_load_trims_the_heap_after_its_check(monkeypatch):
+    # The check reads the adapter's weights in a worker thread: the heap is trimmed there,
+    # after it, whether the adapter was served or refused (pagedllm.heap says why).
+    events = []
+
+    def check(lora_request: LoRARequest) -> None:
+        events.append(("check", lora_request.lora_path))
+        if "broken" in lora_request.lora_path:
+            raise LoRAAdapterError(f"LoRA adapter {lora_request.lora_name!r}: broken")
+
+    def trim() -> bool:
+        events.append(("trim", threading.current_thread() is threading.main_thread()))
+        return True
+
+    monkeypatch.setattr("pagedllm.entrypoints.openai.lora_registry.trim_heap", trim)
+    registry = LoRARegistry(("base",), check)
+    registry.add_static((LoRAModulePath("a", "/a"),))
+    assert events == [("check", "/a")]  # start-up: no runtime load, no trim
+
+    async def scenario() -> None:
+        await registry.load("b", "/b")
+        with pytest.raises(OpenAIError):
+            await registry.load("c", "/broken")
+
+    asyncio.run(scenario())
+    assert events[1:] == [("check", "/b"), ("trim", False), ("check", "/broken"), ("trim", False)]
+
+
 def app_routes(tiny_llama, **config) -> set[str]:
     """The routes `build_app` makes for a LoRA engine (no core process: the app only)."""
     from pagedllm.core.engine_config import load_engine_config

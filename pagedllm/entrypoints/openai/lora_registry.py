@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.errors import InvalidRequestError
+from pagedllm.heap import trim_heap
 from pagedllm.lora.peft import LoRAAdapterError, LoRAAdapterFileError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.value_checks import json_object
@@ -210,7 +211,7 @@ class LoRARegistry:
         started = time.monotonic()
         self._loading.add(name)
         try:
-            await asyncio.to_thread(self._check, lora_request)
+            await asyncio.to_thread(self._check_then_trim, lora_request)
         except LoRAAdapterFileError as error:
             logger.warning("Refused to load LoRA adapter %r: %s", name, error)
             raise OpenAIError(400, UNLOADABLE_PATH, "lora_path") from None
@@ -249,6 +250,15 @@ class LoRARegistry:
         del self._adapters[name]
         logger.info("Unloaded LoRA adapter %r (id %d)", name, lora_request.lora_int_id)
         return lora_request
+
+    def _check_then_trim(self, lora_request: LoRARequest) -> None:
+        """The check, then the heap trimmed: reading the adapter's weights in a worker thread
+        leaves their size free but resident in that thread's arena (`pagedllm.heap`), an API
+        process that grows by tens of MB as loads land on new worker threads."""
+        try:
+            self._check(lora_request)
+        finally:
+            trim_heap()
 
     def _check_name_free(self, name: str) -> None:
         """400 naming `lora_name` unless a runtime load may take `name`."""

@@ -150,6 +150,9 @@ class RequestTimelines:
     def __init__(self, *sinks: TimelineSink) -> None:
         self.sinks = list(sinks)
         self.open: dict[str, RequestTimeline] = {}
+        # Request id -> the ids of its open parallel samples (n > 1; sample 0, the request's
+        # own id, is not one of them): what its abort must end besides itself.
+        self._open_samples: dict[str, set[str]] = {}
 
     def on_request_added(
         self, request_id: str, arrival_time: float, num_prompt: int, tenant: str
@@ -188,6 +191,10 @@ class RequestTimelines:
         released: set[str] = set()
         for request_id in request_ids:
             timeline = self.open.get(request_id)
+            if not is_child_request(request_id):
+                # A core's death forgets a request's samples before its handler aborts it,
+                # by its own id alone: they end with it (else they would stay open forever).
+                self._abort_samples(request_id, now, released)
             if timeline is not None:
                 self._finish(timeline, "abort", now, released)
                 continue
@@ -210,6 +217,7 @@ class RequestTimelines:
                     parent_id=parent.request_id,
                 )
                 self.open[request_id] = timeline
+                self._open_samples.setdefault(parent.request_id, set()).add(request_id)
                 parent.open_samples += 1
         if timeline is not None:
             timeline.reported = True
@@ -219,12 +227,25 @@ class RequestTimelines:
         self, timeline: RequestTimeline, reason: str, now: float, released: set[str]
     ) -> None:
         del self.open[timeline.request_id]
+        if timeline.parent_id is not None:
+            self._forget_sample(timeline.parent_id, timeline.request_id)
         parent = self.open.get(timeline.parent_id) if timeline.parent_id is not None else None
         if parent is not None:
             parent.open_samples -= 1
             released.add(parent.request_id)
         for sink in self.sinks:
             sink.on_finished(timeline, reason, now)
+
+    def _abort_samples(self, request_id: str, now: float, released: set[str]) -> None:
+        for sample_id in sorted(self._open_samples.get(request_id, ())):
+            self._finish(self.open[sample_id], "abort", now, released)
+
+    def _forget_sample(self, request_id: str, sample_id: str) -> None:
+        samples = self._open_samples.get(request_id)
+        if samples is not None:
+            samples.discard(sample_id)
+            if not samples:
+                del self._open_samples[request_id]
 
     def _forget_released(self, parent_ids: set[str]) -> None:
         """A parent the engine never reported itself (its samples carried every token) is
