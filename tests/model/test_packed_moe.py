@@ -277,6 +277,7 @@ def test_a_quantized_router_is_refused_by_name():
     read as an expert."""
     from transformers import AutoConfig
 
+    from pagedllm.model.layers.gptq_swap import LAYOUT
     from pagedllm.model.layers.packed_swap import swap_packed_layers
     from pagedllm.model.registry import resolve_model_class
     from pagedllm.ops.attention_registry import get_attention_backend
@@ -291,4 +292,4 @@ def test_a_quantized_router_is_refused_by_name():
     layers = {"model.layers.0.mlp.gate": {"qweight": torch.zeros(8, EXPERTS)}}
     named = r"'model\.layers\.0\.mlp\.gate'.*MoE routers .* not served"
     with pytest.raises(ValueError, match=named):
-        swap_packed_layers(model, layers, lambda prefix, tensors: None, "gptq")
+        swap_packed_layers(model, layers, lambda prefix, tensors: None, "gptq", LAYOUT)
