@@ -257,15 +257,14 @@ def verify_checkpoint_quantization(
 
 def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
     """What the W8A8 / FP8 layers (`w8a8_swap`) do not compose with yet: LoRA over several
-    ranks (their row-parallel layers have not been tested with a rank's gathered delta) and
-    random weights (none are made for them)."""
+    ranks (their row-parallel layers have not been tested with a rank's gathered delta).
+    Random weights are made for them (`w8a8_dummy`)."""
     why = "(8-bit layers: not yet)"
     return [
         (
             args.enable_lora and args.tensor_parallel_size > 1,
             f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together {why}",
         ),
-        (args.load_format == "dummy", f"load_format='dummy' {why}"),
     ]
 
 

@@ -31,6 +31,7 @@ from pagedllm.model.layers.stored_vocab import (
     stored_vocab_dtype,
     stored_vocab_enabled,
 )
+from pagedllm.model.layers.w8a8_dummy import keep_dummy_w8a8_weights
 from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, keep_w8a8_weights
 from pagedllm.model.loader import ModelSource, load_weights, resolve_model
 from pagedllm.model.quantization.compressed_tensors import is_pack_quantized
@@ -64,6 +65,14 @@ def keep_compressed_tensors_weights(
 
 def keep_fp8_weights(model: torch.nn.Module, directory: str, config: dict) -> set[str]:
     return keep_w8a8_weights(model, directory, checkpoint_scheme("fp8", config))
+
+
+def keep_dummy_weights(model: torch.nn.Module, method: str, config: dict, seed: int) -> set[str]:
+    """Random quantized layers of a config's scheme (`load_format="dummy"`): the 8-bit ones
+    for fp8 and compressed-tensors' 8-bit formats, the packed ones for the rest."""
+    if method == "fp8" or (method == "compressed-tensors" and not is_pack_quantized(config)):
+        return keep_dummy_w8a8_weights(model, method, config, seed)
+    return keep_dummy_packed_weights(model, method, config, seed)
 
 
 # Checkpoints stored quantized: method -> what swaps in its layers before the loader runs.
@@ -190,10 +199,9 @@ class ModelBuilder:
         if quantization == "gguf":
             on_blocks = keep_gguf_blocks(model, source.path, model_config.gguf_activation_bits)
         elif quantization in KEEP_PACKED_WEIGHTS and model_config.load_format == "dummy":
-            # Random packed weights of the config's layers (engine_config refuses dummy
-            # weights for the 8-bit layers).
+            # Random packed or 8-bit weights of the config's layers.
             config = quantization_config(model_config.hf_config)
-            on_blocks = keep_dummy_packed_weights(model, quantization, config, model_config.seed)
+            on_blocks = keep_dummy_weights(model, quantization, config, model_config.seed)
         elif quantization in KEEP_PACKED_WEIGHTS:
             config = quantization_config(model_config.hf_config)
             on_blocks = KEEP_PACKED_WEIGHTS[quantization](model, source.path, config)

@@ -28,6 +28,7 @@ import pagedllm.model.layers.w8a8_weights as w8a8_weights
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
 from pagedllm.model.layers.linear import MergedLinear
+from pagedllm.model.layers.packed_dummy import WEIGHT_STD
 from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
 from pagedllm.model.layers.w8a8_swap import _w8a8_layer, checkpoint_scheme, layer_weights
 
@@ -302,3 +303,47 @@ def test_a_draft_model_on_8_bit_layers_keeps_the_targets_tokens(written, fmt, le
     print(f"{fmt}: accepted {counts.num_accepted_tokens} of {counts.num_draft_tokens}")
     assert counts.num_drafts > 0
     assert counts.num_accepted_tokens >= least_accepted * counts.num_draft_tokens
+
+
+def _eight_bit_layers(llm: LLM) -> list:
+    layers = (Int8W8A8Linear, TiledDequantLinear)
+    return [m for m in model_runner(llm).model.modules() if isinstance(m, layers)]
+
+
+# int8 per channel, fp8 per tensor with a static input scale, fp8 blocks ("fp8" config).
+@pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[4], FORMATS[6]], ids=str)
+def test_dummy_weights_are_random_8_bit_layers_of_the_checkpoints_shapes(
+    written, served, tmp_path, fmt
+):
+    """A config.json alone with load_format="dummy": the same 8-bit layers (class, scheme,
+    shape), holding the checkpoint's bytes within 10%, of the order of the loader's dummy
+    weights; the model generates."""
+    import json
+    import math
+
+    from pagedllm.model.loader import write_config_dir
+
+    quantized, _, checkpoint_bytes = written(fmt)
+    config = json.loads((quantized / "config.json").read_text())
+    dummy = LLM(
+        write_config_dir(str(tmp_path / "shape-only"), config), max_model_len=128,
+        kv_cache_memory="8MiB", load_format="dummy", skip_tokenizer_init=True,
+    )  # fmt: skip
+    held = {
+        name: [(type(m), m.extra_repr()) for m in _eight_bit_layers(llm)]
+        for name, llm in (("checkpoint", served(fmt)), ("dummy", dummy))
+    }
+    assert held["dummy"] == held["checkpoint"] and len(held["dummy"]) == 2 * 4
+    dummy_bytes = sum(layer.weight_bytes() for layer in _eight_bit_layers(dummy))
+    assert 0.9 * checkpoint_bytes <= dummy_bytes <= 1.1 * checkpoint_bytes
+    # Weights of std ~0.02 (the loader's dummy N(0, 0.02)) give outputs of std 0.02 sqrt(K)
+    # from unit inputs.
+    o_proj = model_runner(dummy).model.get_submodule("model.layers.0.self_attn.o_proj")
+    x = torch.randn(16, o_proj.in_features, generator=torch.Generator().manual_seed(7))
+    expected_std = WEIGHT_STD * o_proj.in_features**0.5
+    assert 0.5 * expected_std < o_proj(x).std().item() < 2 * expected_std
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    (output,) = dummy.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    logprobs = [lp.logprob for step in output.outputs[0].logprobs for lp in step.values()]
+    assert all(math.isfinite(lp) for lp in logprobs)

@@ -112,30 +112,45 @@ def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> s
     """Swap in the 8-bit layers (see the module docstring); returns the names they hold."""
     layers = read_w8a8_tensors(directory)
     parts, experts, elsewhere = parts_by_module(model, layers, "8-bit")
+    refuse_w8a8_experts(list(experts))
+    # Another pipeline stage's layers: never swapped in here (that stage swaps its own).
+    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
+    for name, module_parts in parts.items():
+        weights = {
+            shard: layer_weights(prefix, tensors, scheme)
+            for shard, (prefix, tensors) in module_parts.items()
+        }
+        swap_in_w8a8(model, name, weights)
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+    log_w8a8_layers(model, list(parts), scheme, "checkpoint")
+    return consumed
+
+
+def refuse_w8a8_experts(experts: list[str]) -> None:
     if experts:
         raise ValueError(
             f"8-bit layers of {', '.join(sorted(experts))}: a mixture's experts stored as "
             "int8 W8A8 or FP8 are not served yet (GPTQ / AWQ / W4A16 experts are)"
         )
-    # Another pipeline stage's layers: never swapped in here (that stage swaps its own).
-    consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
-    for name, module_parts in parts.items():
-        module = model.get_submodule(name)
-        weights = {
-            shard: layer_weights(prefix, tensors, scheme)
-            for shard, (prefix, tensors) in module_parts.items()
-        }
-        replace_module(model, name, _w8a8_layer(name, module, weights))
-        module._parameters.pop("weight", None)  # never loaded: its storage was never touched
-        consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
+
+
+def swap_in_w8a8(model: nn.Module, name: str, weights: dict[str | None, W8A8Weights]) -> None:
+    """Replace the `Linear` `name` by its 8-bit layer from its parts' whole weights (this
+    rank keeps its rows)."""
+    module = model.get_submodule(name)
+    replace_module(model, name, _w8a8_layer(name, module, weights))
+    module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+
+
+def log_w8a8_layers(model: nn.Module, names: list[str], scheme: W8A8Scheme, origin: str) -> None:
+    held = (t for n in names for t in model.get_submodule(n).buffers() if t is not None)
     logger.info(
-        "checkpoint 8-bit layers (%s): %d layers (%.0f MB)",
+        "%s 8-bit layers (%s): %d layers (%.0f MB)",
+        origin,
         scheme.describe(),
-        len(parts),
-        distinct_bytes(t for n in parts for t in model.get_submodule(n).buffers() if t is not None)
-        / 1e6,
+        len(names),
+        distinct_bytes(held) / 1e6,
     )
-    return consumed
 
 
 def _w8a8_layer(name: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
