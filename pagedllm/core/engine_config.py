@@ -242,8 +242,9 @@ def verify_checkpoint_quantization(
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
-    refused = _eight_bit_refusals(args) if on_eight_bit_layers(quantization, hf_config) else []
-    refused += [
+    # The 8-bit layers (`w8a8_swap`) compose as the packed ones do: LoRA over ranks included
+    # (their o and down gather their input, `row_gather`), dummy weights (`w8a8_dummy`).
+    refused = [
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
     ]
@@ -253,19 +254,6 @@ def verify_checkpoint_quantization(
                 f"a checkpoint stored quantized with {quantization!r} is not served with "
                 f"{what} (yet)"
             )
-
-
-def _eight_bit_refusals(args: EngineArgs) -> list[tuple[bool, str]]:
-    """What the W8A8 / FP8 layers (`w8a8_swap`) do not compose with yet: LoRA over several
-    ranks (their row-parallel layers have not been tested with a rank's gathered delta).
-    Random weights are made for them (`w8a8_dummy`)."""
-    why = "(8-bit layers: not yet)"
-    return [
-        (
-            args.enable_lora and args.tensor_parallel_size > 1,
-            f"enable_lora and tensor_parallel_size={args.tensor_parallel_size} together {why}",
-        ),
-    ]
 
 
 def verify_lora_config(args: EngineArgs, model_config: ModelConfig) -> None:

@@ -11,12 +11,16 @@ bands of dequantized rows, whose torch.mm sums in an order that follows its shap
 threads (tests/model/test_w8a8_tensor_parallel.py). The shape is chosen
 so that a K slice per rank would go wrong: down_proj's 384 inputs would be 192 a rank, half
 of each token's row for its int8 or fp8 scale and one and a half blocks of 128; and rank 1's
-192 rows of gate/up (and 64 of k and v) start inside a block of 128 rows.
+192 rows of gate/up (and 64 of k and v) start inside a block of 128 rows. With LoRA over
+two ranks the tokens are one rank's with the same adapters (ties counted): o and down, which
+are `GatheredRowParallel`s as the packed ones are, apply all of A over the gathered input and
+their rows of B (`RankCut.gathered`).
 """
 
 from __future__ import annotations
 
 import pytest
+from lora_utils import make_peft_adapter
 from model_utils import (
     assert_bit_equal_to_reference,
     compare_to_reference_engine,
@@ -28,6 +32,7 @@ from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
 from quantized_llama import once_per_scheme
 from w8a8_writer import format_named, write_w8a8_checkpoint
 
+from pagedllm import LoRARequest, SamplingParams
 from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
 
 # fp32 rounding through a dozen tokens of a two-layer model.
@@ -79,3 +84,39 @@ def test_8_bit_checkpoint_across_ranks_equals_one_rank(checkpoints, report_ties,
     report_ties(ties, len(actual))
     print(f"{name} {layout}: largest logprob difference {largest:.2e}")
     assert largest <= LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["ct-int8-token", "fp8-block"])
+def test_lora_over_8_bit_ranks_equals_one_rank(checkpoints, tmp_path, report_ties, name):
+    """Two adapters and the base model in one batch: two ranks give one rank's tokens, and
+    the adapters change them."""
+    path, _ = checkpoints(name)
+    dequantized = path.parent / f"{path.name}-dequantized"
+    adapters = [
+        LoRARequest(
+            f"a{i}", i + 1, str(make_peft_adapter(dequantized, tmp_path / f"a{i}", i + 1, std=0.3))
+        )
+        for i in range(2)
+    ]
+    loras = [adapters[0], adapters[1], None, adapters[0]]
+    batch = [{"prompt_token_ids": prompt} for prompt in prompts()]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    def generate(llm, loras=loras) -> list:
+        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+        return [output.outputs[0] for output in outputs]
+
+    one_rank = budget_llm(path, enable_lora=True, max_loras=2)
+    expected = generate(one_rank)
+    base = generate(one_rank, loras=None)
+    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
+    assert changed == [lora is not None for lora in loras]
+    llm = budget_llm(path, enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        actual = generate(llm)
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ties, largest = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+    report_ties(ties, len(actual))
+    print(f"{name} with LoRA over 2 ranks: largest logprob difference {largest:.2e}")

@@ -260,11 +260,6 @@ def test_weights_in_memory_are_the_checkpoints_bytes(written, served, fmt):
 @pytest.mark.parametrize(
     ("engine_args", "named"),
     [
-        # A row-parallel 8-bit layer has no partial product for a rank's LoRA delta.
-        (
-            {"enable_lora": True, "tensor_parallel_size": 2},
-            "with enable_lora and tensor_parallel_size=2 together",
-        ),
         ({"dtype": "bfloat16"}, "with dtype='bfloat16'"),
         ({"quantization": "fp8"}, "quantization='fp8' disagrees"),
     ],
