@@ -28,7 +28,6 @@ from pagedllm.model.layers.onednn import available_memory_bytes
 from pagedllm.model.loader import ModelSource, load_hf_config, load_tokenizer, resolve_model
 from pagedllm.model.quantization.registry import (
     checkpoint_quantization,
-    on_eight_bit_layers,
     quantization_config,
 )
 from pagedllm.model.registry import resolve_model_class
@@ -339,13 +338,7 @@ def _draft_quantization(
     quantization = checkpoint_quantization(hf_config, requested)
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return quantization
-    refused = [
-        (
-            on_eight_bit_layers(quantization, hf_config) and args.load_format == "dummy",
-            "load_format='dummy' (8-bit layers)",
-        ),
-        (torch.device(args.device).type != "cpu", f"device={args.device!r}"),
-    ]
+    refused = [(torch.device(args.device).type != "cpu", f"device={args.device!r}")]
     for is_refused, what in refused:
         if is_refused:
             raise ValueError(

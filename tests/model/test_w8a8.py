@@ -342,3 +342,21 @@ def test_dummy_weights_are_random_8_bit_layers_of_the_checkpoints_shapes(
     assert len(output.outputs[0].token_ids) == 8
     logprobs = [lp.logprob for step in output.outputs[0].logprobs for lp in step.values()]
     assert all(math.isfinite(lp) for lp in logprobs)
+
+
+def test_a_dummy_draft_stored_8_bit_runs_on_random_8_bit_layers(tiny_llama, written):
+    """A draft's checkpoint method takes dummy weights as a target's does: its projections
+    are random 8-bit layers, and the pair generates."""
+    quantized, _, _ = written(FORMATS[6])
+    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
+    llm = LLM(
+        str(tiny_llama), load_format="dummy", speculative_config=draft, max_model_len=128,
+        kv_cache_memory="8MiB", skip_tokenizer_init=True,
+    )  # fmt: skip
+    assert llm.llm_engine.model_config.quantization is None
+    draft_model = model_runner(llm).proposer.model
+    assert sum(isinstance(m, TiledDequantLinear) for m in draft_model.modules()) == 2 * 4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (output,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 8
+    assert llm.get_stats().spec_decode.num_drafts > 0

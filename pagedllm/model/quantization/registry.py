@@ -11,10 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.model.quantization.awq import AWQMethod
-from pagedllm.model.quantization.compressed_tensors import (
-    CompressedTensorsMethod,
-    is_pack_quantized,
-)
+from pagedllm.model.quantization.compressed_tensors import CompressedTensorsMethod
 from pagedllm.model.quantization.fp8 import FP8Method
 from pagedllm.model.quantization.gptq import GPTQMethod
 from pagedllm.model.quantization.method import CheckpointMethod, as_dict
@@ -81,12 +78,3 @@ def _refusal_and_scheme(
         return why, (method.scheme(config) if why is not None else name)
     except (TypeError, ValueError) as error:
         return str(error), f"{name} checkpoint"
-
-
-def on_eight_bit_layers(method: str | None, hf_config: Any) -> bool:
-    """Whether a served checkpoint runs on the W8A8 / FP8 layers (`w8a8_swap`) rather than
-    on the packed ones: the two families differ in what they compose with yet."""
-    if method == "fp8":
-        return True
-    config = quantization_config(hf_config)
-    return method == "compressed-tensors" and config is not None and not is_pack_quantized(config)
