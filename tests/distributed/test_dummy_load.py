@@ -124,3 +124,38 @@ def test_engine_args_load_format_and_quantization_checks():
     EngineArgs(quantization="gguf", tensor_parallel_size=2)  # blocks split by rows
     EngineArgs(quantization="gguf", pipeline_parallel_size=2)
     EngineArgs(quantization="int8", tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
+def _dummy_fp8_model(tp_rank: int = 0, tp: int = 1, pp_rank: int = 0, pp: int = 1):
+    from pagedllm.model.layers.w8a8_dummy import keep_dummy_w8a8_weights
+
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    with as_rank(tp_rank, tp, pp_rank, pp):
+        model = build_model(tiny_config())
+        assert keep_dummy_w8a8_weights(model, "fp8", config, seed=3) == set()
+    return model
+
+
+def test_dummy_8_bit_layers_keep_each_ranks_rows_and_each_stages_layers():
+    """Random FP8 layers go through the checkpoint's swap: each rank holds its rows of the
+    one seeded full weight (o and down: output rows over the whole K), each stage only its
+    own layers."""
+    from pagedllm.model.layers.w8a8_linear import TiledDequantLinear
+    from pagedllm.model.layers.w8a8_parallel import TiledDequantRowParallelLinear
+
+    whole = _dummy_fp8_model()
+    ranks = [_dummy_fp8_model(tp_rank, 2) for tp_rank in range(2)]
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+        parts = [rank.get_submodule(name) for rank in ranks]
+        assert all(isinstance(part, TiledDequantRowParallelLinear) for part in parts)
+        rows = torch.cat([part.weights.dequantize() for part in parts])
+        assert torch.equal(rows, whole.get_submodule(name).weights.dequantize())
+    qkv = ranks[1].get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert qkv.weights.values.shape == ((2 + 1 + 1) * 16, 64)  # 2 q heads, its k and v head
+    last_stage = _dummy_fp8_model(pp_rank=1, pp=2)
+    layers = {
+        name.split(".")[2]
+        for name, module in last_stage.named_modules()
+        if isinstance(module, TiledDequantLinear)
+    }
+    assert layers == {"2"}
