@@ -92,7 +92,9 @@ def random_weights(
     return UnpackedGPTQ(q, scales.half().float(), zeros, order, group_size, scheme.bits)
 
 
-def _generator(seed: int, name: str) -> torch.Generator:
+def layer_generator(seed: int, name: str) -> torch.Generator:
+    """A generator of its own for each layer: a layer's random weights depend on the seed and
+    its name only, whichever rank or stage builds it."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
@@ -135,7 +137,7 @@ def _swap_random(
     quantizes none (a fused layer with only some of them quantized is refused by the swap,
     as a checkpoint's would be)."""
     module = model.get_submodule(name)
-    inputs, generator = full_inputs(module), _generator(seed, name)
+    inputs, generator = full_inputs(module), layer_generator(seed, name)
     parts = {}
     for shard, rows in full_rows(module).items():
         scheme = schemes(checkpoint_layer(model, name, shard))
@@ -153,7 +155,7 @@ def _swap_random_experts(model: nn.Module, name: str, schemes: LayerSchemes, see
     scheme = schemes(f"{name}.0.gate_proj")
     if scheme is None:
         return False
-    spec, generator = model.get_submodule(name).spec, _generator(seed, name)
+    spec, generator = model.get_submodule(name).spec, layer_generator(seed, name)
     hidden, intermediate = spec.hidden_size, spec.intermediate_size
     shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden)}
     shapes["down"] = (hidden, intermediate)

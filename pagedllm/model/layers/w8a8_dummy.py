@@ -27,10 +27,10 @@ from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.packed_dummy import (
     QUANTIZED_MODULES,
     WEIGHT_STD,
-    _generator,
     checkpoint_layer,
     full_inputs,
     full_rows,
+    layer_generator,
 )
 from pagedllm.model.layers.w8a8_swap import (
     checkpoint_scheme,
@@ -115,7 +115,7 @@ def _swap_random(
     quantizes none (a fused layer with only some quantized is refused by the swap, as a
     checkpoint's would be)."""
     module = model.get_submodule(name)
-    inputs, generator = full_inputs(module), _generator(seed, name)
+    inputs, generator = full_inputs(module), layer_generator(seed, name)
     parts: dict[str | None, W8A8Weights] = {}
     for shard, rows in full_rows(module).items():
         layer = checkpoint_layer(model, name, shard)
