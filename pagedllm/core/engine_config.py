@@ -179,7 +179,7 @@ def build_engine_config(
     verify_parallel_layout(hf_config, parallel_config)
     verify_cpu_binding(parallel_config)
     quantization = checkpoint_quantization(hf_config, args.quantization)
-    verify_checkpoint_quantization(args, quantization, hf_config)
+    verify_checkpoint_quantization(args, quantization)
     model_config = ModelConfig(
         model=source.path,
         hf_config=hf_config,
@@ -235,14 +235,10 @@ def build_engine_config(
     )
 
 
-def verify_checkpoint_quantization(
-    args: EngineArgs, quantization: str | None, hf_config: Any
-) -> None:
+def verify_checkpoint_quantization(args: EngineArgs, quantization: str | None) -> None:
     """What a checkpoint stored quantized cannot be combined with yet, refused by name."""
     if quantization not in CHECKPOINT_QUANTIZATION_METHODS:
         return
-    # The 8-bit layers (`w8a8_swap`) compose as the packed ones do: LoRA over ranks included
-    # (their o and down gather their input, `row_gather`), dummy weights (`w8a8_dummy`).
     refused = [
         (torch.device(args.device).type != "cpu", f"device={args.device!r} (CPU kernels)"),
         (resolve_dtype(args.dtype) != torch.float32, f"dtype={args.dtype!r} (float32 compute)"),
