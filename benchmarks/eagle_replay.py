@@ -4,7 +4,8 @@ with the states the head reads, then each training-time-test step's top-1 accura
 and under the bf16 autocast training's own evaluation uses), loop.py's estimate from them,
 and the acceptance length replayed as greedy verification walks (eagle_train/acceptance.py,
 equal to the engine's). Workloads: "held-out" (the training run's held-out prompts, the
-same seed and split), "chat" (benchmarks.spec_decode's chat questions).
+same seed and split, less those also drawn for training), "chat" (benchmarks.spec_decode's
+chat questions).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.eagle_replay --eagle-head DIR
         [--workloads held-out,chat] [--num-prompts 512] [--seed 0] [--max-tokens 96] [--k 3]
@@ -33,8 +34,10 @@ def workload_prompts(name: str, tokenizer, num_prompts: int, seed: int) -> list[
         return chat_prompts(tokenizer)
     every = make_prompts(tokenizer, num_prompts, seed)
     # train_eagle splits its sequences, one per prompt in order, by this seeded shuffle.
-    _, held_out = split(list(range(len(every))), HELD_OUT, seed)
-    return [every[i] for i in held_out]
+    trained, held_out = split(list(range(len(every))), HELD_OUT, seed)
+    # The templates draw some prompts twice (8 of the 25 held out of 512): those were trained on.
+    seen = {every[i] for i in trained}
+    return [every[i] for i in held_out if every[i] not in seen]
 
 
 def main() -> None:
