@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.eagle_train.acceptance import replayed_acceptance
 from benchmarks.eagle_train.capture import Sequence, generate_with_states
 from benchmarks.eagle_train.dataset import make_batches, split
 from benchmarks.eagle_train.export import write_head_dir
@@ -103,6 +104,7 @@ def distil(
     deadline: float,
     max_len: int = 1024,
     num_speculative_tokens: int = 3,
+    max_output_tokens: int | None = None,
 ) -> dict:
     """Train on `sequences` and write the head to `out`; what was measured on the way."""
     train_set, held_out = split(sequences, HELD_OUT, settings.seed)
@@ -142,6 +144,11 @@ def distil(
         report["estimated_acceptance_length"] = expected_acceptance(
             accuracies, num_speculative_tokens
         )
+        # What the engine gets on these sequences (acceptance.py): lower than the estimate.
+        replayed = replayed_acceptance(
+            head, held_out, draft_ids, num_speculative_tokens, max_output_tokens
+        )
+        report["replayed_acceptance_length"] = replayed.mean_acceptance_length
     write_head_dir(out, target.config, head, vocab, layers, report)
     return report
 
@@ -209,7 +216,15 @@ def main() -> None:
     )
     print(f"train: bf16 autocast {'on' if settings.bf16 else 'off'}", flush=True)
     report = distil(
-        sequences, target, layers, args.out, settings, args.draft_vocab, args.batch_tokens, deadline
+        sequences,
+        target,
+        layers,
+        args.out,
+        settings,
+        args.draft_vocab,
+        args.batch_tokens,
+        deadline,
+        max_output_tokens=args.max_tokens,
     )
     report.update(data_seconds=data_s, total_seconds=time.monotonic() - started)
     (args.out / "training.json").write_text(json.dumps(report, indent=2))

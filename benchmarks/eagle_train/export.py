@@ -1,6 +1,7 @@
 """The trained head's directory in the published EAGLE-3 layout (`LlamaForCausalLMEagle3`
 config with `draft_vocab_size` and `eagle_config`, model.safetensors with `midlayer.*`,
-`fc`, `norm`, `lm_head`, `d2t` and `t2d`), as spec_decode/runner/eagle_loading.py reads it."""
+`fc`, `norm`, `lm_head`, `d2t` and `t2d`), as spec_decode/runner/eagle_loading.py reads it;
+and such a directory read back into the training module (`read_head_dir`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
 
-from benchmarks.eagle_train.head_model import TrainableEagle3Head
+from benchmarks.eagle_train.head_model import HeadSizes, TrainableEagle3Head
 from benchmarks.eagle_train.vocab import DraftVocab
 
 
@@ -58,3 +60,30 @@ def write_head_dir(
     if extra is not None:
         (directory / "training.json").write_text(json.dumps(extra, indent=2))
     return directory
+
+
+def read_head_dir(
+    directory: Path, target_embedding: torch.Tensor
+) -> tuple[TrainableEagle3Head, DraftVocab, tuple[int, ...]]:
+    """A head `write_head_dir` wrote (or one in its layout, sharing the target's embedding):
+    the module with its weights, its draft vocabulary and the target layers it reads."""
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_file(directory / "model.safetensors")
+    layers = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    sizes = HeadSizes(
+        hidden=config["hidden_size"],
+        intermediate=config["intermediate_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        num_target_states=len(layers),
+        draft_vocab=config["draft_vocab_size"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+    )
+    head = TrainableEagle3Head(sizes, target_embedding)
+    with torch.no_grad():
+        for name, param in head.published_parameters().items():
+            param.copy_(tensors[name].float())
+    target_ids = torch.arange(sizes.draft_vocab) + tensors["d2t"].long()
+    return head, DraftVocab(target_ids, config["vocab_size"]), layers

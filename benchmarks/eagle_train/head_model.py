@@ -145,6 +145,11 @@ class TrainableEagle3Head(nn.Module):
 
     def published_tensors(self) -> dict[str, torch.Tensor]:
         """The head's weights under the EAGLE-3 layout's names (no embedding: the target's)."""
+        tensors = self.published_parameters()
+        return {name: t.detach().float().contiguous() for name, t in tensors.items()}
+
+    def published_parameters(self) -> dict[str, nn.Parameter]:
+        """The head's parameters by their names in the EAGLE-3 layout."""
         layer = {
             "input_layernorm": self.input_layernorm,
             "hidden_norm": self.hidden_norm,
@@ -162,4 +167,4 @@ class TrainableEagle3Head(nn.Module):
             {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight},
             **{"lm_head.weight": self.lm_head.weight},
         )
-        return {name: t.detach().float().contiguous() for name, t in tensors.items()}
+        return tensors

@@ -13,7 +13,9 @@ import torch
 from model_utils import model_runner
 from safetensors.torch import load_file
 
+from benchmarks.eagle_train.acceptance import Replay, replay, replayed_acceptance
 from benchmarks.eagle_train.capture import generate_with_states
+from benchmarks.eagle_train.export import read_head_dir
 from benchmarks.eagle_train.head_model import TrainableEagle3Head, ttt_mask
 from benchmarks.eagle_train.loop import TrainSettings
 from benchmarks.eagle_train.vocab import most_frequent
@@ -185,3 +187,51 @@ def _published_name(name: str) -> str:
     if module in ("fc", "norm", "lm_head"):
         return name
     return f"midlayer.{layer.get(module, module)}.{kind}"
+
+
+def test_replay_walks_verification_steps():
+    """Prompt of 3 tokens, 9 positions (12 tokens): drafts from position 2 (after the
+    prefill's token); each step advances by the accepted drafts plus the target's token."""
+    right = torch.zeros(3, 9, dtype=torch.bool)
+    right[0, 2] = right[1, 3] = True  # from 2: two accepted, step 2 at 4 wrong
+    right[0, 5] = True  # from 5: one accepted (step 1 at 6 wrong)
+    right[1, 8] = True  # from 7: none (step 0 wrong: later steps never count); from 8: none
+    out = Replay()
+    replay(right, 3, 3, out)
+    assert (out.num_drafts, out.num_accepted) == (4, 3)
+    assert out.mean_acceptance_length == 1.75
+    everything = Replay()
+    replay(torch.ones(2, 9, dtype=torch.bool), 3, 2, everything)
+    # From 2 and 5 both drafts; from 8 one (the sequence ends after position 8's label).
+    assert (everything.num_drafts, everything.num_accepted) == (3, 5)
+
+
+def test_replayed_acceptance_is_the_engines(tiny_llama, trained):
+    """Replaying the head over the target's own greedy sequences gives exactly the
+    engine's acceptance with that head on the same prompts."""
+    llm, sequences, out, _ = trained
+    config = {"method": "eagle3", "model": str(out), "num_speculative_tokens": NUM_SPECULATIVE}
+    spec = engine(tiny_llama, config)
+    params = SamplingParams(temperature=0, max_tokens=24)  # as the capture generated
+    for sequence in sequences:  # one at a time: the engine's verifying steps are its own
+        spec.generate(token_prompts([sequence.token_ids[: sequence.prompt_len]]), params)
+    counts = spec.get_stats().spec_decode
+
+    head, vocab, layers = read_head_dir(out, TargetParts(llm).embedding)
+    assert layers == LAYERS
+    draft_ids = vocab.draft_ids()
+    replayed = replayed_acceptance(head, sequences, draft_ids, NUM_SPECULATIVE, 24)
+    assert replayed.num_accepted > 0
+    assert (replayed.num_drafts, replayed.num_accepted) == (
+        counts.num_drafts,
+        counts.num_accepted_tokens,
+    )
+
+
+def test_read_head_dir_gives_back_what_was_written(trained):
+    llm, _, out, _ = trained
+    head, vocab, _ = read_head_dir(out, TargetParts(llm).embedding)
+    tensors = load_file(out / "model.safetensors")
+    for name, tensor in head.published_tensors().items():
+        assert torch.equal(tensor, tensors[name]), name
+    assert torch.equal(vocab.d2t, tensors["d2t"]) and torch.equal(vocab.t2d, tensors["t2d"])
