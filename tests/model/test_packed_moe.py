@@ -244,8 +244,20 @@ def test_moe_checkpoint_serves_transformers_tokens_on_packed_experts(
     assert check.largest_layer_parameter <= EXPERTS * MODEL_SHAPES[architecture]["hidden_size"]
 
 
-def test_dummy_weights_put_the_experts_on_random_packed_layers(sources, tmp_path):
-    """A config.json alone with a GPTQ quantization_config and load_format="dummy": every
+@pytest.mark.parametrize(
+    ("architecture", "quantization_config", "sparse_layers"),
+    [
+        ("Qwen3MoeForCausalLM", GPTQ_G128.quantization_config(), 2),  # layer 1 is dense
+        # AutoAWQ names the router "gate" in modules_to_not_convert: Mixtral's experts
+        # (block_sparse_moe.experts.E.w1|w3|w2 in its checkpoints) are quantized all the same.
+        ("MixtralForCausalLM", MIXTRAL_AWQ.quantization_config(), 2),
+    ],
+    ids=["qwen3-moe-gptq", "mixtral-awq"],
+)
+def test_dummy_weights_put_the_experts_on_random_packed_layers(
+    sources, tmp_path, architecture, quantization_config, sparse_layers
+):
+    """A config.json alone with a packed quantization_config and load_format="dummy": every
     sparse layer's experts packed, no fp32 expert left, and the model generates."""
     import json
     import math
@@ -253,16 +265,16 @@ def test_dummy_weights_put_the_experts_on_random_packed_layers(sources, tmp_path
     from pagedllm import LLM, SamplingParams
     from pagedllm.model.loader import write_config_dir
 
-    config = json.loads((sources["Qwen3MoeForCausalLM"] / "config.json").read_text())
-    config["quantization_config"] = GPTQ_G128.quantization_config()
+    config = json.loads((sources[architecture] / "config.json").read_text())
+    config["quantization_config"] = quantization_config
     shapes = write_config_dir(str(tmp_path / "shape-only"), config)
     dummy = {"load_format": "dummy", "skip_tokenizer_init": True}
     llm = LLM(str(shapes), max_model_len=128, kv_cache_memory="8MiB", **dummy)
     model = model_runner(llm).model
     experts = [m for m in model.modules() if isinstance(m, PackedGroupedExperts)]
-    assert len(experts) == 2  # layers 0 and 2; layer 1 is dense
+    assert len(experts) == sparse_layers
     assert all(isinstance(layer, GPTQMergedLinear) for e in experts for layer in e.gate_up)
-    hidden = MODEL_SHAPES["Qwen3MoeForCausalLM"]["hidden_size"]
+    hidden = MODEL_SHAPES[architecture]["hidden_size"]
     assert max(p.numel() for n, p in model.named_parameters() if "layers" in n) <= EXPERTS * hidden
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     (output,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)

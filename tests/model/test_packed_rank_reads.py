@@ -192,3 +192,14 @@ def test_zero_points_of_another_layout_are_refused_before_a_rank_cuts_them(monke
     config = scheme.quantization_config()
     with pytest.raises(ValueError, match=r"down_proj'.*qzeros \(3, 104\) does not hold 104"):
         _built(monkeypatch, str(tmp_path), gptq_swap.keep_gptq_weights, config, 1, 2)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_a_symmetric_layers_zero_points_are_never_cut_by_rank(symmetric):
+    """A symmetric layer's zero points are unused (the midpoint is): a stored tensor of them,
+    of whatever layout, is read whole and ignored at any tp, as at tp=1, not checked as
+    outputs packed 32 / bits a word; an asymmetric layer's are cut as its rows are."""
+    config = CTScheme(4, 128, symmetric=symmetric).quantization_config()
+    axes = ct_pack_swap.layout(config).axes("model.layers.0.self_attn.q_proj")
+    assert ("weight_zero_point" in axes) is not symmetric
+    assert axes["weight_packed"] == (0, 1)

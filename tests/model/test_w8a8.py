@@ -360,3 +360,19 @@ def test_a_dummy_draft_stored_8_bit_runs_on_random_8_bit_layers(tiny_llama, writ
     (output,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params, use_tqdm=False)
     assert len(output.outputs[0].token_ids) == 8
     assert llm.get_stats().spec_decode.num_drafts > 0
+
+
+def test_dummy_fp8_layers_honour_ignored_layers_and_modules_to_not_convert():
+    """vLLM's fp8 configs name the layers a checkpoint keeps unquantized in `ignored_layers`
+    (whole names) or `modules_to_not_convert` (parts of names); dummy weights skip both."""
+    from pagedllm.model.layers.w8a8_dummy import is_quantized_projection
+
+    config = {
+        "quant_method": "fp8",
+        "ignored_layers": ["model.layers.0.mlp.down_proj"],
+        "modules_to_not_convert": ["o_proj"],
+    }
+    assert not is_quantized_projection("fp8", config, "model.layers.0.mlp.down_proj")
+    assert not is_quantized_projection("fp8", config, "model.layers.1.self_attn.o_proj")
+    assert is_quantized_projection("fp8", config, "model.layers.1.mlp.down_proj")
+    assert is_quantized_projection("fp8", config, "model.layers.0.mlp.gate_proj")

@@ -30,11 +30,14 @@ from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 def layout(config: dict[str, Any]) -> PackedLayout:
     """Outputs along the rows of weight_packed and weight_scale; weight_zero_point packs
-    32 / bits of them an int32 (the layer's group's bits)."""
+    32 / bits of them an int32 (the layer's group's bits). A symmetric layer's zero points
+    are never used (the midpoint is), so a stored tensor of them, of whatever layout, is
+    read whole and ignored on every rank as on one."""
 
     def axes(prefix: str) -> dict[str, tuple[int, int]]:
-        per_word = 32 // layer_scheme(config, prefix).bits
-        return {"weight_packed": (0, 1), "weight_scale": (0, 1), "weight_zero_point": (0, per_word)}
+        scheme = layer_scheme(config, prefix)
+        cut = {"weight_packed": (0, 1), "weight_scale": (0, 1)}
+        return cut if scheme.symmetric else {**cut, "weight_zero_point": (0, 32 // scheme.bits)}
 
     return PackedLayout(rows=("weight_scale", 0), axes=axes, narrowed=_window_shape)
 

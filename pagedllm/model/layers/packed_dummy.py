@@ -149,18 +149,28 @@ def _swap_random(
 
 
 def _swap_random_experts(model: nn.Module, name: str, schemes: LayerSchemes, seed: int) -> bool:
-    """A mixture's experts on random packed parts, each the checkpoint's whole shape, in the
-    scheme of its first expert's gate (the formats quantize a block's experts alike); False
-    when the config leaves them unquantized."""
-    scheme = schemes(f"{name}.0.gate_proj")
-    if scheme is None:
+    """A mixture's experts on random packed parts, each the checkpoint's whole shape, each
+    shard in the scheme its checkpoint name gets (the first expert's: the formats quantize
+    a block's experts alike); False when the config leaves them unquantized."""
+    by_shard = {
+        shard: schemes(model.checkpoint_expert_layer(name, 0, shard)) for shard in EXPERT_SHARDS
+    }
+    quantized = [shard for shard, scheme in by_shard.items() if scheme is not None]
+    if not quantized:
         return False
+    if len(quantized) < len(by_shard):
+        raise ValueError(
+            f"the quantization config quantizes {quantized} of {name!r}'s experts' "
+            f"{list(by_shard)}: experts quantized in part are not served"
+        )
     spec, generator = model.get_submodule(name).spec, layer_generator(seed, name)
     hidden, intermediate = spec.hidden_size, spec.intermediate_size
     shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden)}
     shapes["down"] = (hidden, intermediate)
     parts = {(e, shard) for e in range(spec.num_experts) for shard in EXPERT_SHARDS}
-    swap_in_experts(
-        model, name, parts, lambda part: random_weights(*shapes[part[1]], scheme, generator)
-    )
+
+    def random_part(part: tuple[int, str]) -> UnpackedGPTQ:
+        return random_weights(*shapes[part[1]], by_shard[part[1]], generator)
+
+    swap_in_experts(model, name, parts, random_part)
     return True

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model.layers.fused_moe import GroupedExperts
+from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, GroupedExperts
 from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.packed_dummy import (
     QUANTIZED_MODULES,
@@ -55,6 +55,10 @@ STATIC_ACTIVATION_MAX = 8.0
 def is_quantized_projection(method: str, config: dict[str, Any], layer: str) -> bool:
     """Whether a checkpoint of `config` stores `layer` (its checkpoint name) in 8 bits."""
     if method == "fp8":
+        # vLLM's fp8 configs name the layers kept unquantized in either key.
+        ignored = config.get("ignored_layers") or ()
+        if layer in ignored or any(layer.endswith(f".{name}") for name in ignored):
+            return False
         return not any(m in layer for m in config.get("modules_to_not_convert") or ())
     return ct_pack_quantized.is_quantized_layer(config, layer)
 
@@ -91,7 +95,14 @@ def keep_dummy_w8a8_weights(
     scheme = checkpoint_scheme(method, config)
     experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     refuse_w8a8_experts(
-        [name for name in experts if is_quantized_projection(method, config, f"{name}.0.gate_proj")]
+        [
+            name
+            for name in experts
+            if any(
+                is_quantized_projection(method, config, model.checkpoint_expert_layer(name, 0, s))
+                for s in EXPERT_SHARDS
+            )
+        ]
     )
     names = [
         name

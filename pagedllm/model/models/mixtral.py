@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -124,6 +124,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         """The checkpoint's name as this model's modules spell it."""
         return name
 
+    # The checkpoint's names of an expert's gate, up and down (Qwen's; Mixtral's below).
+    expert_projection_names: ClassVar[dict[str, str]] = {
+        "gate": "gate_proj",
+        "up": "up_proj",
+        "down": "down_proj",
+    }
+
+    def checkpoint_expert_layer(self, experts_name: str, expert: int, shard: str) -> str:
+        """The checkpoint name (without `.weight`) of one expert's gate, up or down, for
+        what reads a quantization config by layer names (dummy weights)."""
+        return f"{experts_name}.{expert}.{self.expert_projection_names[shard]}"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(weights)
         for index, layer in zip(self.model.stage_layers, self.model.own_layers(), strict=True):
@@ -138,9 +150,14 @@ class MixtralForCausalLM(MoEForCausalLM):
     """Serves MixtralForCausalLM checkpoints: every layer sparse."""
 
     layer_class = MixtralDecoderLayer
+    expert_projection_names: ClassVar[dict[str, str]] = {"gate": "w1", "up": "w3", "down": "w2"}
 
     def rename_checkpoint_tensor(self, name: str) -> str:
         return name.replace(".block_sparse_moe.", ".mlp.")
+
+    def checkpoint_expert_layer(self, experts_name: str, expert: int, shard: str) -> str:
+        layer = super().checkpoint_expert_layer(experts_name, expert, shard)
+        return layer.replace(".mlp.", ".block_sparse_moe.")
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):

@@ -57,9 +57,10 @@ class SampledDrafts(Proposer):
     ) -> dict[str, list[int]]:
         """Each request's drafts, step by step in `drafts`; their q kept for `draft_probs`."""
         if probs[0] is not None:  # some request samples
-            stacked = torch.stack(probs, dim=1)  # [R, k, V]
+            # Each request's [k, V] in storage of its own: a view of the step's [R, k, V]
+            # would keep every request's q alive while one waits (unscheduled, preempted).
             for index, request_id in enumerate(request_ids):
-                self._probs[request_id] = stacked[index]
+                self._probs[request_id] = torch.stack([step[index] for step in probs])
         proposals = np.stack(drafts, axis=1)
         return dict(zip(request_ids, proposals.tolist(), strict=True))
 
