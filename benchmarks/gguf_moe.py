@@ -14,9 +14,7 @@ tokens after an 8-token prompt, median of `--rounds`, the two engines interleave
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -27,9 +25,9 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.gguf_files import add_model_shape, add_tensor, finish
-from pagedllm import LLM, SamplingParams
+from benchmarks.moe_decode import add_shape_flags, interleaved_rounds, print_table
+from pagedllm import LLM
 from pagedllm.model.gguf.tensor_names import gguf_tensor_names
-from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_experts import GGUFGroupedExperts
 
 VOCAB, HEAD_DIM, ARCH = 8192, 64, "qwen3moe"
@@ -81,51 +79,18 @@ def engine(path: Path, experts_on_blocks: bool) -> LLM:
         return LLM(str(path), **common)
 
 
-def expert_bytes(llm: LLM) -> int:
-    model = llm.model_runner.model
-    total = 0
-    for module in model.modules():
-        if isinstance(module, GGUFGroupedExperts):
-            total += module.weight_bytes()
-        elif isinstance(module, GroupedExperts):
-            total += sum(p.numel() * p.element_size() for p in module.parameters())
-    return total
-
-
-def tokens_per_s(llm: LLM, tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": list(range(3, 11))}], params, use_tqdm=False)
-    return tokens / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in [("--hidden", 1024), ("--experts", 8), ("--top-k", 2),
-                          ("--expert-size", 768), ("--layers", 4), ("--tokens", 64),
-                          ("--rounds", 5)]:  # fmt: skip
-        parser.add_argument(flag, type=int, default=default)
+    add_shape_flags(parser)
     parser.add_argument("--qtype", default="Q8_0", choices=["Q8_0", "Q4_0", "Q4_1"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "moe.gguf"
         write_file(path, args)
         engines = {"experts fp32": engine(path, False), "experts on blocks": engine(path, True)}
-        for llm in engines.values():
-            tokens_per_s(llm, 8)  # warm-up
-        rounds = {name: [] for name in engines}
-        for _ in range(args.rounds):
-            for name, llm in engines.items():
-                rounds[name].append(tokens_per_s(llm, args.tokens))
+        rounds = interleaved_rounds(engines, args)
         print(f"file {path.stat().st_size / 1e6:.1f} MB, {args}")
-        print("| experts | expert bytes (MB) | decode tok/s (median) | rounds |")
-        print("|---|---|---|---|")
-        for name, llm in engines.items():
-            values = ", ".join(f"{v:.1f}" for v in rounds[name])
-            print(
-                f"| {name} | {expert_bytes(llm) / 1e6:.1f} | "
-                f"{statistics.median(rounds[name]):.1f} | {values} |"
-            )
+        print_table(engines, rounds, GGUFGroupedExperts)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ engines interleaved).
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
-from pagedllm import LLM, SamplingParams
-from pagedllm.model.layers.fused_moe import GroupedExperts
+from benchmarks.moe_decode import add_shape_flags, interleaved_rounds, print_table
+from pagedllm import LLM
 from pagedllm.model.layers.packed_experts import PackedGroupedExperts
 from pagedllm.model.loader import write_config_dir
 
@@ -51,50 +49,18 @@ def engine(directory: str, args: argparse.Namespace, packed: bool) -> LLM:
                max_num_seqs=1, kv_cache_memory="64MiB", disable_log_stats=True)  # fmt: skip
 
 
-def expert_bytes(llm: LLM) -> int:
-    total = 0
-    for module in llm.model_runner.model.modules():
-        if isinstance(module, PackedGroupedExperts):
-            total += module.weight_bytes()
-        elif isinstance(module, GroupedExperts):
-            total += sum(p.numel() * p.element_size() for p in module.parameters())
-    return total
-
-
-def tokens_per_s(llm: LLM, tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": list(range(3, 11))}], params, use_tqdm=False)
-    return tokens / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in [("--hidden", 1024), ("--experts", 8), ("--top-k", 2),
-                          ("--expert-size", 768), ("--layers", 4), ("--tokens", 64),
-                          ("--rounds", 5)]:  # fmt: skip
-        parser.add_argument(flag, type=int, default=default)
+    add_shape_flags(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         engines = {
             "fp32 (dequantized)": engine(directory, args, packed=False),
             "packed (GPTQ g128)": engine(directory, args, packed=True),
         }
-        for llm in engines.values():
-            tokens_per_s(llm, 8)  # warm-up
-        rounds = {name: [] for name in engines}
-        for _ in range(args.rounds):
-            for name, llm in engines.items():
-                rounds[name].append(tokens_per_s(llm, args.tokens))
+        rounds = interleaved_rounds(engines, args)
     print(args)
-    print("| experts | expert bytes (MB) | decode tok/s (median) | rounds |")
-    print("|---|---|---|---|")
-    for name, llm in engines.items():
-        values = ", ".join(f"{v:.1f}" for v in rounds[name])
-        print(
-            f"| {name} | {expert_bytes(llm) / 1e6:.1f} | "
-            f"{statistics.median(rounds[name]):.1f} | {values} |"
-        )
+    print_table(engines, rounds, PackedGroupedExperts)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ import math
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
+from lora_utils import make_peft_adapter
 from model_utils import compare_to_reference_engine, greedy_with_logprobs
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.executor.multiproc_executor import WorkerError
 
 TIE_TOLERANCE = 1e-4
@@ -82,6 +84,55 @@ def assert_greedy_equals_one_rank(llm: LLM, directory, report_ties) -> None:
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
     core.check_integrity()
+
+
+def greedy_across_ranks(directory, **layout) -> list:
+    """`directory`'s greedy outputs for `prompts()` over `layout`, whose budget must preempt;
+    the engine's books are checked and its ranks stopped however the run ends."""
+    llm = budget_llm(directory, **layout)
+    try:
+        actual = greedy_with_logprobs(llm, prompts(), MAX_TOKENS)
+        core = llm.llm_engine.engine_core
+        assert core.scheduler.num_preemptions > 0
+        core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return actual
+
+
+def lora_on_one_rank_and_two(directory: Path, adapter_root: Path) -> tuple[list, list]:
+    """Two adapters (made on `directory`'s `-dequantized` twin, under `adapter_root`) and the
+    base model in one batch: (one rank's outputs, two ranks'). The adapters must change the
+    tokens they are given, or the comparison would not show them applied over the ranks."""
+    dequantized = directory.parent / f"{directory.name}-dequantized"
+    adapters = [
+        LoRARequest(
+            f"a{i}",
+            i + 1,
+            str(make_peft_adapter(dequantized, adapter_root / f"a{i}", i + 1, std=0.3)),
+        )
+        for i in range(2)
+    ]
+    loras = [adapters[0], adapters[1], None, adapters[0]]
+    batch = [{"prompt_token_ids": prompt} for prompt in prompts()]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    def generate(llm, loras=loras) -> list:
+        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
+        return [output.outputs[0] for output in outputs]
+
+    one_rank = budget_llm(directory, enable_lora=True, max_loras=2)
+    expected = generate(one_rank)
+    base = generate(one_rank, loras=None)
+    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
+    assert changed == [lora is not None for lora in loras]
+    llm = budget_llm(directory, enable_lora=True, max_loras=2, tensor_parallel_size=2)
+    try:
+        actual = generate(llm)
+        llm.llm_engine.engine_core.check_integrity()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return expected, actual
 
 
 def kill_rank_mid_generation(engine, pid: int, error_pattern: str) -> None:

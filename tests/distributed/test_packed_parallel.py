@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 from awq_writer import AWQScheme, write_awq_checkpoint
 from gptq_writer import Scheme, write_gptq_checkpoint
-from lora_utils import make_peft_adapter
 from model_utils import (
     assert_bit_equal_to_reference,
     compare_to_reference_engine,
@@ -24,9 +23,15 @@ from model_utils import (
     make_tiny_model,
     model_runner,
 )
-from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+from parallel_greedy import (
+    MAX_TOKENS,
+    TIE_TOLERANCE,
+    budget_llm,
+    greedy_across_ranks,
+    lora_on_one_rank_and_two,
+    prompts,
+)
 
-from pagedllm import LoRARequest, SamplingParams
 from pagedllm.model.layers.gptq_linear import GPTQLinear
 
 SHAPE = dict(hidden_size=256, intermediate_size=384, head_dim=64)
@@ -61,32 +66,7 @@ def test_lora_over_packed_ranks_equals_one_rank(checkpoints, tmp_path, report_ti
     """GPTQ act-order (q/k/v and gate/up one layer per part) with two adapters and the base
     model in one batch: two ranks give one rank's tokens, and the adapters change them."""
     path, _ = checkpoints["gptq-g128-act-order"]
-    dequantized = path.parent / f"{path.name}-dequantized"
-    adapters = [
-        LoRARequest(
-            f"a{i}", i + 1, str(make_peft_adapter(dequantized, tmp_path / f"a{i}", i + 1, std=0.3))
-        )
-        for i in range(2)
-    ]
-    loras = [adapters[0], adapters[1], None, adapters[0]]
-    batch = [{"prompt_token_ids": prompt} for prompt in prompts()]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-
-    def generate(llm, loras=loras) -> list:
-        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
-        return [output.outputs[0] for output in outputs]
-
-    one_rank = budget_llm(path, enable_lora=True, max_loras=2)
-    expected = generate(one_rank)
-    base = generate(one_rank, loras=None)
-    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
-    assert changed == [lora is not None for lora in loras]
-    llm = budget_llm(path, enable_lora=True, max_loras=2, tensor_parallel_size=2)
-    try:
-        actual = generate(llm)
-        llm.llm_engine.engine_core.check_integrity()
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    expected, actual = lora_on_one_rank_and_two(path, tmp_path)
     ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
 
@@ -94,12 +74,5 @@ def test_lora_over_packed_ranks_equals_one_rank(checkpoints, tmp_path, report_ti
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=lambda v: str(v))
 def test_packed_checkpoint_across_ranks_equals_one_rank(checkpoints, report_ties, name, layout):
     path, expected = checkpoints[name]
-    llm = budget_llm(path, **layout)
-    try:
-        actual = greedy_with_logprobs(llm, prompts(), MAX_TOKENS)
-        core = llm.llm_engine.engine_core
-        assert core.scheduler.num_preemptions > 0
-        core.check_integrity()
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    actual = greedy_across_ranks(path, **layout)
     assert_bit_equal_to_reference(expected, actual, report_ties)

@@ -20,7 +20,6 @@ their rows of B (`RankCut.gathered`).
 from __future__ import annotations
 
 import pytest
-from lora_utils import make_peft_adapter
 from model_utils import (
     assert_bit_equal_to_reference,
     compare_to_reference_engine,
@@ -28,11 +27,17 @@ from model_utils import (
     make_tiny_model,
     model_runner,
 )
-from parallel_greedy import MAX_TOKENS, TIE_TOLERANCE, budget_llm, prompts
+from parallel_greedy import (
+    MAX_TOKENS,
+    TIE_TOLERANCE,
+    budget_llm,
+    greedy_across_ranks,
+    lora_on_one_rank_and_two,
+    prompts,
+)
 from quantized_llama import once_per_scheme
 from w8a8_writer import format_named, write_w8a8_checkpoint
 
-from pagedllm import LoRARequest, SamplingParams
 from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
 
 # fp32 rounding through a dozen tokens of a two-layer model.
@@ -68,14 +73,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize(("name", "layout"), LAYOUTS, ids=lambda v: str(v))
 def test_8_bit_checkpoint_across_ranks_equals_one_rank(checkpoints, report_ties, name, layout):
     path, expected = checkpoints(name)
-    llm = budget_llm(path, **layout)
-    try:
-        actual = greedy_with_logprobs(llm, prompts(), MAX_TOKENS)
-        core = llm.llm_engine.engine_core
-        assert core.scheduler.num_preemptions > 0
-        core.check_integrity()
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    actual = greedy_across_ranks(path, **layout)
     fmt = format_named(name)
     if fmt.weight_type == "int":  # on the integer GEMM: one rank's numbers
         assert_bit_equal_to_reference(expected, actual, report_ties)
@@ -91,32 +89,7 @@ def test_lora_over_8_bit_ranks_equals_one_rank(checkpoints, tmp_path, report_tie
     """Two adapters and the base model in one batch: two ranks give one rank's tokens, and
     the adapters change them."""
     path, _ = checkpoints(name)
-    dequantized = path.parent / f"{path.name}-dequantized"
-    adapters = [
-        LoRARequest(
-            f"a{i}", i + 1, str(make_peft_adapter(dequantized, tmp_path / f"a{i}", i + 1, std=0.3))
-        )
-        for i in range(2)
-    ]
-    loras = [adapters[0], adapters[1], None, adapters[0]]
-    batch = [{"prompt_token_ids": prompt} for prompt in prompts()]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-
-    def generate(llm, loras=loras) -> list:
-        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=loras)
-        return [output.outputs[0] for output in outputs]
-
-    one_rank = budget_llm(path, enable_lora=True, max_loras=2)
-    expected = generate(one_rank)
-    base = generate(one_rank, loras=None)
-    changed = [e.token_ids != b.token_ids for e, b in zip(expected, base, strict=True)]
-    assert changed == [lora is not None for lora in loras]
-    llm = budget_llm(path, enable_lora=True, max_loras=2, tensor_parallel_size=2)
-    try:
-        actual = generate(llm)
-        llm.llm_engine.engine_core.check_integrity()
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    expected, actual = lora_on_one_rank_and_two(path, tmp_path)
     ties, largest = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
     report_ties(ties, len(actual))
     print(f"{name} with LoRA over 2 ranks: largest logprob difference {largest:.2e}")

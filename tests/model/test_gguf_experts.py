@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from moe_inputs import TOP_K, hidden_states, routing
 
 from pagedllm.model.layers.fused_moe import GroupedExperts, MoESpec, grouped_experts
 from pagedllm.model.layers.gguf_experts import GGUFGroupedExperts, gguf_grouped_experts
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, GGUFMergedLinear
 
-EXPERTS, TOP_K = 4, 2
+EXPERTS = 4
 # Offsets of the fp16 super-block scales in a K-quant block: d (and dmin).
 K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
 
@@ -53,16 +54,6 @@ def _experts(types: tuple[Q, Q, Q], hidden: int, intermediate: int):
     return layer, torch.cat([gate_w, up_w], dim=1), down_w, file_bytes
 
 
-def _routing(num_tokens: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top-2 among `experts` (the others get no token), and its weights."""
-    generator = torch.Generator().manual_seed(4)
-    allowed = torch.tensor(experts)
-    picks = torch.stack([torch.randperm(len(experts), generator=generator)[:TOP_K]
-                         for _ in range(num_tokens)])  # fmt: skip
-    weights = torch.softmax(torch.randn(num_tokens, TOP_K, generator=generator), dim=-1)
-    return allowed[picks], weights
-
-
 @pytest.mark.parametrize(
     ("types", "hidden", "intermediate"),
     [
@@ -79,9 +70,8 @@ def test_experts_on_blocks_equal_the_dequantized_stacked_experts(
     assert isinstance(layer, GGUFGroupedExperts)
     kind = GGUFMergedLinear if types[0] == types[1] else GGUFConcatLinear
     assert all(isinstance(expert, kind) for expert in layer.gate_up)
-    x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(5))
-    x[:, 7] *= 20  # an outlier channel, as in real hidden states
-    ids, weights = _routing(num_tokens, [0, 2, 3])  # expert 1 gets no token
+    x = hidden_states(num_tokens, hidden)
+    ids, weights = routing(num_tokens, [0, 2, 3])  # expert 1 gets no token
     want = grouped_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
     got = layer(x, ids, weights)
     assert got.dtype == torch.float32 and got.shape == want.shape
@@ -95,7 +85,7 @@ def test_an_expert_without_tokens_is_never_run(monkeypatch):
     ran: list[int] = []
     run = layer._expert_ffn
     monkeypatch.setattr(layer, "_expert_ffn", lambda e, rows: ran.append(e) or run(e, rows))
-    ids, weights = _routing(5, [1, 3])
+    ids, weights = routing(5, [1, 3])
     layer(torch.randn(5, 64), ids, weights)
     assert ran == [1, 3]
 
@@ -116,6 +106,6 @@ def test_experts_trace_whole_for_the_compiled_decode_step():
     traced = torch.compile(layer, backend="eager", fullgraph=True, dynamic=True)
     for num_tokens in (1, 3):
         x = torch.randn(num_tokens, 64, generator=torch.Generator().manual_seed(num_tokens))
-        ids, weights = _routing(num_tokens, [0, 1, 2, 3])
+        ids, weights = routing(num_tokens, [0, 1, 2, 3])
         with torch.no_grad():
             assert torch.equal(traced(x, ids, weights), layer(x, ids, weights))

@@ -17,7 +17,12 @@ from gptq_writer import (
     write_gptq_checkpoint,
 )
 from model_utils import compare_greedy, hf_greedy, model_runner
-from quantized_llama import SHAPE, make_quantizable_llama, once_per_scheme
+from quantized_llama import (
+    SHAPE,
+    draft_for_the_dequantized_model,
+    make_quantizable_llama,
+    once_per_scheme,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
@@ -192,19 +197,12 @@ def test_a_draft_model_stored_quantized_runs_on_its_packed_weights(written):
     """The GPTQ checkpoint drafting for the fp32 model it was dequantized into: the draft runs
     on packed layers, the target's greedy tokens are unchanged, and nearly every draft is
     accepted (the two differ only by the kernel's 16-bit activations)."""
-    from model_utils import compare_to_reference_engine, greedy_with_logprobs
-
     quantized, dequantized, _ = written(Scheme(128, True, False))
-    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [3, 200, 7, 90, 45, 300, 12, 8]]
-    common = dict(max_model_len=128, kv_cache_memory="8MiB")
-    expected = greedy_with_logprobs(LLM(str(dequantized), **common), prompts, 24)
-    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    llm = LLM(str(dequantized), speculative_config=draft, **common)
-    assert llm.llm_engine.model_config.quantization is None  # the target stays fp32
-    draft_model = model_runner(llm).proposer.model
-    assert any(isinstance(m, GPTQLinear) for m in draft_model.modules())
-    actual = greedy_with_logprobs(llm, prompts, 24)
-    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+
+    def check_draft(model) -> None:
+        assert any(isinstance(m, GPTQLinear) for m in model.modules())
+
+    llm, ties = draft_for_the_dequantized_model(quantized, dequantized, check_draft, TIE_TOLERANCE)
     print(f"ties {ties}")
     counts = llm.get_stats().spec_decode
     assert counts.num_drafts > 0

@@ -17,6 +17,7 @@ from awq_writer import AWQScheme, write_awq_checkpoint
 from ct_writer import CTScheme, write_ct_checkpoint
 from gptq_writer import MOE_LAYERS, Scheme, quantize_weight, write_gptq_checkpoint
 from model_utils import make_tiny_model, model_runner
+from moe_inputs import TOP_K, hidden_states, routing
 from packed_checks import LOGPROB_TOLERANCE, check_engine
 
 from pagedllm.distributed.parallel_state import GroupCoordinator
@@ -28,7 +29,7 @@ from pagedllm.model.layers.packed_experts import PackedGroupedExperts, packed_gr
 from pagedllm.model.quantization.gptq import GPTQConfig
 from pagedllm.model.quantization.gptq_format import GPTQTensors, unpack_gptq
 
-EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 4, 2, 128, 256
+EXPERTS, HIDDEN, INTERMEDIATE = 4, 128, 256
 WHERE = "model.layers.0.mlp.experts"
 
 
@@ -70,22 +71,6 @@ def _experts(parts: dict, monkeypatch=None, rank: int = 0, tp: int = 1) -> Packe
     return packed_grouped_experts(module, set(parts), parts.__getitem__, WHERE)
 
 
-def _routing(num_tokens: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's top-2 among `experts` (the others get no token), and its weights."""
-    generator = torch.Generator().manual_seed(4)
-    allowed = torch.tensor(experts)
-    picks = torch.stack([torch.randperm(len(experts), generator=generator)[:TOP_K]
-                         for _ in range(num_tokens)])  # fmt: skip
-    weights = torch.softmax(torch.randn(num_tokens, TOP_K, generator=generator), dim=-1)
-    return allowed[picks], weights
-
-
-def _hidden(num_tokens: int) -> torch.Tensor:
-    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(5))
-    x[:, 7] *= 20  # an outlier channel, as in real hidden states
-    return x
-
-
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).abs().max() / want.abs().max()).item()
 
@@ -106,8 +91,8 @@ def test_packed_experts_equal_the_dequantized_stacked_experts(scheme, fused, num
     kind = GPTQMergedLinear if fused else GGUFConcatLinear
     assert all(isinstance(expert, kind) for expert in layer.gate_up)
     gate_up, down = _stacked(parts)
-    x = _hidden(num_tokens)
-    ids, weights = _routing(num_tokens, [0, 2, 3])  # expert 1 gets no token
+    x = hidden_states(num_tokens, HIDDEN)
+    ids, weights = routing(num_tokens, [0, 2, 3])  # expert 1 gets no token
     want = grouped_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
     got = layer(x, ids, weights)
     assert got.dtype == torch.float32 and got.shape == want.shape
@@ -126,7 +111,7 @@ def test_tensor_parallel_ranks_sum_to_the_block(monkeypatch, scheme):
     (the block's all-reduce) are the block's, and each rank holds about half the tables."""
     parts = _parts(scheme)
     whole = _experts(parts)
-    x, (ids, weights) = _hidden(9), _routing(9, [0, 1, 2, 3])
+    x, (ids, weights) = hidden_states(9, HIDDEN), routing(9, [0, 1, 2, 3])
     gate_up, down = _stacked(parts)
     want = grouped_experts(x.double(), ids, weights.double(), gate_up.double(), down.double())
     total = torch.zeros_like(x)
@@ -164,8 +149,8 @@ def test_packed_experts_trace_whole_for_the_compiled_decode_step():
     layer = _experts(_parts(Scheme(128, desc_act=False, sym=True)))
     traced = torch.compile(layer, backend="eager", fullgraph=True, dynamic=True)
     for num_tokens in (1, 3):
-        x = _hidden(num_tokens)
-        ids, weights = _routing(num_tokens, [0, 1, 2, 3])
+        x = hidden_states(num_tokens, HIDDEN)
+        ids, weights = routing(num_tokens, [0, 1, 2, 3])
         with torch.no_grad():
             assert torch.equal(traced(x, ids, weights), layer(x, ids, weights))
 

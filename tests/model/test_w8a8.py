@@ -12,7 +12,12 @@ from dataclasses import replace
 import pytest
 import torch
 from model_utils import compare_greedy, hf_greedy, make_tiny_model, model_runner
-from quantized_llama import SHAPE, make_quantizable_llama, once_per_scheme
+from quantized_llama import (
+    SHAPE,
+    draft_for_the_dequantized_model,
+    make_quantizable_llama,
+    once_per_scheme,
+)
 from w8a8_writer import (
     FORMATS,
     Format,
@@ -279,20 +284,13 @@ def test_a_draft_model_on_8_bit_layers_keeps_the_targets_tokens(written, fmt, le
     """The 8-bit checkpoint drafting for the fp32 model it was dequantized into: the draft
     runs on its 8-bit layers, the target's greedy tokens are unchanged, and most drafts
     are accepted (the two differ only by the draft's quantized activations)."""
-    from model_utils import compare_to_reference_engine, greedy_with_logprobs
-
     quantized, dequantized, _ = written(fmt)
-    prompts = [[5, 6, 7, 8] * 5, list(range(100, 130)), [3, 200, 7, 90, 45, 300, 12, 8]]
-    common = dict(max_model_len=128, kv_cache_memory="8MiB")
-    expected = greedy_with_logprobs(LLM(str(dequantized), **common), prompts, 24)
-    draft = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 3}
-    llm = LLM(str(dequantized), speculative_config=draft, **common)
-    assert llm.llm_engine.model_config.quantization is None  # the target stays fp32
     layer_class = Int8W8A8Linear if _on_int8_gemm(fmt) else TiledDequantLinear
-    draft_model = model_runner(llm).proposer.model
-    assert sum(isinstance(m, layer_class) for m in draft_model.modules()) == 2 * 4
-    actual = greedy_with_logprobs(llm, prompts, 24)
-    ties, _ = compare_to_reference_engine(expected, actual, TIE_TOLERANCE)
+
+    def check_draft(model) -> None:
+        assert sum(isinstance(m, layer_class) for m in model.modules()) == 2 * 4
+
+    llm, ties = draft_for_the_dequantized_model(quantized, dequantized, check_draft, TIE_TOLERANCE)
     print(f"{fmt}: ties {ties}")
     counts = llm.get_stats().spec_decode
     print(f"{fmt}: accepted {counts.num_accepted_tokens} of {counts.num_draft_tokens}")
