@@ -4,11 +4,11 @@ with the states the head reads, then each training-time-test step's top-1 accura
 and under the bf16 autocast training's own evaluation uses), loop.py's estimate from them,
 and the acceptance length replayed as greedy verification walks (eagle_train/acceptance.py,
 equal to the engine's). Workloads: "held-out" (the training run's held-out prompts, the
-same seed and split, less those also drawn for training), "chat" (benchmarks.spec_decode's
+same seed: chat about subjects training never saw), "chat" (benchmarks.spec_decode's
 chat questions).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.eagle_replay --eagle-head DIR
-        [--workloads held-out,chat] [--num-prompts 512] [--seed 0] [--max-tokens 96] [--k 3]
+        [--workloads held-out,chat] [--num-prompts 32] [--seed 0] [--max-tokens 96] [--k 3]
 """
 
 from __future__ import annotations
@@ -20,31 +20,26 @@ import torch
 
 from benchmarks.eagle_train.acceptance import replayed_acceptance
 from benchmarks.eagle_train.capture import generate_with_states
-from benchmarks.eagle_train.dataset import make_batches, split
+from benchmarks.eagle_train.dataset import make_batches
 from benchmarks.eagle_train.export import read_head_dir
 from benchmarks.eagle_train.loop import cpu_has_bf16, evaluate, expected_acceptance
 from benchmarks.eagle_train.prompts import make_prompts
 from benchmarks.spec_decode import DEFAULT_EAGLE_HEAD, chat_prompts
-from benchmarks.train_eagle import HELD_OUT, TargetParts
+from benchmarks.train_eagle import TargetParts
 from pagedllm import LLM
 
 
 def workload_prompts(name: str, tokenizer, num_prompts: int, seed: int) -> list[str]:
     if name == "chat":
         return chat_prompts(tokenizer)
-    every = make_prompts(tokenizer, num_prompts, seed)
-    # train_eagle splits its sequences, one per prompt in order, by this seeded shuffle.
-    trained, held_out = split(list(range(len(every))), HELD_OUT, seed)
-    # The templates draw some prompts twice (8 of the 25 held out of 512): those were trained on.
-    seen = {every[i] for i in trained}
-    return [every[i] for i in held_out if every[i] not in seen]
+    return make_prompts(tokenizer, num_prompts, seed, held_out=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eagle-head", type=Path, default=DEFAULT_EAGLE_HEAD)
     parser.add_argument("--workloads", default="held-out,chat")
-    parser.add_argument("--num-prompts", type=int, default=512, help="as the training run")
+    parser.add_argument("--num-prompts", type=int, default=32, help="held-out prompts")
     parser.add_argument("--seed", type=int, default=0, help="as the training run")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")

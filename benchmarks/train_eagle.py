@@ -11,7 +11,8 @@ its share is spent. DIR is an artefact, never committed. On a shared machine run
 OMP_NUM_THREADS=1 (results/spec_decode.md: two threads under load decoded ~12x slower).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.train_eagle --out DIR
-        [--num-prompts 512] [--max-tokens 96] [--data-minutes 7] [--steps 1200] [--minutes 26]
+        [--num-prompts 512] [--held-out-prompts 32] [--max-tokens 96] [--data-minutes 7]
+        [--steps 1200] [--minutes 26]
 """
 
 from __future__ import annotations
@@ -105,9 +106,14 @@ def distil(
     max_len: int = 1024,
     num_speculative_tokens: int = 3,
     max_output_tokens: int | None = None,
+    held_out: list[Sequence] | None = None,
 ) -> dict:
-    """Train on `sequences` and write the head to `out`; what was measured on the way."""
-    train_set, held_out = split(sequences, HELD_OUT, settings.seed)
+    """Train on `sequences` and write the head to `out`; what was measured on the way, on
+    `held_out` (by default a seeded share of `sequences`, kept out of training)."""
+    if held_out is None:
+        train_set, held_out = split(sequences, HELD_OUT, settings.seed)
+    else:
+        train_set = sequences
     vocab = most_frequent(generated_tokens(train_set), draft_vocab, target.config.vocab_size)
     draft_ids = vocab.draft_ids()
     batches = make_batches(train_set, draft_ids, batch_tokens, max_len)
@@ -160,6 +166,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--data-minutes", type=float, default=7.0, help="no new round after")
+    parser.add_argument("--held-out-prompts", type=int, default=32, help="about unseen subjects")
     parser.add_argument("--round-size", type=int, default=32, help="prompts generated at once")
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--minutes", type=float, default=26.0, help="the whole run's budget")
@@ -174,8 +181,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def capture(args, data_deadline: float) -> tuple[list[Sequence], TargetParts, tuple[int, ...]]:
-    """The target's generations in rounds of `--round-size` prompts, no new round once
+def capture(
+    args, data_deadline: float
+) -> tuple[list[Sequence], list[Sequence], TargetParts, tuple[int, ...]]:
+    """(training sequences, held-out sequences, ...): the target's generations, the held-out
+    prompts first, then the training prompts in rounds of `--round-size`, no new round once
     `data_deadline` has passed."""
     llm = LLM(
         args.model,
@@ -186,7 +196,10 @@ def capture(args, data_deadline: float) -> tuple[list[Sequence], TargetParts, tu
     )
     target = TargetParts(llm)
     layers = default_aux_layers(target.config.num_hidden_layers)
-    prompts = make_prompts(llm.get_tokenizer(), args.num_prompts, args.seed)
+    tokenizer = llm.get_tokenizer()
+    held_out_prompts = make_prompts(tokenizer, args.held_out_prompts, args.seed, held_out=True)
+    held_out = generate_with_states(llm, held_out_prompts, layers, args.max_tokens)
+    prompts = make_prompts(tokenizer, args.num_prompts, args.seed)
     sequences: list[Sequence] = []
     for start in range(0, len(prompts), args.round_size):
         if time.monotonic() > data_deadline:
@@ -196,7 +209,7 @@ def capture(args, data_deadline: float) -> tuple[list[Sequence], TargetParts, tu
         sequences += generate_with_states(llm, chunk, layers, args.max_tokens)
     del llm
     gc.collect()
-    return sequences, target, layers
+    return sequences, held_out, target, layers
 
 
 def main() -> None:
@@ -204,7 +217,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     started = time.monotonic()
     deadline = started + args.minutes * 60 - FINISH_MARGIN_S
-    sequences, target, layers = capture(args, started + args.data_minutes * 60)
+    sequences, held_out, target, layers = capture(args, started + args.data_minutes * 60)
     data_s = time.monotonic() - started
     print(f"phase data: {data_s:.0f}s, {len(sequences)} sequences, layers {layers}", flush=True)
     settings = TrainSettings(
@@ -225,6 +238,7 @@ def main() -> None:
         args.batch_tokens,
         deadline,
         max_output_tokens=args.max_tokens,
+        held_out=held_out,
     )
     report.update(data_seconds=data_s, total_seconds=time.monotonic() - started)
     (args.out / "training.json").write_text(json.dumps(report, indent=2))

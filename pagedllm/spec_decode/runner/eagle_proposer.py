@@ -15,8 +15,13 @@ verified). So the head reads a prompt's states chunk by chunk as the target's ch
 prefill runs, and holds no target state past the step: one step's tokens at most, whatever
 the prompts' lengths and the number of requests, and nothing for a request between steps
 (finished, aborted or preempted). For a request that sampled, the catch-up's logits at N - 2
-propose token N, and `num_speculative_tokens - 1` single-token steps propose the rest; a
-step too large to speculate (`disable_by_batch_size`) runs the catch-up alone.
+propose token N, and `num_speculative_tokens - 1` single-token steps propose the rest.
+A step of a batch too large to speculate (`disable_by_batch_size`, counting the batch's
+requests as the scheduler counts the running) runs no head at all, and the requests it
+computed stop drafting for good: their head KV would have a gap the states of which are
+gone, and a large batch is where the head's forwards cost more than its drafts save (a
+preempted request starts over, its states computed anew). So speculation is decided per
+request by the load it meets, as vLLM's switch decides for requests arriving under load.
 Positions the target did not compute for this request (a prefix-cache hit) have no states:
 the head keeps the KV the cache holds there (written by the request that filled those
 blocks) and starts after them; exactness never depends on it, only acceptance.
@@ -63,6 +68,8 @@ class EagleDrafts(DraftModelDrafts):
         super().__init__(config, head, attention_backend, block_size, max_model_len, device)
         self.target_states = target_states
         self.step_states = StepStates()
+        # Requests a step too large to speculate computed: the head no longer drafts for them.
+        self._behind: set[str] = set()
 
     def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
         self.step_states.observe(request_ids, first_positions, num_tokens, states)
@@ -71,6 +78,9 @@ class EagleDrafts(DraftModelDrafts):
         """Drafts for the requests that sampled (`request_ids`), after the catch-up of
         every request the step computed."""
         self._forget_probs(request_ids)
+        if not self.config.speculates(len(batch.req_id_to_row)):
+            self._fall_behind()
+            return {}
         catch_up = self._catch_up(batch)
         if catch_up is None:
             return {}
@@ -93,6 +103,20 @@ class EagleDrafts(DraftModelDrafts):
             for_logits[index],
             chain[index],
         )
+
+    def _fall_behind(self) -> None:
+        """Drop the step's states unread; the requests they belong to leave the head."""
+        _, step_rows = self.step_states.take()
+        self._behind.update(step_rows)
+
+    def remove_request(self, request_id: str) -> None:
+        super().remove_request(request_id)
+        self._behind.discard(request_id)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        super().truncate(request_id, num_tokens)
+        if num_tokens == 0:  # preempted: every state is computed again
+            self._behind.discard(request_id)
 
     @staticmethod
     def _drafting(catch_up: CatchUp, sampled: set[str], batch: InputBatch) -> np.ndarray:
@@ -149,8 +173,8 @@ class EagleDrafts(DraftModelDrafts):
         KV is valid (or the first the step computed, after a prefix-cache hit) to the last
         the step computed whose next token the batch holds (a prompt's, or the one just
         sampled: the drafts after it are not verified)."""
-        if request_id not in self._num_computed:  # never added: nothing to catch up
-            return None
+        if request_id not in self._num_computed or request_id in self._behind:
+            return None  # never added, or left behind by a step too large: nothing to read
         num_tokens = int(batch.num_tokens[batch.row(request_id)])
         end = min(where.end, num_tokens - 1)
         start = max(self._num_computed[request_id], where.first_position)
