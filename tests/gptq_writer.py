@@ -21,7 +21,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-QUANTIZED_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints store q/k/v and gate/up fused, and the format tools quantize those
+# modules as they are: `qkv_proj` and `gate_up_proj` are projections of their own.
+QUANTIZED_LAYERS = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    *("qkv_proj", "gate_up_proj"),
+)
 # With a mixture's experts: Qwen3-MoE's experts.E.gate_proj etc. are named above, Mixtral's
 # block_sparse_moe.experts.E.w1 / w3 / w2 (gate, up, down) here; the router ("gate") stays
 # unquantized, as GPTQModel and llm-compressor leave it.

@@ -24,14 +24,15 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, GroupedExperts
-from pagedllm.model.layers.linear import Linear, MergedLinear
+from pagedllm.model.layers.linear import Linear
 from pagedllm.model.layers.packed_swap import (
     log_swapped,
     require_kernels,
     swap_in,
     swap_in_experts,
 )
-from pagedllm.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.model.layers.parallel_linear import RowParallelLinear
+from pagedllm.model.layers.whole_fused import full_rows
 from pagedllm.model.quantization.gptq import PER_CHANNEL
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 from pagedllm.model.quantization.packed_schemes import (
@@ -52,18 +53,6 @@ CHECKPOINT_PROJECTIONS = {
 }
 QUANTIZED_MODULES = frozenset(module for module, _ in CHECKPOINT_PROJECTIONS)
 WEIGHT_STD = 0.02  # the loader's dummy weights'
-
-
-def full_rows(module: Linear) -> dict[str | None, int]:
-    """Each shard's output rows in a checkpoint (before any rank takes its share)."""
-    if isinstance(module, MergedLinear):
-        sources = getattr(module, "shard_sources", None)
-        return {
-            shard: sources[shard][1] if sources else piece.stop - piece.start
-            for shard, piece in module.shard_slices.items()
-        }
-    rows = module.weight.shape[0]
-    return {None: rows * module.tp_size if isinstance(module, ColumnParallelLinear) else rows}
 
 
 def full_inputs(module: Linear) -> int:

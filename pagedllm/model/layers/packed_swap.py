@@ -6,7 +6,8 @@ names) in the checkpoint's safetensors files without reading them; `swap_packed_
 then reads, layer by layer, only the output rows this rank keeps (`packed_reads.read_layer`,
 `packed_parallel.py` says which), unpacks them with the format's `unpack`, replaces the
 model's `Linear` for each with a `GPTQLinear` on the integers (fused q/k/v and gate/up from
-their separately quantized parts), and each mixture's `GroupedExperts` with
+their separately quantized parts, or from their rows of the one layer Phi-3's checkpoints
+store, `whole_fused.py`), and each mixture's `GroupedExperts` with
 `PackedGroupedExperts` on its experts' packed parts (read whole: each rank cuts its experts'
 rows and groups after unpacking, `packed_experts.py`), and returns the tensor names it
 consumed, which the loader then skips. The replaced layers' fp32 storage is never written
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from torch import nn
 
@@ -44,6 +46,7 @@ from pagedllm.model.layers.packed_reads import (
     word_window,
 )
 from pagedllm.model.layers.vocab_parallel import ParallelLMHead
+from pagedllm.model.layers.whole_fused import is_stored_whole, stored_shard_rows
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
 logger = logging.getLogger("pagedllm")
@@ -68,8 +71,8 @@ def swap_packed_layers(
     for name, module_parts in parts.items():
         module = model.get_submodule(name)
         mine = {
-            shard: _rank_part(module, shard, prefix, source, (unpack, layout), method)
-            for shard, (prefix, source) in module_parts.items()
+            shard: _rank_part(module, shard, stored, (unpack, layout), method)
+            for shard, stored in _stored_shards(module, module_parts, layout, method).items()
         }
         swap_in(model, name, mine, method, rows_taken=True)
         consumed |= _names(module_parts.values())
@@ -115,26 +118,55 @@ def swap_in_experts(
     replace_module(model, name, layer)
 
 
+class StoredShard(NamedTuple):
+    """Where one shard of a layer lies in the checkpoint: the stored layer's prefix and
+    tensors, and its output rows there (None: all of them, a layer or part of its own)."""
+
+    prefix: str
+    source: LayerSource
+    rows: range | None = None
+
+
+def _stored_shards(
+    module: nn.Module,
+    module_parts: dict[str | None, tuple[str, LayerSource]],
+    layout: PackedLayout,
+    method: str,
+) -> dict[str | None, StoredShard]:
+    """Each shard of `module` where the checkpoint holds it: a separately quantized part,
+    or its rows of a fused projection stored whole (Phi-3's, `whole_fused.py`)."""
+    if not is_stored_whole(module, module_parts):
+        return {shard: StoredShard(*part) for shard, part in module_parts.items()}
+    prefix, source = module_parts[None]
+    try:
+        spans = stored_shard_rows(module, output_rows(source, layout), "the stored layer")
+    except ValueError as error:
+        raise ValueError(f"{method} layer {prefix!r}: {error}") from error
+    return {shard: StoredShard(prefix, source, span) for shard, span in spans.items()}
+
+
 def _rank_part(
     module: nn.Module,
     shard: str | None,
-    prefix: str,
-    source: LayerSource,
+    stored: StoredShard,
     reading: tuple[Unpack, PackedLayout],
     method: str,
 ) -> UnpackedGPTQ:
     """This rank's rows of one layer (or fused shard), read as a window of whole words and
     cut after unpacking (`packed_reads`); a malformed layer refused with its name."""
     unpack, layout = reading
+    prefix, source = stored.prefix, stored.source
     try:
         rows = output_rows(source, layout)
-        keep = rank_row_slice(module, shard, rows)
-        start = keep.start if keep.rows else 0  # a rank of padding rows only reads one word
+        span = stored.rows or range(rows)
+        keep = rank_row_slice(module, shard, len(span))
+        # A rank of padding rows only reads one word.
+        start = span.start + (keep.start if keep.rows else 0)
         window = word_window(start, start + max(keep.rows, 1), rows)
         weights = unpack(prefix, read_layer(source, layout, prefix, window))
     except ValueError as error:
         raise ValueError(f"{method} layer {prefix!r}: {error}") from error
-    if len(window) == keep.rows and not keep.padding:
+    if window == range(start, start + keep.rows) and not keep.padding:
         return weights
     return take_output_rows(weights, RowSlice(start - window.start, keep.rows, keep.padding))
 
@@ -160,7 +192,8 @@ def swap_in(
     as the checkpoint holds them, of which this rank keeps its rows; or, `rows_taken`,
     this rank's rows already."""
     module = model.get_submodule(name)
-    replace_module(model, name, _packed_layer(name, module, parts, method, rows_taken))
+    where = f"{architecture_name(model)}'s {name!r}"
+    replace_module(model, name, _packed_layer(where, module, parts, method, rows_taken))
     module._parameters.pop("weight", None)  # never loaded: its storage was never touched
 
 
@@ -203,10 +236,18 @@ def parts_by_module(
         if not isinstance(module, Linear) or _is_head(module_name, module):
             raise ValueError(
                 f"{method} layer {prefix!r} has no linear layer to run on in pagedllm's "
-                f"{type(model).__name__} (quantized MoE routers and heads are not served yet)"
+                f"{architecture_name(model)} (quantized embeddings, MoE routers and heads are "
+                "not served yet)"
             )
         parts.setdefault(module_name, {})[shard_id] = (prefix, tensors)
     return parts, experts, elsewhere
+
+
+def architecture_name(model: nn.Module) -> str:
+    """The checkpoint's architecture (MistralForCausalLM, not the Llama class serving it),
+    for refusals."""
+    architectures = getattr(getattr(model, "config", None), "architectures", None)
+    return architectures[0] if architectures else type(model).__name__
 
 
 def _find(model: nn.Module, name: str) -> nn.Module | None:
@@ -222,16 +263,17 @@ def _is_head(module_name: str, module: nn.Module) -> bool:
 
 
 def _packed_layer(
-    name: str,
+    where: str,
     module: Linear,
     parts: dict[str | None, UnpackedGPTQ],
     method: str,
     rows_taken: bool = False,
 ) -> nn.Module:
+    """`where` names the layer (its architecture and module) in refusals."""
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):
         raise ValueError(
-            f"{method} checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts "
+            f"{method} checkpoint quantizes {sorted(map(str, parts))} of {where}, whose parts "
             f"are {sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
     mine = parts if rows_taken else {s: rank_weights(module, s, w) for s, w in parts.items()}

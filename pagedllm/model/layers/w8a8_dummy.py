@@ -29,7 +29,6 @@ from pagedllm.model.layers.packed_dummy import (
     WEIGHT_STD,
     checkpoint_layer,
     full_inputs,
-    full_rows,
     layer_generator,
 )
 from pagedllm.model.layers.w8a8_swap import (
@@ -40,6 +39,7 @@ from pagedllm.model.layers.w8a8_swap import (
     swap_in_w8a8,
 )
 from pagedllm.model.layers.w8a8_weights import W8A8Weights
+from pagedllm.model.layers.whole_fused import full_rows
 from pagedllm.model.quantization import ct_pack_quantized
 from pagedllm.model.quantization.w8a8_scheme import FP8, WEIGHT_BLOCK, WEIGHT_TENSOR, W8A8Scheme
 from pagedllm.utils import cdiv

@@ -4,7 +4,8 @@ linear layers kept 8-bit.
 `keep_w8a8_weights` finds every layer the checkpoint stores quantized (a `weight` with a
 `weight_scale` or `weight_scale_inv` beside it; layers a config ignores have none and load
 as usual), replaces the model's `Linear` for it with its 8-bit layer (`w8a8_linear.py`;
-fused q/k/v and gate/up from their parts) before any weight is read, and returns the tensor
+fused q/k/v and gate/up from their parts, or from their rows of the one layer Phi-3's
+checkpoints store, `whole_fused.py`) before any weight is read, and returns the tensor
 names it consumed, which the loader then skips. As for the packed layers
 (`packed_swap.py`), a tensor-parallel rank keeps its rows of each layer
 (`w8a8_parallel.py`) and a pipeline stage swaps in only its own layers.
@@ -20,11 +21,17 @@ import torch
 from torch import nn
 
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, distinct_bytes
+from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.linear import Linear, MergedLinear
-from pagedllm.model.layers.packed_swap import parts_by_module, replace_module
+from pagedllm.model.layers.packed_swap import architecture_name, parts_by_module, replace_module
 from pagedllm.model.layers.w8a8_linear import w8a8_layer
-from pagedllm.model.layers.w8a8_parallel import parallel_w8a8_layer, rank_w8a8_weights
+from pagedllm.model.layers.w8a8_parallel import (
+    parallel_w8a8_layer,
+    rank_w8a8_weights,
+    take_w8a8_rows,
+)
 from pagedllm.model.layers.w8a8_weights import W8A8Weights, can_stack, stack_weights
+from pagedllm.model.layers.whole_fused import is_stored_whole, stored_shard_rows
 from pagedllm.model.quantization.ct_w8a8 import w8a8_scheme
 from pagedllm.model.quantization.fp8 import fp8_scheme
 from pagedllm.model.quantization.w8a8_scheme import FP8, PER_GROUP, WEIGHT_BLOCK, W8A8Scheme
@@ -138,8 +145,25 @@ def swap_in_w8a8(model: nn.Module, name: str, weights: dict[str | None, W8A8Weig
     """Replace the `Linear` `name` by its 8-bit layer from its parts' whole weights (this
     rank keeps its rows)."""
     module = model.get_submodule(name)
-    replace_module(model, name, _w8a8_layer(name, module, weights))
+    where = f"{architecture_name(model)}'s {name!r}"
+    replace_module(model, name, _w8a8_layer(where, module, weights))
     module._parameters.pop("weight", None)  # never loaded: its storage was never touched
+
+
+def _stored_shards(
+    where: str, module: Linear, parts: dict[str | None, W8A8Weights]
+) -> dict[str | None, W8A8Weights]:
+    """The parts as the fused layer's shards: a fused projection stored whole (Phi-3's,
+    `whole_fused.py`) cut into its shards' rows, whose scales stay the rows' own (a block of
+    rows a shard starts inside keeps its scales one row each, `take_w8a8_rows`)."""
+    if not is_stored_whole(module, parts):
+        return parts
+    whole = parts[None]
+    spans = stored_shard_rows(module, whole.out_features, f"the 8-bit layer {where}")
+    return {
+        shard: take_w8a8_rows(whole, RowSlice(span.start, len(span)))
+        for shard, span in spans.items()
+    }
 
 
 def log_w8a8_layers(model: nn.Module, names: list[str], scheme: W8A8Scheme, origin: str) -> None:
@@ -153,13 +177,14 @@ def log_w8a8_layers(model: nn.Module, names: list[str], scheme: W8A8Scheme, orig
     )
 
 
-def _w8a8_layer(name: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
+def _w8a8_layer(where: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
     """The 8-bit layer replacing `module` from this rank's rows of its parts (all of them
-    on one rank; `w8a8_parallel.py`)."""
+    on one rank; `w8a8_parallel.py`); `where` names it in refusals."""
+    parts = _stored_shards(where, module, parts)
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):
         raise ValueError(
-            f"the checkpoint quantizes {sorted(map(str, parts))} of {name!r}, whose parts are "
+            f"the checkpoint quantizes {sorted(map(str, parts))} of {where}, whose parts are "
             f"{sorted(map(str, order))}: a fused layer needs all of them quantized"
         )
     mine = {shard: rank_w8a8_weights(module, shard, weights) for shard, weights in parts.items()}
