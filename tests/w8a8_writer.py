@@ -11,7 +11,8 @@ so the tensors follow the formats as their writers lay them out:
 `reference_dequantize` is the formats' dequantization, q * scale, element by element in
 float64; `fake_quantize_activation` the serving math's activation quantization, written
 apart from the engine's, and `add_activation_quantization` hooks it into a Transformers
-model so it computes what the 8-bit engine should.
+model so it computes what the 8-bit engine should (`add_expert_activation_quantization`
+into a mixture's experts, which Transformers holds stacked, not as Linear layers).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from tests.gptq_writer import QUANTIZED_LAYERS, write_quantized_checkpoint
 
@@ -200,10 +202,48 @@ def add_activation_quantization(model: torch.nn.Module, fmt: Format) -> None:
             )
 
 
-def write_w8a8_checkpoint(source: Path, quantized: Path, dequantized: Path, fmt: Format) -> int:
-    """Quantize the decoder projections of the fp32 model in `source`: `quantized` gets the
-    8-bit checkpoint, `dequantized` the same model with `reference_dequantize`'s weights.
-    Returns the quantized layers' tensor bytes."""
+def add_expert_activation_quantization(model: torch.nn.Module, fmt: Format) -> int:
+    """Fake-quantize the inputs of every expert's gate/up and down in a Transformers model's
+    mixtures (modules holding stacked `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]):
+    their forward replaced by Transformers' eager loop with both inputs quantized. Returns
+    how many mixtures it changed."""
+    if fmt.activations is None:
+        return 0
+    mixtures = [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter)
+    ]
+    for module in mixtures:
+        module.forward = _quantized_experts_forward(module, fmt)
+    return len(mixtures)
+
+
+def _quantized_experts_forward(experts: torch.nn.Module, fmt: Format):
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            x = fake_quantize_activation(hidden_states[token], fmt)
+            gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = fake_quantize_activation(experts.act_fn(gate) * up, fmt)
+            y = F.linear(hidden, experts.down_proj[expert]) * top_k_weights[token, choice, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    return forward
+
+
+def write_w8a8_checkpoint(
+    source: Path,
+    quantized: Path,
+    dequantized: Path,
+    fmt: Format,
+    quantized_layers: tuple[str, ...] = QUANTIZED_LAYERS,
+) -> int:
+    """Quantize the decoder projections of the fp32 model in `source` (those named in
+    `quantized_layers`): `quantized` gets the 8-bit checkpoint, `dequantized` the same model
+    with `reference_dequantize`'s weights. Returns the quantized layers' tensor bytes."""
     return write_quantized_checkpoint(
         source,
         quantized,
@@ -211,4 +251,5 @@ def write_w8a8_checkpoint(source: Path, quantized: Path, dequantized: Path, fmt:
         lambda weight, _: quantize_weight(weight, fmt),
         lambda tensors: reference_dequantize(tensors, fmt),
         fmt.quantization_config(),
+        quantized_layers=quantized_layers,
     )

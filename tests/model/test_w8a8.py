@@ -3,7 +3,8 @@ their 8-bit weights: the reader's dequantization is the format's exactly, each l
 computes the reference math (dequantized weights times the fake-quantized activation)
 within fp32 rounding on every kernel path, the weights held in memory are the checkpoint's
 bytes within 10%, and the engine's greedy tokens are Transformers' on the dequantized model
-with the same activation quantization; an 8-bit draft model keeps its target's tokens."""
+with the same activation quantization; an 8-bit draft model keeps its target's tokens. A
+mixture's 8-bit experts: tests/model/test_w8a8_moe.py."""
 
 from __future__ import annotations
 
@@ -237,13 +238,6 @@ def test_projections_with_biases_keep_them(tmp_path, fmt):
     save_file(state, qwen2 / "model.safetensors")
     _, dequantized, _ = _checkpoints(qwen2, tmp_path, fmt)
     _assert_greedy_tokens_match(dequantized, _engine(tmp_path / "w8a8", fmt), fmt)
-
-
-def test_quantized_moe_experts_are_refused_by_name(tmp_path):
-    moe = make_tiny_model("Qwen3MoeForCausalLM", tmp_path / "moe")
-    quantized, _, _ = _checkpoints(moe, tmp_path, FORMATS[3])
-    with pytest.raises(ValueError, match="experts stored as int8 W8A8 or FP8 are not served"):
-        LLM(str(quantized), max_model_len=128, kv_cache_memory="8MiB")
 
 
 @pytest.mark.parametrize("fmt", [FORMATS[0], FORMATS[3], FORMATS[6]], ids=str)

@@ -106,6 +106,7 @@ class GroupedExperts(nn.Module):
     ) -> None:
         super().__init__()
         group = get_tp_group()
+        self.tp_group = group  # the quantized experts that replace these gather over it
         self.tp_rank, self.tp_size = group.rank_in_group, group.world_size
         self.spec, self.kernels = spec, kernels
         self.shard_size = divide(spec.intermediate_size, self.tp_size, "MoE intermediate size")

@@ -3,7 +3,9 @@
 Owns `KernelGroupedExperts`, which stands where `GroupedExperts` stood: per expert one
 layer for its fused gate/up rows and one for its down rows, whatever kernel layers those
 are (a GGUF file's blocks, `gguf_experts.py`; a GPTQ / AWQ / compressed-tensors
-checkpoint's packed integers, `packed_experts.py`). Tokens are grouped by expert exactly
+checkpoint's packed integers, `packed_experts.py`; an int8 W8A8 or FP8 checkpoint's 8-bit
+weights, `w8a8_experts.py`). `require_every_part` refuses a checkpoint that quantizes only
+some of a block's experts' projections. Tokens are grouped by expert exactly
 as `GroupedExperts` groups them (`run_grouped`): an expert without routed rows costs
 nothing, and no expert is ever dequantized whole, so the experts hold about the
 checkpoint's expert bytes instead of fp32's four bytes a weight.
@@ -20,10 +22,25 @@ import weakref
 import torch
 from torch import nn
 
-from pagedllm.model.layers.fused_moe import MoESpec, run_grouped
+from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, MoESpec, run_grouped
 from pagedllm.model.layers.gguf_linear import distinct_bytes
 from pagedllm.ops import fused
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
+
+ExpertPart = tuple[int, str]  # (expert index, one of EXPERT_SHARDS)
+
+
+def require_every_part(spec: MoESpec, parts: set[ExpertPart], where: str) -> None:
+    """`parts`, the (expert, shard) pairs a checkpoint quantizes in the block `where`
+    names, must be all of them: a block's experts run on kernel layers only all together."""
+    missing = [
+        (e, s) for e in range(spec.num_experts) for s in EXPERT_SHARDS if (e, s) not in parts
+    ]
+    if missing:
+        raise ValueError(
+            f"{where}: the checkpoint quantizes some experts' projections but not (expert, "
+            f"shard) {missing[:8]}: a mixture's experts are served quantized only all together"
+        )
 
 
 class KernelGroupedExperts(nn.Module):

@@ -22,15 +22,18 @@ from collections.abc import Callable
 
 from torch import nn
 
-from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, GroupedExperts
+from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_linear import BLOCK
 from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
-from pagedllm.model.layers.kernel_experts import KernelGroupedExperts
+from pagedllm.model.layers.kernel_experts import (
+    ExpertPart,
+    KernelGroupedExperts,
+    require_every_part,
+)
 from pagedllm.model.layers.packed_parallel import take_input_columns, take_output_rows
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
 
-ExpertPart = tuple[int, str]  # (expert index, one of EXPERT_SHARDS)
 # One part's integers and scales, unpacked when its expert is built.
 UnpackPart = Callable[[ExpertPart], UnpackedGPTQ]
 
@@ -47,14 +50,7 @@ def packed_grouped_experts(
     """`experts` (the block `where` names) on packed layers: `parts` are the (expert, shard)
     pairs the checkpoint quantizes, which must be all of them; `unpack` reads one."""
     spec = experts.spec
-    missing = [
-        (e, s) for e in range(spec.num_experts) for s in EXPERT_SHARDS if (e, s) not in parts
-    ]
-    if missing:
-        raise ValueError(
-            f"{where}: the checkpoint quantizes some experts' projections but not (expert, "
-            f"shard) {missing[:8]}: a mixture's experts are served packed only all together"
-        )
+    require_every_part(spec, parts, where)
     gate_up, down = [], []
     for expert in range(spec.num_experts):  # one expert's parts unpacked at a time
         gate, up = unpack((expert, "gate")), unpack((expert, "up"))

@@ -66,3 +66,20 @@ class GatheredRowParallel:
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, full_out_features={self.full_out_features}"  # type: ignore[misc]
+
+
+class PartialRowParallel(GatheredRowParallel):
+    """`GatheredRowParallel` inside a block whose output the ranks all-reduce anyway (a
+    mixture's experts, `FusedMoE`): instead of the second all-gather, this rank's output
+    columns are written into zeros of the full width and the block's one all-reduce joins
+    the ranks' columns (adding zeros is exact). A bias is added by rank 0 only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mine = self.own_rows(self.gathered_input(x))
+        out = mine.new_zeros(mine.shape[0], self.full_out_features)
+        first = self.first_output_row
+        real = min(self.out_features, self.full_out_features - first)  # padding rows cut
+        out[:, first : first + real] = mine[:, :real]
+        if self.bias is not None and self.tp_group.rank_in_group == 0:
+            out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], self.full_out_features)

@@ -11,7 +11,9 @@ scheme says (and a static input scale where its activations are static), the wei
 order of the loader's dummy N(0, 0.02). Each layer's tensors are laid out as a checkpoint
 stores them and go through the checkpoint's reader and swap (`w8a8_swap.layer_weights`,
 `swap_in_w8a8`), so a tensor-parallel rank keeps its rows and a pipeline stage its layers;
-the loader's dummy pass then fills the rest.
+a mixture's experts the config quantizes get random parts of the checkpoint's shapes through
+the checkpoint's experts swap (`swap_in_w8a8_experts`); the loader's dummy pass then fills
+the rest (the routers and the layers left unquantized).
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from pagedllm.model.layers.w8a8_swap import (
     checkpoint_scheme,
     layer_weights,
     log_w8a8_layers,
-    refuse_w8a8_experts,
     swap_in_w8a8,
+    swap_in_w8a8_experts,
 )
 from pagedllm.model.layers.w8a8_weights import W8A8Weights
 from pagedllm.model.layers.whole_fused import full_rows
@@ -90,26 +92,17 @@ def keep_dummy_w8a8_weights(
     model: nn.Module, method: str, config: dict[str, Any], seed: int = 0
 ) -> set[str]:
     """Swap in random 8-bit layers for a `method` checkpoint config (module docstring); no
-    checkpoint name is consumed. A mixture's experts the config quantizes are refused, as a
-    checkpoint's are."""
+    checkpoint name is consumed."""
     scheme = checkpoint_scheme(method, config)
-    experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
-    refuse_w8a8_experts(
-        [
-            name
-            for name in experts
-            if any(
-                is_quantized_projection(method, config, model.checkpoint_expert_layer(name, 0, s))
-                for s in EXPERT_SHARDS
-            )
-        ]
-    )
     names = [
         name
         for name, module in model.named_modules()
         if isinstance(module, Linear) and name.rpartition(".")[2] in QUANTIZED_MODULES
     ]
+    experts = [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
     swapped = [name for name in names if _swap_random(model, name, method, config, scheme, seed)]
+    settings = (method, config, scheme, seed)
+    swapped += [name for name in experts if _swap_random_experts(model, name, *settings)]
     log_w8a8_layers(model, swapped, scheme, "dummy")
     return set()
 
@@ -136,3 +129,37 @@ def _swap_random(
     if parts:
         swap_in_w8a8(model, name, parts)
     return bool(parts)
+
+
+def _swap_random_experts(
+    model: nn.Module,
+    name: str,
+    method: str,
+    config: dict[str, Any],
+    scheme: W8A8Scheme,
+    seed: int,
+) -> bool:
+    """A mixture's experts on random 8-bit parts of the checkpoint's shapes, for the shards
+    the config quantizes (a block quantized in part is refused by the swap, as a
+    checkpoint's would be); False when it quantizes none."""
+    spec, generator = model.get_submodule(name).spec, layer_generator(seed, name)
+    hidden, intermediate = spec.hidden_size, spec.intermediate_size
+    shapes = {"gate": (intermediate, hidden), "up": (intermediate, hidden)}
+    shapes["down"] = (hidden, intermediate)
+    parts = {
+        (expert, shard)
+        for expert in range(spec.num_experts)
+        for shard in EXPERT_SHARDS
+        if is_quantized_projection(
+            method, config, model.checkpoint_expert_layer(name, expert, shard)
+        )
+    }
+    if not parts:
+        return False
+
+    def random_part(part: tuple[int, str]) -> W8A8Weights:
+        tensors = random_tensors(*shapes[part[1]], scheme, generator)
+        return layer_weights(model.checkpoint_expert_layer(name, *part), tensors, scheme)
+
+    swap_in_w8a8_experts(model, name, parts, random_part)
+    return True

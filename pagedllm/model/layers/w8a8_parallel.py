@@ -12,6 +12,11 @@ dequantized weights as on one rank.
   gathered input row (a rank's K slice would see only its part of the row's max), and no
   128 x 128 FP8 block is cut along K.
 
+A mixture's experts split as `w8a8_experts.py` says: gate/up keep their rows as a
+column-parallel layer does, and down keeps its output rows over the whole intermediate, its
+input gathered (`Int8W8A8ExpertDown`, `TiledDequantExpertDown`), its columns joined by the
+block's all-reduce.
+
 A rank's rows may start inside an FP8 block of rows (gate/up's intermediate / tp, a rank's
 64 rows of k): those rows keep their block's scales one row each (blocks of [1, bk]), which
 dequantizes every weight to the same fp32 value. Padding rows (output rows that do not
@@ -26,9 +31,9 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import GroupCoordinator
-from pagedllm.model.layers.gguf_parallel import RowSlice, rank_row_slice
+from pagedllm.model.layers.gguf_parallel import RowSlice, output_row_slice, rank_row_slice
 from pagedllm.model.layers.parallel_linear import RowParallelLinear
-from pagedllm.model.layers.row_gather import GatheredRowParallel
+from pagedllm.model.layers.row_gather import GatheredRowParallel, PartialRowParallel
 from pagedllm.model.layers.w8a8_linear import (
     Int8W8A8Linear,
     TiledDequantLinear,
@@ -114,3 +119,23 @@ def parallel_w8a8_layer(module: nn.Module, weights: W8A8Weights) -> nn.Module:
     )
     full = module.weight.shape[0]
     return row_parallel(weights, full, module.tp_group, module.bias)
+
+
+class Int8W8A8ExpertDown(PartialRowParallel, Int8W8A8RowParallelLinear):
+    """An expert's down on int8 weights and activations: this rank's output rows over the
+    gathered intermediate, zeros elsewhere (the block's all-reduce joins them)."""
+
+
+class TiledDequantExpertDown(PartialRowParallel, TiledDequantRowParallelLinear):
+    """An expert's down on fp8 (or weight-only int8) weights, as `Int8W8A8ExpertDown`."""
+
+
+def expert_down_layer(weights: W8A8Weights, tp_group: GroupCoordinator) -> nn.Module:
+    """One expert's down [hidden, intermediate] (whole, as the checkpoint holds it) on this
+    rank of `tp_group`: all of it on one rank, else its equal share of output rows."""
+    if tp_group.world_size == 1:
+        return w8a8_layer(weights)
+    hidden = weights.out_features
+    rows = output_row_slice(hidden, tp_group.rank_in_group, tp_group.world_size)
+    down = Int8W8A8ExpertDown if on_int8_gemm(weights.scheme) else TiledDequantExpertDown
+    return down(take_w8a8_rows(weights, rows), hidden, tp_group)

@@ -5,9 +5,10 @@ linear layers kept 8-bit.
 `weight_scale` or `weight_scale_inv` beside it; layers a config ignores have none and load
 as usual), replaces the model's `Linear` for it with its 8-bit layer (`w8a8_linear.py`;
 fused q/k/v and gate/up from their parts, or from their rows of the one layer Phi-3's
-checkpoints store, `whole_fused.py`) before any weight is read, and returns the tensor
-names it consumed, which the loader then skips. As for the packed layers
-(`packed_swap.py`), a tensor-parallel rank keeps its rows of each layer
+checkpoints store, `whole_fused.py`) and each mixture's `GroupedExperts` by
+`W8A8GroupedExperts` on its experts' 8-bit parts (`w8a8_experts.py`), before any weight is
+read, and returns the tensor names it consumed, which the loader then skips. As for the
+packed layers (`packed_swap.py`), a tensor-parallel rank keeps its rows of each layer
 (`w8a8_parallel.py`) and a pipeline stage swaps in only its own layers.
 """
 
@@ -22,8 +23,10 @@ from torch import nn
 
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, distinct_bytes
 from pagedllm.model.layers.gguf_parallel import RowSlice
+from pagedllm.model.layers.kernel_experts import ExpertPart
 from pagedllm.model.layers.linear import Linear, MergedLinear
 from pagedllm.model.layers.packed_swap import architecture_name, parts_by_module, replace_module
+from pagedllm.model.layers.w8a8_experts import WeightsOf, w8a8_grouped_experts
 from pagedllm.model.layers.w8a8_linear import w8a8_layer
 from pagedllm.model.layers.w8a8_parallel import (
     parallel_w8a8_layer,
@@ -119,7 +122,6 @@ def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> s
     """Swap in the 8-bit layers (see the module docstring); returns the names they hold."""
     layers = read_w8a8_tensors(directory)
     parts, experts, elsewhere = parts_by_module(model, layers, "8-bit")
-    refuse_w8a8_experts(list(experts))
     # Another pipeline stage's layers: never swapped in here (that stage swaps its own).
     consumed = {f"{prefix}.{leaf}" for prefix in elsewhere for leaf in layers[prefix]}
     for name, module_parts in parts.items():
@@ -129,16 +131,34 @@ def keep_w8a8_weights(model: nn.Module, directory: str, scheme: W8A8Scheme) -> s
         }
         swap_in_w8a8(model, name, weights)
         consumed |= {f"{prefix}.{leaf}" for prefix, t in module_parts.values() for leaf in t}
-    log_w8a8_layers(model, list(parts), scheme, "checkpoint")
+    for name, expert_parts in experts.items():
+        _swap_checkpoint_experts(model, name, expert_parts, scheme)
+        consumed |= {f"{prefix}.{leaf}" for prefix, t in expert_parts.values() for leaf in t}
+    log_w8a8_layers(model, [*parts, *experts], scheme, "checkpoint")
     return consumed
 
 
-def refuse_w8a8_experts(experts: list[str]) -> None:
-    if experts:
-        raise ValueError(
-            f"8-bit layers of {', '.join(sorted(experts))}: a mixture's experts stored as "
-            "int8 W8A8 or FP8 are not served yet (GPTQ / AWQ / W4A16 experts are)"
-        )
+def _swap_checkpoint_experts(
+    model: nn.Module,
+    name: str,
+    parts: dict[ExpertPart, tuple[str, dict[str, torch.Tensor]]],
+    scheme: W8A8Scheme,
+) -> None:
+    def weights_of(part: ExpertPart) -> W8A8Weights:
+        prefix, tensors = parts[part]
+        return layer_weights(prefix, tensors, scheme)
+
+    swap_in_w8a8_experts(model, name, set(parts), weights_of)
+
+
+def swap_in_w8a8_experts(
+    model: nn.Module, name: str, parts: set[ExpertPart], weights_of: WeightsOf
+) -> None:
+    """Replace the `GroupedExperts` at `name` with its experts on their 8-bit `parts` (all
+    of them; `w8a8_experts.w8a8_grouped_experts`). Its stacked fp32 parameters were never
+    written, so they never became resident."""
+    layer = w8a8_grouped_experts(model.get_submodule(name), parts, weights_of, name)
+    replace_module(model, name, layer)
 
 
 def swap_in_w8a8(model: nn.Module, name: str, weights: dict[str | None, W8A8Weights]) -> None:
@@ -167,9 +187,10 @@ def _stored_shards(
 
 
 def log_w8a8_layers(model: nn.Module, names: list[str], scheme: W8A8Scheme, origin: str) -> None:
+    """`names`: the modules swapped in (a mixture's experts one module each)."""
     held = (t for n in names for t in model.get_submodule(n).buffers() if t is not None)
     logger.info(
-        "%s 8-bit layers (%s): %d layers (%.0f MB)",
+        "%s 8-bit layers (%s): %d modules (%.0f MB)",
         origin,
         scheme.describe(),
         len(names),
