@@ -4,9 +4,10 @@ tasks, word meanings, short emails), never the same message twice, and copy/rewr
 over this repository's code and documents (the benchmark's own listing,
 core/block_pool.py, is left out so that the copy workload is not trained on).
 
-Every tenth subject and activity is kept apart: the held-out prompts are chat built only
-from those, so the held-out figures say how the head does on questions about things it was
-never trained on — what the chat benchmark asks of it."""
+Every tenth subject and activity is kept apart, and so are the subjects the chat benchmark's
+questions name (benchmarks/spec_decode.py): the held-out prompts are chat built only from
+those, so the held-out figures say how the head does on questions about things it was never
+trained on."""
 
 from __future__ import annotations
 
@@ -127,12 +128,18 @@ MODIFIERS = (
 )  # fmt: skip
 CODE_FENCE = "```python\n"
 BENCHMARK_LISTING = "pagedllm/core/block_pool.py"
-# One in this many subjects and activities is kept for the held-out prompts only.
+# One in this many subjects and activities is kept for the held-out prompts only, with
+# the subjects of spec_decode.CHAT_QUESTIONS.
 HELD_OUT_EVERY = 10
+BENCHMARK_SUBJECTS = ("bicycles", "email", "seasons")
+
+
+def is_held_out(items: tuple[str, ...], index: int) -> bool:
+    return index % HELD_OUT_EVERY == 0 or items[index] in BENCHMARK_SUBJECTS
 
 
 def _part(items: tuple[str, ...], held_out: bool) -> tuple[str, ...]:
-    return tuple(x for i, x in enumerate(items) if (i % HELD_OUT_EVERY == 0) == held_out)
+    return tuple(x for i, x in enumerate(items) if is_held_out(items, i) == held_out)
 
 
 def _arithmetic(rng: random.Random) -> str:
@@ -202,7 +209,7 @@ def rewrite_message(rng: random.Random, docs: list[Path]) -> str:
 def make_messages(num_prompts: int, seed: int, held_out: bool = False) -> list[tuple[str, str]]:
     """(user message, the answer's opening), all different. Training: ~70% chat, ~20% code
     to copy, ~10% text to repeat/rewrite; held out: chat about held-out subjects only."""
-    rng = random.Random(seed + held_out)
+    rng = random.Random(f"{seed}-{'held-out' if held_out else 'train'}")
     files, docs = _code_files(), sorted((ROOT / "docs").rglob("*.md"))
     messages: list[tuple[str, str]] = []
     seen: set[str] = set()

@@ -124,6 +124,7 @@ class Scheduler:
             release=self._preempt,
             num_seats=sum(seats_of(request) for request in self.running),
         )
+        output.speculating = step.speculating
         self.policy.begin_step(step)
         self._fill_step(output, step)
         for request in reversed(step.skipped):  # back at the head, in their order

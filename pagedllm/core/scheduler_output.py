@@ -102,6 +102,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # KV tiers: blocks to move between the pool, host memory, disk and a peer this step.
     kv_transfer: KVTransferOps | None = None
+    # Speculative decoding: whether this step is small enough to speculate
+    # (`disable_by_batch_size` against the running requests, as the scheduler counts them).
+    speculating: bool = True
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -76,8 +76,9 @@ ENGINE_ARG_HELP = {
     'model\'s own quantized weights draft), eagle3 / eagle (with "model": an EAGLE-3 / EAGLE '
     "head's directory), medusa (with \"model\": Medusa heads' directory, "
     '"num_speculative_tokens" at most its heads); "disable_by_batch_size": N stops speculating in '
-    "steps of N or more requests (default: off: no speculation; with a config, "
-    "disable_by_batch_size unset speculates at every batch size)",
+    "steps of N or more running requests, and an EAGLE head's requests computed in such a step "
+    "for good (default: off: no speculation; with a config, disable_by_batch_size unset "
+    "speculates at every batch size)",
     "enable_lora": "serve LoRA adapters (PEFT format) on top of the model: each request may "
     "name one, and requests of different adapters run in one batch",
     "max_loras": "most LoRA adapters in one batch (each holds a slot of weights in every "

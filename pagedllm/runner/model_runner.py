@@ -329,6 +329,8 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows = np.array([self.input_batch.row(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array(list(scheduler_output.num_scheduled_tokens.values()))
+        if self.proposer is not None:
+            self.proposer.begin_step(scheduler_output.speculating)
         drafts = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = np.array([len(drafts.get(r, ())) for r in req_ids], dtype=np.int64)
         input_ids, positions, metadata, logits_indices, sample_mask = self._prepare_inputs(

@@ -56,7 +56,8 @@ class SpeculativeConfig:
 
     The target verifies every proposal in one forward pass; the rejection sampler keeps its
     output distribution exact (greedy output is token for token the same).
-    `disable_by_batch_size`: a step with at least this many requests does not speculate.
+    `disable_by_batch_size`: a step with at least this many running requests does not
+    speculate; an EAGLE head's requests computed in such a step stop drafting for good.
     """
 
     method: str

@@ -43,6 +43,12 @@ def require_every_part(spec: MoESpec, parts: set[ExpertPart], where: str) -> Non
         )
 
 
+def check_expert_shape(shape: torch.Size, model_shape: tuple[int, int], what: str) -> None:
+    """An expert projection's stored [out, in] must be the model's."""
+    if tuple(shape) != model_shape:
+        raise ValueError(f"{what} is {tuple(shape)}, the model's is {model_shape}")
+
+
 class KernelGroupedExperts(nn.Module):
     """`GroupedExperts` with expert e's gate/up in `gate_up[e]` (gate rows, then up rows)
     and its down in `down[e]`."""

@@ -29,6 +29,7 @@ from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
 from pagedllm.model.layers.kernel_experts import (
     ExpertPart,
     KernelGroupedExperts,
+    check_expert_shape,
     require_every_part,
 )
 from pagedllm.model.layers.packed_parallel import take_input_columns, take_output_rows
@@ -67,14 +68,18 @@ def _gate_up_layer(
     rows = RowSlice(experts.tp_rank * experts.shard_size, experts.shard_size)
     mine = []
     for name, weights in (("gate", gate), ("up", up)):
-        _check_shape(weights, shape, f"{where} {name}")
+        check_expert_shape(weights.q.shape, shape, f"{where} {name}")
         mine.append(weights if experts.tp_size == 1 else take_output_rows(weights, rows))
     return merged_gptq_layer(mine, [experts.shard_size] * 2, None)
 
 
 def _down_layer(experts: GroupedExperts, down: UnpackedGPTQ, where: str) -> GPTQLinear:
     """This rank's slice of down's inputs, every output row."""
-    _check_shape(down, (experts.spec.hidden_size, experts.spec.intermediate_size), f"{where} down")
+    check_expert_shape(
+        down.q.shape,
+        (experts.spec.hidden_size, experts.spec.intermediate_size),
+        f"{where} down",
+    )
     return GPTQLinear(down if experts.tp_size == 1 else _rank_inputs(experts, down, where))
 
 
@@ -90,8 +95,3 @@ def _rank_inputs(experts: GroupedExperts, down: UnpackedGPTQ, where: str) -> Unp
             f"when each rank's {size} down inputs are whole groups, in order; {where} down: "
             f"{error}"
         ) from error
-
-
-def _check_shape(weights: UnpackedGPTQ, shape: tuple[int, int], what: str) -> None:
-    if tuple(weights.q.shape) != shape:
-        raise ValueError(f"{what} is {tuple(weights.q.shape)}, the model's is {shape}")

@@ -158,7 +158,7 @@ def _rank_part(
     prefix, source = stored.prefix, stored.source
     try:
         rows = output_rows(source, layout)
-        span = stored.rows or range(rows)
+        span = range(rows) if stored.rows is None else stored.rows
         keep = rank_row_slice(module, shard, len(span))
         # A rank of padding rows only reads one word.
         start = span.start + (keep.start if keep.rows else 0)

@@ -36,6 +36,7 @@ from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.kernel_experts import (
     ExpertPart,
     KernelGroupedExperts,
+    check_expert_shape,
     require_every_part,
 )
 from pagedllm.model.layers.w8a8_linear import w8a8_layer
@@ -80,7 +81,7 @@ def _gate_up_layer(
     rows = RowSlice(experts.tp_rank * experts.shard_size, experts.shard_size)
     mine = []
     for name, weights in (("gate", gate), ("up", up)):
-        _check_shape(weights, shape, f"{where} {name}")
+        check_expert_shape(weights.values.shape, shape, f"{where} {name}")
         mine.append(weights if experts.tp_size == 1 else take_w8a8_rows(weights, rows))
     sizes = [experts.shard_size] * 2
     if can_stack(mine):
@@ -90,10 +91,9 @@ def _gate_up_layer(
 
 def _down_layer(experts: GroupedExperts, down: W8A8Weights, where: str) -> nn.Module:
     """Every output row on one rank; this rank's share over the gathered input on several."""
-    _check_shape(down, (experts.spec.hidden_size, experts.spec.intermediate_size), f"{where} down")
+    check_expert_shape(
+        down.values.shape,
+        (experts.spec.hidden_size, experts.spec.intermediate_size),
+        f"{where} down",
+    )
     return expert_down_layer(down, experts.tp_group)
-
-
-def _check_shape(weights: W8A8Weights, shape: tuple[int, int], what: str) -> None:
-    if tuple(weights.values.shape) != shape:
-        raise ValueError(f"{what} is {tuple(weights.values.shape)}, the model's is {shape}")

@@ -16,12 +16,14 @@ prefill runs, and holds no target state past the step: one step's tokens at most
 the prompts' lengths and the number of requests, and nothing for a request between steps
 (finished, aborted or preempted). For a request that sampled, the catch-up's logits at N - 2
 propose token N, and `num_speculative_tokens - 1` single-token steps propose the rest.
-A step of a batch too large to speculate (`disable_by_batch_size`, counting the batch's
-requests as the scheduler counts the running) runs no head at all, and the requests it
-computed stop drafting for good: their head KV would have a gap the states of which are
-gone, and a large batch is where the head's forwards cost more than its drafts save (a
-preempted request starts over, its states computed anew). So speculation is decided per
-request by the load it meets, as vLLM's switch decides for requests arriving under load.
+A step the scheduler counts too large to speculate (`disable_by_batch_size` against its
+running requests, `SchedulerOutput.speculating`) runs no head at all, and the requests it
+computed stop drafting for good: their head KV would have a gap whose states are gone, and
+a large batch is where the head's forwards cost more than its drafts save (a preempted
+request starts over from the states computed anew; where a prefix-cache hit or a KV tier
+gives it blocks back, their head KV is what the cache holds, as below). So speculation is
+decided per request by the load it meets, as vLLM's switch decides for requests arriving
+under load.
 Positions the target did not compute for this request (a prefix-cache hit) have no states:
 the head keeps the KV the cache holds there (written by the request that filled those
 blocks) and starts after them; exactness never depends on it, only acceptance.
@@ -70,6 +72,10 @@ class EagleDrafts(DraftModelDrafts):
         self.step_states = StepStates()
         # Requests a step too large to speculate computed: the head no longer drafts for them.
         self._behind: set[str] = set()
+        self._speculating = True  # the step's, from the scheduler
+
+    def begin_step(self, speculating: bool) -> None:
+        self._speculating = speculating
 
     def observe_target(self, request_ids, first_positions, num_tokens, states) -> None:
         self.step_states.observe(request_ids, first_positions, num_tokens, states)
@@ -78,7 +84,7 @@ class EagleDrafts(DraftModelDrafts):
         """Drafts for the requests that sampled (`request_ids`), after the catch-up of
         every request the step computed."""
         self._forget_probs(request_ids)
-        if not self.config.speculates(len(batch.req_id_to_row)):
+        if not self._speculating:
             self._fall_behind()
             return {}
         catch_up = self._catch_up(batch)

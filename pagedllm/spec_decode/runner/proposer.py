@@ -44,6 +44,10 @@ class Proposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
+    def begin_step(self, speculating: bool) -> None:
+        """Before the step's forward: whether the scheduler counted it small enough to
+        speculate (`SchedulerOutput.speculating`)."""
+
     def observe_target(
         self,
         request_ids: list[str],
