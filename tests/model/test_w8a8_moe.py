@@ -11,6 +11,7 @@ checkpoint's; and load_format="dummy" puts the experts on random 8-bit layers.""
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +37,7 @@ from pagedllm.model.layers import fused_moe
 from pagedllm.model.layers.fused_moe import GroupedExperts, MoESpec
 from pagedllm.model.layers.w8a8_experts import W8A8GroupedExperts, w8a8_grouped_experts
 from pagedllm.model.layers.w8a8_linear import Int8W8A8Linear, TiledDequantLinear
-from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, layer_weights
+from pagedllm.model.layers.w8a8_swap import checkpoint_scheme, layer_weights, log_w8a8_layers
 
 EXPERTS, HIDDEN, INTERMEDIATE = 4, 128, 256
 WHERE = "model.layers.0.mlp.experts"
@@ -299,3 +300,29 @@ def test_dummy_weights_put_the_experts_on_random_8_bit_layers(sources, tmp_path)
     assert all(
         math.isfinite(lp.logprob) for step in output.outputs[0].logprobs for lp in step.values()
     )
+
+
+def test_the_load_log_counts_what_8_bit_modules_hold(caplog):
+    """fbgemm's prepacked int8 weights are held outside a module's buffers: the log counts a
+    module's own `weight_bytes` where it has one, and its buffers otherwise."""
+
+    class Prepacked(torch.nn.Module):
+        def weight_bytes(self) -> int:
+            return 7_000_000
+
+    class Scheme:
+        def describe(self) -> str:
+            return "int8 per-channel"
+
+    model = torch.nn.Module()
+    model.experts = Prepacked()
+    model.dense = torch.nn.Module()
+    model.dense.register_buffer("values", torch.zeros(1_000_000, dtype=torch.int8))
+    logger = logging.getLogger("pagedllm")  # it does not propagate to the root logger
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            log_w8a8_layers(model, ["experts", "dense"], Scheme(), "checkpoint")
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "checkpoint 8-bit layers (int8 per-channel): 2 modules (8 MB)" in caplog.text

@@ -188,14 +188,21 @@ def _stored_shards(
 
 def log_w8a8_layers(model: nn.Module, names: list[str], scheme: W8A8Scheme, origin: str) -> None:
     """`names`: the modules swapped in (a mixture's experts one module each)."""
-    held = (t for n in names for t in model.get_submodule(n).buffers() if t is not None)
     logger.info(
         "%s 8-bit layers (%s): %d modules (%.0f MB)",
         origin,
         scheme.describe(),
         len(names),
-        distinct_bytes(held) / 1e6,
+        sum(_held_bytes(model.get_submodule(n)) for n in names) / 1e6,
     )
+
+
+def _held_bytes(module: nn.Module) -> int:
+    """What a swapped-in module holds: its own count where it has one (fbgemm's prepacked
+    int8 weights live outside the module's buffers), else its buffers'."""
+    if hasattr(module, "weight_bytes"):
+        return module.weight_bytes()
+    return distinct_bytes(t for t in module.buffers() if t is not None)
 
 
 def _w8a8_layer(where: str, module: Linear, parts: dict[str | None, W8A8Weights]) -> nn.Module:
