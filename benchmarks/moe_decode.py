@@ -32,6 +32,12 @@ def expert_bytes(llm: LLM, stored_type: type) -> int:
     return total
 
 
+def dummy_engine(config_dir: str) -> LLM:
+    """One stream of a config directory's model on random weights (`load_format="dummy"`)."""
+    return LLM(config_dir, load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
+               max_num_seqs=1, kv_cache_memory="64MiB", disable_log_stats=True)  # fmt: skip
+
+
 def tokens_per_s(llm: LLM, tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from benchmarks.moe_decode import add_shape_flags, interleaved_rounds, print_table
+from benchmarks.moe_decode import add_shape_flags, dummy_engine, interleaved_rounds, print_table
 from pagedllm import LLM
 from pagedllm.model.layers.packed_experts import PackedGroupedExperts
 from pagedllm.model.loader import write_config_dir
@@ -45,8 +45,7 @@ def config(args: argparse.Namespace, packed: bool) -> dict:
 
 def engine(directory: str, args: argparse.Namespace, packed: bool) -> LLM:
     path = write_config_dir(f"{directory}/{'packed' if packed else 'fp32'}", config(args, packed))
-    return LLM(str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
-               max_num_seqs=1, kv_cache_memory="64MiB", disable_log_stats=True)  # fmt: skip
+    return dummy_engine(str(path))
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from benchmarks.moe_decode import add_shape_flags, interleaved_rounds, print_table
+from benchmarks.moe_decode import add_shape_flags, dummy_engine, interleaved_rounds, print_table
 from benchmarks.packed_moe import config
 from benchmarks.random_w8a8 import SCHEMES, quantization_config
 from pagedllm import LLM
@@ -30,8 +30,7 @@ def engine(directory: str, args: argparse.Namespace, scheme: str | None) -> LLM:
     if scheme is not None:
         settings["quantization_config"] = quantization_config(scheme)
     path = write_config_dir(f"{directory}/{scheme or 'fp32'}", settings)
-    return LLM(str(path), load_format="dummy", skip_tokenizer_init=True, max_model_len=512,
-               max_num_seqs=1, kv_cache_memory="64MiB", disable_log_stats=True)  # fmt: skip
+    return dummy_engine(str(path))
 
 
 def main() -> None:

@@ -18,12 +18,15 @@ are not traced.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, MoESpec, run_grouped
+from pagedllm.model.layers.fused_moe import EXPERT_SHARDS, GroupedExperts, MoESpec, run_grouped
 from pagedllm.model.layers.gguf_linear import distinct_bytes
+from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.ops import fused
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
@@ -47,6 +50,46 @@ def check_expert_shape(shape: torch.Size, model_shape: tuple[int, int], what: st
     """An expert projection's stored [out, in] must be the model's."""
     if tuple(shape) != model_shape:
         raise ValueError(f"{what} is {tuple(shape)}, the model's is {model_shape}")
+
+
+def expert_layers(
+    experts: GroupedExperts,
+    parts: set[ExpertPart],
+    read: Callable[[ExpertPart], Any],
+    where: str,
+    gate_up_layer: Callable[[Any, Any, str], nn.Module],
+    down_layer: Callable[[Any, str], nn.Module],
+) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(gate_up, down): each expert's layers, built by a format's `gate_up_layer(gate, up,
+    name)` and `down_layer(down, name)` from its parts, one expert's parts read (`read`) at a
+    time; `parts`, the (expert, shard) pairs the checkpoint quantizes in the block `where`
+    names, must be all of them."""
+    require_every_part(experts.spec, parts, where)
+    gate_up, down = [], []
+    for expert in range(experts.spec.num_experts):
+        name = f"{where}.{expert}"
+        gate_up.append(gate_up_layer(read((expert, "gate")), read((expert, "up")), name))
+        down.append(down_layer(read((expert, "down")), name))
+    return gate_up, down
+
+
+def rank_gate_and_up(
+    experts: GroupedExperts,
+    gate: Any,
+    up: Any,
+    where: str,
+    shape_of: Callable[[Any], torch.Size],
+    take_rows: Callable[[Any, RowSlice], Any],
+) -> list:
+    """[gate, up]: this rank's rows of each (`take_rows`), each checked against the model's
+    [intermediate, hidden] (`shape_of`)."""
+    shape = (experts.spec.intermediate_size, experts.spec.hidden_size)
+    rows = RowSlice(experts.tp_rank * experts.shard_size, experts.shard_size)
+    mine = []
+    for name, weights in (("gate", gate), ("up", up)):
+        check_expert_shape(shape_of(weights), shape, f"{where} {name}")
+        mine.append(weights if experts.tp_size == 1 else take_rows(weights, rows))
+    return mine
 
 
 class KernelGroupedExperts(nn.Module):

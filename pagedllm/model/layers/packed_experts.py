@@ -19,18 +19,19 @@ as `GroupedExperts` splits fp32 experts; a down whose groups that slice would cu
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_linear import BLOCK
-from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.gptq_linear import GPTQLinear, merged_gptq_layer
 from pagedllm.model.layers.kernel_experts import (
     ExpertPart,
     KernelGroupedExperts,
     check_expert_shape,
-    require_every_part,
+    expert_layers,
+    rank_gate_and_up,
 )
 from pagedllm.model.layers.packed_parallel import take_input_columns, take_output_rows
 from pagedllm.model.quantization.gptq_format import UnpackedGPTQ
@@ -50,26 +51,22 @@ def packed_grouped_experts(
 ) -> PackedGroupedExperts:
     """`experts` (the block `where` names) on packed layers: `parts` are the (expert, shard)
     pairs the checkpoint quantizes, which must be all of them; `unpack` reads one."""
-    spec = experts.spec
-    require_every_part(spec, parts, where)
-    gate_up, down = [], []
-    for expert in range(spec.num_experts):  # one expert's parts unpacked at a time
-        gate, up = unpack((expert, "gate")), unpack((expert, "up"))
-        gate_up.append(_gate_up_layer(experts, gate, up, f"{where}.{expert}"))
-        down.append(_down_layer(experts, unpack((expert, "down")), f"{where}.{expert}"))
-    return PackedGroupedExperts(spec, gate_up, down, experts.kernels)
+    gate_up, down = expert_layers(
+        experts,
+        parts,
+        unpack,
+        where,
+        partial(_gate_up_layer, experts),
+        partial(_down_layer, experts),
+    )
+    return PackedGroupedExperts(experts.spec, gate_up, down, experts.kernels)
 
 
 def _gate_up_layer(
     experts: GroupedExperts, gate: UnpackedGPTQ, up: UnpackedGPTQ, where: str
 ) -> nn.Module:
     """This rank's gate rows, then its up rows."""
-    shape = (experts.spec.intermediate_size, experts.spec.hidden_size)
-    rows = RowSlice(experts.tp_rank * experts.shard_size, experts.shard_size)
-    mine = []
-    for name, weights in (("gate", gate), ("up", up)):
-        check_expert_shape(weights.q.shape, shape, f"{where} {name}")
-        mine.append(weights if experts.tp_size == 1 else take_output_rows(weights, rows))
+    mine = rank_gate_and_up(experts, gate, up, where, lambda w: w.q.shape, take_output_rows)
     return merged_gptq_layer(mine, [experts.shard_size] * 2, None)
 
 

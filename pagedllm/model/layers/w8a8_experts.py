@@ -27,17 +27,18 @@ block's one all-reduce joins the ranks' columns. The cost: an all-gather of
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from pagedllm.model.layers.fused_moe import GroupedExperts
 from pagedllm.model.layers.gguf_linear import GGUFConcatLinear
-from pagedllm.model.layers.gguf_parallel import RowSlice
 from pagedllm.model.layers.kernel_experts import (
     ExpertPart,
     KernelGroupedExperts,
     check_expert_shape,
-    require_every_part,
+    expert_layers,
+    rank_gate_and_up,
 )
 from pagedllm.model.layers.w8a8_linear import w8a8_layer
 from pagedllm.model.layers.w8a8_parallel import expert_down_layer, take_w8a8_rows
@@ -62,27 +63,22 @@ def w8a8_grouped_experts(
 ) -> W8A8GroupedExperts:
     """`experts` (the block `where` names) on 8-bit layers: `parts` are the (expert, shard)
     pairs the checkpoint quantizes, which must be all of them; `weights_of` reads one."""
-    spec = experts.spec
-    require_every_part(spec, parts, where)
-    gate_up, down = [], []
-    for expert in range(spec.num_experts):  # one expert's parts read at a time
-        name = f"{where}.{expert}"
-        gate, up = weights_of((expert, "gate")), weights_of((expert, "up"))
-        gate_up.append(_gate_up_layer(experts, gate, up, name))
-        down.append(_down_layer(experts, weights_of((expert, "down")), name))
-    return W8A8GroupedExperts(spec, gate_up, down, experts.kernels)
+    gate_up, down = expert_layers(
+        experts,
+        parts,
+        weights_of,
+        where,
+        partial(_gate_up_layer, experts),
+        partial(_down_layer, experts),
+    )
+    return W8A8GroupedExperts(experts.spec, gate_up, down, experts.kernels)
 
 
 def _gate_up_layer(
     experts: GroupedExperts, gate: W8A8Weights, up: W8A8Weights, where: str
 ) -> nn.Module:
     """This rank's gate rows, then its up rows."""
-    shape = (experts.spec.intermediate_size, experts.spec.hidden_size)
-    rows = RowSlice(experts.tp_rank * experts.shard_size, experts.shard_size)
-    mine = []
-    for name, weights in (("gate", gate), ("up", up)):
-        check_expert_shape(weights.values.shape, shape, f"{where} {name}")
-        mine.append(weights if experts.tp_size == 1 else take_w8a8_rows(weights, rows))
+    mine = rank_gate_and_up(experts, gate, up, where, lambda w: w.values.shape, take_w8a8_rows)
     sizes = [experts.shard_size] * 2
     if can_stack(mine):
         return w8a8_layer(stack_weights(mine), output_sizes=sizes)
