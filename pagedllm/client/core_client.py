@@ -206,7 +206,18 @@ class MPClient:
     async def send(self, message: EngineCoreInput) -> None:
         if self.dead or self.closed:
             raise EngineDeadError("the engine process is not running")
-        await self.input_socket.send(input_encoder.encode(message), copy=False)
+        try:
+            await self.input_socket.send(input_encoder.encode(message), copy=False)
+        except asyncio.CancelledError:
+            # A send to a core that died waits (no peer is connected) until the restart
+            # closes the socket, which cancels the send's future: the request must see the
+            # core's death, as every other request in flight does. A cancelled stream would
+            # end without its last chunk. The caller's own cancellation goes on as it is.
+            task = asyncio.current_task()
+            if self.closed and (task is None or not task.cancelling()):
+                message = "the engine process exited while a request was sent to it"
+                raise EngineDeadError(message) from None
+            raise
 
     async def recv(self, timeout_s: float | None = None) -> EngineCoreEvent:
         """The next event from the core; EngineDeadError once its process is gone."""

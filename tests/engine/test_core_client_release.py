@@ -14,6 +14,7 @@ import pytest
 
 from pagedllm.client.core_client import MPClient
 from pagedllm.config import EngineArgs
+from pagedllm.core.messages import AbortRequests
 from pagedllm.errors import EngineDeadError
 
 pytestmark = pytest.mark.slow  # starts engine-core processes
@@ -57,3 +58,26 @@ def test_a_killed_core_client_releases_every_fd_and_thread_it_opened(tiny_llama)
     assert num_threads() == threads_before
     assert kept.closed and kept.pid is not None
     kept.kill()  # again, as the exit hook does: nothing left to do, no error
+
+
+async def send_while_the_restart_closes(args: EngineArgs) -> BaseException | None:
+    """A request sent to a core that just died: with no core connected the send waits, until
+    the restart (`kill_now`) closes the socket under it."""
+    client = MPClient(args)
+    os.kill(client.pid, signal.SIGKILL)
+    send = asyncio.ensure_future(client.send(AbortRequests(["a-request"])))
+    await asyncio.sleep(0.2)
+    assert not send.done()  # nothing is connected to take it
+    await client.kill_now()
+    try:
+        await send
+    except BaseException as error:  # CancelledError included: what the request would see
+        return error
+    return None
+
+
+def test_a_send_cut_short_by_the_restart_is_the_cores_death_not_a_cancellation(tiny_llama):
+    # A cancelled send unwound the request's stream as if its own task had been cancelled:
+    # the soak saw a stream end without its last chunk at a kill.
+    error = asyncio.run(send_while_the_restart_closes(EngineArgs(model=str(tiny_llama))))
+    assert isinstance(error, EngineDeadError), repr(error)
