@@ -4,6 +4,8 @@ Builds a small C program (gcc, OpenMP) and runs register-only loops on every cor
 
   clock       a chain of dependent integer adds (one a cycle) gives the cycles per second
   fp32 FMA    12 independent FMA chains on 256- and 512-bit vectors: FLOP per cycle and s
+  int8 AVX2   12 independent vpmaddubsw (u8 x s8 pairs into int16, no accumulate): the
+              AVX2 path's multiplies, MACs per cycle (its adds and widening come on top)
   int8 VNNI   12 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
   bf16 dot    12 independent vdpbf16ps chains (bf16 pairs into fp32, AVX512-BF16): FLOP
               per cycle, two products and two adds per fp32 lane
@@ -69,6 +71,9 @@ __attribute__((target("avx2,fma"))) static void fma256(long iterations) {
 __attribute__((target("avx512f"))) static void fma512(long iterations) {
     LOOP("zmm", "vfmadd231ps")
 }
+__attribute__((target("avx2"))) static void maddubs256(long iterations) {
+    LOOP("ymm", "vpmaddubsw")
+}
 __attribute__((target("avx512f,avx512vl,avx512vnni"))) static void vnni256(long iterations) {
     LOOP("ymm", "vpdpbusd")
 }
@@ -113,6 +118,8 @@ int main(int argc, char **argv) {
     run("fp32_fma_256", fma256, seconds, CHAINS * 8 * 2);
     if (__builtin_cpu_supports("avx512f"))
         run("fp32_fma_512", fma512, seconds, CHAINS * 16 * 2);
+    if (__builtin_cpu_supports("avx2"))
+        run("int8_avx2_256", maddubs256, seconds, CHAINS * 32);
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
         run("int8_vnni_256", vnni256, seconds, CHAINS * 32);
         run("int8_vnni_512", vnni512, seconds, CHAINS * 64);
