@@ -215,8 +215,8 @@ class MPClient:
             # end without its last chunk. The caller's own cancellation goes on as it is.
             task = asyncio.current_task()
             if self.closed and (task is None or not task.cancelling()):
-                message = "the engine process exited while a request was sent to it"
-                raise EngineDeadError(message) from None
+                reason = "the engine process exited while a request was sent to it"
+                raise EngineDeadError(reason) from None
             raise
 
     async def recv(self, timeout_s: float | None = None) -> EngineCoreEvent:
