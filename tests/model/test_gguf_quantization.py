@@ -135,7 +135,8 @@ def test_kernel_matches_the_float_reference(qtype, rows, out_features):
         assert torch.equal(layer(x), out), path
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
+# Q4_1 and Q4_K take the AVX2 path's 4-bit tile body, the others its general one.
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_1, Q.Q4_K])
 def test_one_digit_paths_agree(qtype):
     raw, _ = _any_raw(16, 256, qtype)
     layer = GGUFLinear(raw, qtype, digits=1)

@@ -305,15 +305,19 @@ PAGEDLLM_ALWAYS_INLINE void block_dots(const __m256i (&wv)[8], const int8_t* dig
 // 16 vector registers: 4 rows' accumulators beside the 8 unpacked weight groups.
 constexpr int kRowsPerPass = 4;
 
+// An empty asm on a running sum: GCC's reassociation would otherwise turn each chain of
+// integer adds into a tree, computing many products first and keeping them on the stack.
+PAGEDLLM_ALWAYS_INLINE void keep_chain(__m256i& sum) { asm("" : "+x"(sum)); }
+
+// Defined in gguf_tile_avx2.h, which needs gguf_tile.h's helpers.
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
-int64_t wide_tiles(const Activations&, const Weights&, int64_t, int64_t tile_begin, int64_t,
-                   const Output&) {
-  return tile_begin;
-}
+int64_t wide_tiles(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
+                   int64_t tile_end, const Output& out);
 
 #include "gguf_scales.h"
 #include "gguf_epilogue.h"
 #include "gguf_tile.h"
+#include "gguf_tile_avx2.h"
 
 }  // namespace avx2_path
 
