@@ -296,7 +296,11 @@ class AsyncLLM:
             )
         finished = core_lost = False
         try:
-            await core.client.send(request)
+            try:
+                await core.client.send(request)
+            except EngineDeadError:
+                core_lost = True  # it never reached a core that lives: nothing to abort
+                raise
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

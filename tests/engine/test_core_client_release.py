@@ -60,7 +60,9 @@ def test_a_killed_core_client_releases_every_fd_and_thread_it_opened(tiny_llama)
     kept.kill()  # again, as the exit hook does: nothing left to do, no error
 
 
-async def send_while_the_restart_closes(args: EngineArgs) -> BaseException | None:
+async def send_while_the_restart_closes(
+    args: EngineArgs, cancelled_by_its_caller: bool = False
+) -> BaseException | None:
     """A request sent to a core that just died: with no core connected the send waits, until
     the restart (`kill_now`) closes the socket under it."""
     client = MPClient(args)
@@ -68,6 +70,8 @@ async def send_while_the_restart_closes(args: EngineArgs) -> BaseException | Non
     send = asyncio.ensure_future(client.send(AbortRequests(["a-request"])))
     await asyncio.sleep(0.2)
     assert not send.done()  # nothing is connected to take it
+    if cancelled_by_its_caller:  # a client's disconnect, at the same moment
+        send.cancel()
     await client.kill_now()
     try:
         await send
@@ -81,3 +85,9 @@ def test_a_send_cut_short_by_the_restart_is_the_cores_death_not_a_cancellation(t
     # the soak saw a stream end without its last chunk at a kill.
     error = asyncio.run(send_while_the_restart_closes(EngineArgs(model=str(tiny_llama))))
     assert isinstance(error, EngineDeadError), repr(error)
+
+
+def test_a_send_its_caller_cancels_stays_cancelled_when_the_restart_closes_it(tiny_llama):
+    args = EngineArgs(model=str(tiny_llama))
+    error = asyncio.run(send_while_the_restart_closes(args, cancelled_by_its_caller=True))
+    assert isinstance(error, asyncio.CancelledError), repr(error)

@@ -78,6 +78,7 @@ template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 int64_t wide_tiles(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
                    int64_t tile_end, const Output& out) {
   if constexpr (BITS == 4) {
+    static_assert(HALVES == 1, "4-bit blocks have one scale each");
     for (int64_t t = tile_begin; t < tile_end; ++t) nibble_tile<R, DIGITS, KQUANT>(a, w, row, t, out);
     return tile_end;
   }
