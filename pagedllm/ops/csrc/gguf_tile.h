@@ -85,6 +85,24 @@ PAGEDLLM_ALWAYS_INLINE void block_scales(const Weights& w, int64_t tile, int64_t
   }
 }
 
+// A pass's R rows of one tile's 8 columns written out; the last tile may be part padding.
+template <int R>
+PAGEDLLM_ALWAYS_INLINE void store_tile_rows(const __m256 (&acc)[R], int64_t row, int64_t tile,
+                                            const Output& out) {
+  const int64_t n0 = tile * kTileCols;
+  const int64_t valid = std::min<int64_t>(kTileCols, out.cols - n0);
+  for (int r = 0; r < R; ++r) {
+    float* dst = out.data + (row + r) * out.stride + n0;
+    if (valid == kTileCols) {
+      _mm256_storeu_ps(dst, acc[r]);
+    } else {
+      alignas(32) float tmp[kTileCols];
+      _mm256_store_ps(tmp, acc[r]);
+      std::memcpy(dst, tmp, valid * sizeof(float));
+    }
+  }
+}
+
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile,
                  const Output& out) {
@@ -112,18 +130,7 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
       acc[r] = block_epilogue<Lanes8, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
-  const int64_t n0 = tile * kTileCols;
-  const int64_t valid = std::min<int64_t>(kTileCols, out.cols - n0);
-  for (int r = 0; r < R; ++r) {
-    float* dst = out.data + (row + r) * out.stride + n0;
-    if (valid == kTileCols) {
-      _mm256_storeu_ps(dst, acc[r]);
-    } else {
-      alignas(32) float tmp[kTileCols];
-      _mm256_store_ps(tmp, acc[r]);
-      std::memcpy(dst, tmp, valid * sizeof(float));
-    }
-  }
+  store_tile_rows<R>(acc, row, tile, out);
 }
 
 // One pass of R rows over the item's tiles: wide_tiles takes what it can (pairs of tiles on

@@ -28,7 +28,7 @@ void nibble_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
     const uint8_t* block = tile_base + b * bytes;
     if constexpr (R <= kPrefetchRows) prefetch_block(block + kPrefetchBlocks * bytes, bytes);
     const int64_t at = a.at(row, b);
-    const int8_t* digits = a.digits + at * DIGITS * kBlock;  // the pass's rows, side by side
+    const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256i pairs[R][DIGITS];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < DIGITS; ++j) pairs[r][j] = _mm256_setzero_si256();
@@ -64,13 +64,7 @@ void nibble_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
       acc[r] = block_epilogue<Lanes8, 1>(acc[r], dots, d, m, a, at + r);
     }
   }
-  const int64_t n0 = tile * kTileCols;
-  const int64_t valid = std::min<int64_t>(kTileCols, out.cols - n0);
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float lanes[kTileCols];
-    _mm256_store_ps(lanes, acc[r]);
-    std::memcpy(out.data + (row + r) * out.stride + n0, lanes, valid * sizeof(float));
-  }
+  store_tile_rows<R>(acc, row, tile, out);
 }
 
 // gguf_tile.h's row passes call this first: 4-bit tiles run here, the rest in vector_tile.
