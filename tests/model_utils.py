@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,17 @@ def compare_greedy(actual: list[int], reference: GreedyReference, tie_tolerance:
         f"{len(actual)} != {len(reference.token_ids)} tokens"
     )
     return 0
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's thread pool at `num_threads` for the block, as it was after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def greedy_with_logprobs(llm, prompts: list[list[int]], max_tokens: int) -> list:

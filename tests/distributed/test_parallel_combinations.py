@@ -17,6 +17,7 @@ from model_utils import (
     compare_to_reference_engine,
     greedy_with_logprobs,
     run_tenants,
+    torch_threads,
 )
 from parallel_greedy import (
     BLOCK_SIZE,
@@ -32,6 +33,7 @@ from benchmarks import random_gguf
 from benchmarks.parallel_memory import LlamaShape
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.core import hashing
+from pagedllm.distributed.cpu_binding import host_topology, resolve_cpu_binding
 from pagedllm.kv_transfer import disk_layout
 from pagedllm.kv_transfer.ops import block_key
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -343,7 +345,10 @@ def test_gguf_blocks_across_pipeline_stages_equal_one_rank(tmp_path, report_ties
 # The exact comparison holds for the GGUF layers everywhere; the fp32 `cpu` attention kernel
 # groups its rows by the q heads sharing a KV head, so where that number changes with tp its
 # bits do too (1e-5 measured with one KV head of 4 q heads). The K-quant file keeps 2 q heads
-# a KV head on both layouts; the other file's head_dim 24 runs on the torch attention path.
+# a KV head on both layouts; the other file's head_dim 24 runs on the torch attention path,
+# whose scaled_dot_product_attention sums in another order at another thread count on some
+# CPUs (an AVX2 EPYC: 44 of 79 context lengths differ between 1 and 2 threads), so one rank
+# runs with the thread count each rank gets.
 K_QUANT_SHAPE = LlamaShape("tiny", 256, 768, 4, 4, 2, 49152 + 64)
 
 
@@ -382,7 +387,10 @@ def test_gguf_blocks_over_tensor_parallel_ranks_equal_one_rank(gguf_tp_files, na
     path, vocab = gguf_tp_files[name]
     common = dict(max_model_len=256, skip_tokenizer_init=True, quantization="gguf")
     prompts = [[token % vocab for token in prompt] for prompt in SPEC_PROMPTS]
-    expected = greedy_with_logprobs(LLM(path, **common), prompts, MAX_TOKENS)
+    rank_threads = {b.num_threads for b in resolve_cpu_binding("auto", 2, host_topology())}
+    assert len(rank_threads) == 1, rank_threads
+    with torch_threads(rank_threads.pop()):
+        expected = greedy_with_logprobs(LLM(path, **common), prompts, MAX_TOKENS)
     llm = LLM(path, tensor_parallel_size=2, **common)
     try:
         actual = greedy_with_logprobs(llm, prompts, MAX_TOKENS)

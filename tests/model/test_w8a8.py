@@ -270,9 +270,12 @@ def test_combinations_not_served_are_refused_by_name(written, engine_args, named
 
 
 # The share of drafts accepted at least: int8 activations keep ~8 bits of each value, fp8
-# e4m3 ones 4 (48 of 60 measured for fp8 blocks, 51 of 51 for int8).
+# e4m3 ones 4 (fp8 blocks: 48 of 60 measured when this was written, 47 of 63 on an AVX2 EPYC,
+# where the fp32 target sums in another order; int8: 51 of 51 on both). ~60 drafts accepted
+# at 0.78 vary by ~0.05, so the fp8 floor sits two of those below; a draft that lost its
+# layers' meaning would accept almost nothing.
 @pytest.mark.parametrize(
-    ("fmt", "least_accepted"), [(FORMATS[0], 0.9), (FORMATS[6], 0.75)], ids=str
+    ("fmt", "least_accepted"), [(FORMATS[0], 0.9), (FORMATS[6], 0.68)], ids=str
 )
 def test_a_draft_model_on_8_bit_layers_keeps_the_targets_tokens(written, fmt, least_accepted):
     """The 8-bit checkpoint drafting for the fp32 model it was dequantized into: the draft

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from model_utils import torch_threads
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.ops import extension
@@ -171,12 +172,8 @@ def test_many_decodes_beside_prefills_match_torch(cpu_backend, threads):
     requests = [(rng.randrange(0, 200), 1) for _ in range(20)] + [(0, 37), (50, 20)]
     rng.shuffle(requests)
     batch = make_batch(requests, block_size=16, num_heads=9, num_kv_heads=3)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert_matches_torch(cpu_backend, batch)
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 128, 256])
