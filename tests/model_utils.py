@@ -207,7 +207,7 @@ def compare_greedy(actual: list[int], reference: GreedyReference, tie_tolerance:
 
 @contextlib.contextmanager
 def torch_threads(num_threads: int) -> Iterator[None]:
-    """torch's thread pool at `num_threads` for the block, as it was after."""
+    """torch's thread pool sized `num_threads` inside the block, restored after it."""
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
