@@ -16,17 +16,21 @@ struct Lanes8 {
   static F to_float(I x) { return _mm256_cvtepi32_ps(x); }
 };
 
+// One half's (or a whole block's) update of a row's accumulator.
+template <class V>
+PAGEDLLM_ALWAYS_INLINE typename V::F half_epilogue(typename V::F acc, typename V::I dot, typename V::F d,
+                                                   typename V::F m, float step, float sum) {
+  acc = V::fmadd(V::to_float(dot), V::mul(d, V::set1(step)), acc);
+  return V::fmadd(m, V::set1(sum), acc);
+}
+
 template <class V, int HALVES>
 PAGEDLLM_ALWAYS_INLINE typename V::F block_epilogue(typename V::F acc,
                                                     const typename V::I (&dots)[HALVES],
                                                     const typename V::F (&d)[HALVES],
                                                     const typename V::F (&m)[HALVES],
                                                     const Activations& a, int64_t at) {
-  const typename V::F step = V::set1(a.step[at]);
-  for (int h = 0; h < HALVES; ++h) {
-    const float sum = HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h];
-    acc = V::fmadd(V::to_float(dots[h]), V::mul(d[h], step), acc);
-    acc = V::fmadd(m[h], V::set1(sum), acc);
-  }
+  for (int h = 0; h < HALVES; ++h)
+    acc = half_epilogue<V>(acc, dots[h], d[h], m[h], a.step[at], HALVES == 1 ? a.sum[at] : a.sum16[at * 2 + h]);
   return acc;
 }
