@@ -407,8 +407,9 @@ void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits, int64_t isa) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   const int64_t path = std::min(isa, best_isa());
-  const at::Tensor digit_buf = at::empty({rows, blocks, digits, kBlock}, x.options().dtype(at::kChar));
-  const at::Tensor row_buf = at::empty({4, rows, blocks}, x.options());
+  // Flat: Activations::at lays them out (in groups of a pass's rows).
+  const at::Tensor digit_buf = at::empty({rows * blocks * digits * kBlock}, x.options().dtype(at::kChar));
+  const at::Tensor row_buf = at::empty({4 * rows * blocks}, x.options());
   float* row_data = row_buf.data_ptr<float>();
   const int pass_rows = path == kVnni ? vnni_path::kRowsPerPass : avx2_path::kRowsPerPass;
   const Activations a{digit_buf.data_ptr<int8_t>(),
