@@ -21,7 +21,7 @@ from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
 def _kernel_fits(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)
 
 
 # The element-wise kernels (norms, SiLU·up, RoPE) take bf16 too, rounding where the eager
@@ -30,10 +30,13 @@ _ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _elementwise_fits(x: torch.Tensor, *alike: torch.Tensor) -> bool:
+    # is_cpu, not device.type: these checks run ~200 times a decode step, and a device
+    # object is made each time it is read.
+    dtype = x.dtype
     return (
-        x.dtype in _ELEMENTWISE_DTYPES
-        and x.device.type == "cpu"
-        and all(t.dtype == x.dtype and t.device.type == "cpu" for t in alike)
+        dtype in _ELEMENTWISE_DTYPES
+        and x.is_cpu
+        and all(t.dtype == dtype and t.is_cpu for t in alike)
     )
 
 

@@ -33,6 +33,7 @@ from pagedllm.model.gguf_loader import iter_gguf_weights, load_gguf_config
 from pagedllm.model.layers.gemma_norm import GemmaRMSNorm
 from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
 from pagedllm.model.models.gemma3 import check_gemma3_config, layer_rope_parameters
+from pagedllm.ops.kernel_selection import KernelSelection
 
 ARCHITECTURE = "Gemma3ForCausalLM"
 WINDOW = TINY_CONFIGS[ARCHITECTURE]["sliding_window"]
@@ -149,6 +150,31 @@ def test_norm_is_transformers_bit_for_bit(dtype):
     normed, stream = ours(x, residual)
     assert torch.equal(stream, residual + x)
     assert torch.equal(normed, theirs(residual + x))
+
+
+def test_fused_norm_follows_every_write_to_its_weight():
+    """The fused kernel's scale 1 + w is kept between calls: a weight written in place (as
+    loading does) or replaced (as moving it to huge pages does) must be seen at once."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    generator = torch.Generator().manual_seed(1)
+    kernels = KernelSelection(attention="cpu", fused_ops=True, sampler_draw=False)
+    ours = GemmaRMSNorm(64, 1e-6, torch.float32, kernels)
+    theirs = Gemma3RMSNorm(64, eps=1e-6)
+    x = torch.randn(5, 64, generator=generator)
+    # The kernel sums in another order than Transformers: equal to float32 rounding.
+    assert torch.allclose(ours(x)[0], theirs(x), rtol=1e-6, atol=1e-6)  # the zero offset
+    for write in ("in place", "replaced"):
+        weight = torch.randn(64, generator=generator)
+        with torch.no_grad():
+            if write == "in place":
+                ours.weight.copy_(weight)
+            else:
+                ours.weight.data = weight.clone()
+            theirs.weight.copy_(weight)
+        with torch.inference_mode():
+            normed = ours(x)[0]
+        assert torch.allclose(normed, theirs(x), rtol=1e-6, atol=1e-6), write
 
 
 @pytest.mark.parametrize(
