@@ -202,6 +202,7 @@ _TENSOR_OPS = (
     "silu_and_mul",
     "rotary_embedding",
     "sample_plain",
+    "argmax_rows",
     "skinny_linear",
     "gguf_linear",
     "gguf_linear_k",

@@ -201,6 +201,23 @@ def sample_plain(
     return inverse_cdf(probs, uniforms)
 
 
+def greedy_pick(logits: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> torch.Tensor:
+    """logits.argmax(dim=-1) of 2-D logits: each row's first maximum, a NaN above every
+    number. The kernel finds the maximum, then its first occurrence (~0.05 ms over Gemma 3's
+    262k logits, where torch's indexed reduction takes ~0.65 ms a row)."""
+    if (
+        kernels.sampler_draw
+        and _kernel_fits(logits)
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(-1) == 1
+    ):
+        token_ids = torch.empty(logits.shape[0], dtype=torch.int64)
+        load().argmax_rows(token_ids, logits)
+        return token_ids
+    return logits.argmax(dim=-1)
+
+
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index drawn from each row of (unnormalized) `probs` with one uniform number per row.
 

@@ -38,7 +38,8 @@ class KernelSelection:
     # The C++ RMSNorm, SiLU·up and RoPE (fp32 and bf16 tensors on the CPU) and few-row
     # linear (fp32).
     fused_ops: bool
-    # The C++ plain draw of the sampler (fp32 logits on the CPU: the sampler upcasts them).
+    # The C++ plain draw of the sampler and its greedy pick (fp32 logits on the CPU: the
+    # sampler upcasts them).
     sampler_draw: bool
     # A bf16 model's linear layers multiply batches of many rows in fp32, on an fp32 copy of
     # their weights (exact: bf16 products are fp32 numbers), where the CPU's bf16 matmuls

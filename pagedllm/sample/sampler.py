@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.ops.fused import inverse_cdf, sample_plain
+from pagedllm.ops.fused import greedy_pick, inverse_cdf, sample_plain
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
@@ -57,7 +57,10 @@ class Sampler:
         """Sample from `logits`; logprobs come from `raw_logits` (the model's own) if given,
         and only when `compute_logprobs` (a logsumexp over the vocabulary is not free)."""
         logits = logits.to(torch.float32)
-        token_ids = logits.argmax(dim=-1) if metadata.all_greedy else self._sample(logits, metadata)
+        if metadata.all_greedy:
+            token_ids = greedy_pick(logits, self.kernels)
+        else:
+            token_ids = self._sample(logits, metadata)
         if not compute_logprobs:
             return SamplerOutput(token_ids, None)
         raw = logits if raw_logits is None else raw_logits.to(torch.float32)
@@ -82,7 +85,7 @@ class Sampler:
             )
         if metadata.all_random:
             return random_ids
-        return torch.where(greedy, logits.argmax(dim=-1), random_ids)
+        return torch.where(greedy, greedy_pick(logits, self.kernels), random_ids)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

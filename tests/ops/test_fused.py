@@ -237,3 +237,41 @@ def test_sampler_with_kernels_draws_the_softmax_distribution():
     tokens = Sampler(KERNELS)(logits, _metadata(rows, 0.5), compute_logprobs=False)
     frequencies = torch.bincount(tokens.token_ids, minlength=4).float() / rows
     torch.testing.assert_close(frequencies, probs, atol=0.01, rtol=0)
+
+
+def _greedy_rows() -> torch.Tensor:
+    """Rows where torch.argmax's rule shows: ties (the first wins), NaNs (the first NaN
+    wins, wherever the maximum is), -inf, signed zeros, the maximum in the vector body and in
+    the tail (13 columns: one vector of 8 and a tail of 5)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(12, 13, generator=generator)
+    rows[1, [3, 9]] = 50.0  # a tie in the body and the tail
+    rows[2, 11] = 60.0  # the maximum in the tail
+    rows[3, [2, 7]] = float("nan")
+    rows[4, 12] = float("nan")  # a NaN in the tail, the maximum before it
+    rows[4, 0] = 70.0
+    rows[5] = float("-inf")
+    rows[6] = float("-inf")
+    rows[6, 10] = -1e30
+    rows[7] = 0.0
+    rows[7, 0] = -0.0
+    rows[8, 4], rows[8, 6] = float("inf"), float("inf")
+    rows[9] = -rows[9].abs() - 1.0
+    rows[9, 12] = -0.5
+    return rows
+
+
+@pytest.mark.parametrize("columns", [13, 1, 262144])
+def test_greedy_pick_is_torch_argmax(columns):
+    if columns == 13:
+        logits = _greedy_rows()
+    else:
+        logits = torch.randn(5, columns, generator=torch.Generator().manual_seed(columns))
+        logits[1, -1] = 100.0
+        logits[2, columns // 2] = float("nan")
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(fused.greedy_pick(logits, KERNELS), expected)
+    # A strided view of wider rows: the kernel steps by the row stride.
+    wide = torch.full((logits.shape[0], columns + 3), 1e9)
+    wide[:, :columns] = logits
+    assert torch.equal(fused.greedy_pick(wide[:, :columns], KERNELS), expected)

@@ -312,6 +312,57 @@ void sample_plain(at::Tensor out, const at::Tensor& logits, const at::Tensor& in
   });
 }
 
+// The first index of the row's maximum, a NaN counting as above every number: torch.argmax's
+// answer. Two vector passes (the maximum, then its first occurrence) where torch's indexed
+// reduction took 0.65 ms over a 262k-token vocabulary.
+int64_t argmax_row(const float* x, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    vmax = _mm256_max_ps(vmax, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  bool any_nan = _mm256_movemask_ps(unordered) != 0;
+  float max = hmax(vmax);
+  for (; j < n; ++j) {
+    any_nan = any_nan || std::isnan(x[j]);
+    max = std::max(max, x[j]);
+  }
+  if (any_nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(x[i])) return i;
+    }
+  }
+  const __m256 target = _mm256_set1_ps(max);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+  for (; i < n; ++i) {
+    if (x[i] == max) return i;
+  }
+  return 0;  // no row reaches here: the maximum is one of its elements
+}
+
+// out[r] = argmax of row r of logits [R, V] (the sampler's greedy pick).
+void argmax_rows(at::Tensor out, const at::Tensor& logits) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  check_rows<float>(logits, n, "argmax_rows logits");
+  TORCH_CHECK(n > 0, "argmax_rows: rows must not be empty");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kLong && out.is_contiguous() &&
+                  out.numel() == rows,
+              "argmax_rows: out must be contiguous int64 [rows]");
+  int64_t* ids = out.data_ptr<int64_t>();
+  const float* data = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) ids[r] = argmax_row(data + r * stride, n);
+  });
+}
+
 }  // namespace
 
 // Schemas here, kernels under the CPU key: tracing (torch.compile) runs the fake kernels
@@ -326,6 +377,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "sample_plain(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) "
       "-> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -334,4 +386,5 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("sample_plain", &sample_plain);
+  m.impl("argmax_rows", &argmax_rows);
 }
