@@ -415,8 +415,9 @@ class EngineArgs:
     gguf_activation_bits: int = 16
     kv_cache_dtype: str = "auto"
     # Decode-only steps of up to 96 requests through one torch.compile graph, compiled at
-    # start-up (Inductor's output cached on disk): ~1 ms less Python per step, ~26 s more
-    # start-up here. Off by default; enforce_eager (vLLM's name) keeps every step eager and
+    # start-up (Inductor's output cached on disk): ~1 ms less Python per step on the default
+    # model, more on a GGUF model's faster steps; 13-19 s more start-up from the cache here
+    # (~40 s the first time). Off by default; enforce_eager (vLLM's name) keeps every step eager and
     # refuses compile.
     compile: bool = False
     enforce_eager: bool = False

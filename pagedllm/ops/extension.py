@@ -203,6 +203,8 @@ _TENSOR_OPS = (
     "rotary_embedding",
     "sample_plain",
     "argmax_rows",
+    "gelu_tanh_and_mul",
+    "soft_cap",
     "skinny_linear",
     "gguf_linear",
     "gguf_linear_k",

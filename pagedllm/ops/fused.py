@@ -49,12 +49,19 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) with no residual; with one, (norm(x + residual), x + residual), which the
     kernel computes in place in x and residual (the residual stream of the decoder)."""
-    if kernels.fused_ops and _elementwise_fits(x, weight) and x.dim() == 2 and x.stride(-1) == 1:
-        if residual is None:
-            out = torch.empty_like(x)
+    if kernels.fused_ops and _elementwise_fits(x, weight) and x.stride(-1) == 1:
+        if residual is None and x.dim() in (2, 3):
+            # A 3-D x may be a strided range of heads; the kernel writes them contiguous.
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             load().rms_norm(out, x, weight, eps)
             return out, None
-        if residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1:
+        if (
+            residual is not None
+            and x.dim() == 2
+            and residual.shape == x.shape
+            and residual.dtype == x.dtype
+            and residual.stride(-1) == 1
+        ):
             load().fused_add_rms_norm(x, residual, weight, eps)
             return x, residual
     if residual is not None:
@@ -144,6 +151,26 @@ def silu_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> t
         load().silu_and_mul(out, x)
         return out
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> torch.Tensor:
+    """gelu_tanh(gate) * up for x = [gate | up] along the last dimension (Gemma's MLP)."""
+    d = x.shape[-1] // 2
+    if kernels.fused_ops and _elementwise_fits(x) and x.dim() == 2:
+        out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
+        load().gelu_tanh_and_mul(out, x)
+        return out
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def soft_cap(
+    logits: torch.Tensor, cap: float, kernels: KernelSelection = TORCH_KERNELS
+) -> torch.Tensor:
+    """tanh(logits / cap) * cap, in place in `logits` where the kernel runs."""
+    if kernels.fused_ops and logits.is_cpu:
+        load().soft_cap(logits, cap)
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def rotary_embedding(

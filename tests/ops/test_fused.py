@@ -24,6 +24,38 @@ def test_rms_norm_matches_reference():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_rms_norm_reads_a_strided_range_of_heads(num_tokens):
+    # The query heads of a fused q/k/v output: [tokens, heads, head_dim], rows of a token
+    # head_dim apart, tokens a whole q/k/v row apart; written back contiguous.
+    torch.manual_seed(2)
+    qkv, weight = torch.randn(num_tokens, 4 + 2 + 2, 16), torch.randn(16)
+    q = qkv.split([4, 2, 2], dim=1)[0]
+    out, _ = fused.rms_norm(q, weight, 1e-6, kernels=KERNELS)
+    expected, _ = fused.rms_norm(q.contiguous().view(-1, 16), weight, 1e-6, kernels=KERNELS)
+    assert out.shape == q.shape and out.is_contiguous()
+    assert torch.equal(out.view(-1, 16), expected)
+    torch.testing.assert_close(out, fused.rms_norm(q, weight, 1e-6)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gelu_tanh_and_mul_gives_the_eager_bits(rows):
+    torch.manual_seed(3)
+    x = torch.randn(rows, 2 * 37) * 4
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(
+        fused.gelu_tanh_and_mul(x, KERNELS), torch.nn.functional.gelu(gate, approximate="tanh") * up
+    )
+
+
+def test_soft_cap_gives_the_eager_bits_in_place():
+    torch.manual_seed(4)
+    logits = torch.randn(3, 1001) * 80
+    expected = torch.tanh(logits / 30.0) * 30.0
+    capped = fused.soft_cap(logits, 30.0, KERNELS)
+    assert capped.data_ptr() == logits.data_ptr() and torch.equal(capped, expected)
+
+
 def test_fused_add_rms_norm_updates_both_in_place():
     torch.manual_seed(1)
     x, residual, weight = torch.randn(20, 64), torch.randn(20, 64), torch.randn(64)

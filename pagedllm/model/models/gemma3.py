@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model.layers.attention import Attention, layer_sliding_windows
@@ -35,6 +34,7 @@ from pagedllm.model.models.llama import (
     LlamaModel,
     _head_dim,
 )
+from pagedllm.ops import fused
 from pagedllm.ops.attention import AttentionBackend
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
@@ -110,10 +110,10 @@ class Gemma3MLP(nn.Module):
             config.hidden_size, [size, size], ["gate", "up"], False, dtype, kernels
         )
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, dtype, kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(fused.gelu_tanh_and_mul(self.gate_up_proj(x), self.kernels))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -217,4 +217,4 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.final_logit_softcapping
         if logits is None or cap is None:
             return logits
-        return torch.tanh(logits / cap) * cap
+        return fused.soft_cap(logits, cap, self.kernels)

@@ -116,8 +116,9 @@ class LlamaAttention(nn.Module):
             .split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         )
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(num_tokens, -1, self.head_dim)
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(num_tokens, -1, self.head_dim)
+            # The norms read the strided head ranges as they lie and write them contiguous:
+            # reshaping them first made a compiled graph specialize on a single token.
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         q, k = rotary(positions, q, k)
         # k and v stay strided views of the fused output: the cache write reads them so.
         out = self.attn(q, k, v, metadata)

@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/gelu.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -78,21 +79,42 @@ inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float e
   }
 }
 
-// out[i] = rms_norm(x[i]) * weight.
+// Where row i of a [rows, n] or [a, b, n] tensor starts (unit stride within a row): a 3-D x
+// is a strided range of heads, such as the query heads of a fused q/k/v output.
+struct RowAddress {
+  int64_t inner, outer_stride, inner_stride;
+  explicit RowAddress(const at::Tensor& t)
+      : inner(t.dim() == 3 ? t.size(1) : 1),
+        outer_stride(t.stride(0)),
+        inner_stride(t.dim() == 3 ? t.stride(1) : 0) {}
+  int64_t operator()(int64_t i) const { return i / inner * outer_stride + i % inner * inner_stride; }
+};
+
+template <typename T>
+void check_row_stack(const at::Tensor& t, int64_t cols, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == c10::CppTypeToScalarType<T>::value,
+              what, ": expected a CPU tensor of the kernel's dtype");
+  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(-1) == cols && t.stride(-1) == 1, what,
+              ": expected [rows, ", cols, "] or [a, b, ", cols,
+              "] with unit stride in the last dimension");
+}
+
+// out[i] = rms_norm(x[i]) * weight, for every row of x ([rows, n] or [a, b, n]).
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   dispatch_dtype(x, "rms_norm", [&](auto type) {
     using T = decltype(type);
     const int64_t n = weight.numel();
-    check_rows<T>(x, n, "rms_norm x");
-    check_rows<T>(out, n, "rms_norm out");
+    check_row_stack<T>(x, n, "rms_norm x");
+    check_row_stack<T>(out, n, "rms_norm out");
     TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
-                    out.size(0) == x.size(0),
+                    out.sizes() == x.sizes(),
                 "rms_norm: weight must be contiguous in x's dtype and out shaped like x");
     const T* w = weight.data_ptr<T>();
-    at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    const RowAddress x_row(x), out_row(out);
+    at::parallel_for(0, x.numel() / n, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        rms_norm_row(x.data_ptr<T>() + i * x.stride(0), w, out.data_ptr<T>() + i * out.stride(0),
-                     n, static_cast<float>(eps));
+        rms_norm_row(x.data_ptr<T>() + x_row(i), w, out.data_ptr<T>() + out_row(i), n,
+                     static_cast<float>(eps));
       }
     });
   });
@@ -363,6 +385,29 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits) {
   });
 }
 
+// out = gelu_tanh(gate) * up, where x = [gate | up] along the last dimension: ATen's own
+// GELU kernel, so the bits are those of the eager `F.gelu(gate, approximate="tanh") * up`
+// (a compiled graph would otherwise generate its own tanh), in one call where Python made
+// three.
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "gelu_tanh_and_mul: x must be [rows, 2 * d]");
+  const int64_t d = x.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == d &&
+                  out.scalar_type() == x.scalar_type(),
+              "gelu_tanh_and_mul: out must be [rows, d] in x's dtype");
+  at::gelu_out(out, x.narrow(1, 0, d), "tanh");
+  out.mul_(x.narrow(1, d, d));
+}
+
+// logits = tanh(logits / cap) * cap in place, op for op as the eager expression (each
+// in-place op is the same kernel as its out-of-place form), without two vocabulary-sized
+// temporaries per step, and opaque to a compiled graph, which would generate its own tanh.
+void soft_cap(at::Tensor logits, double cap) {
+  logits.div_(cap);
+  logits.tanh_();
+  logits.mul_(cap);
+}
+
 }  // namespace
 
 // Schemas here, kernels under the CPU key: tracing (torch.compile) runs the fake kernels
@@ -378,6 +423,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
       "sample_plain(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) "
       "-> ()");
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("soft_cap(Tensor(a!) logits, float cap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -387,4 +434,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("sample_plain", &sample_plain);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("soft_cap", &soft_cap);
 }
