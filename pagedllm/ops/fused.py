@@ -52,7 +52,7 @@ def rms_norm(
     if kernels.fused_ops and _elementwise_fits(x, weight) and x.stride(-1) == 1:
         if residual is None and x.dim() in (2, 3):
             # A 3-D x may be a strided range of heads; the kernel writes them contiguous.
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            out = torch.empty(x.shape, dtype=x.dtype)
             load().rms_norm(out, x, weight, eps)
             return out, None
         if (
@@ -153,11 +153,17 @@ def silu_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> t
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+# Gemma's transcendental element-wise work. Eager, it is ATen's ops called from here (a
+# kernel that calls them costs ~5 us more a call in its own argument handling). In a
+# compiled graph it is that kernel: the graph would otherwise generate its own tanh, whose
+# last bits differ from ATen's, and the compiled step would leave the eager step's tokens.
+
+
 def gelu_tanh_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> torch.Tensor:
     """gelu_tanh(gate) * up for x = [gate | up] along the last dimension (Gemma's MLP)."""
     d = x.shape[-1] // 2
-    if kernels.fused_ops and _elementwise_fits(x) and x.dim() == 2:
-        out = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device)
+    if torch.compiler.is_compiling() and kernels.fused_ops and x.dim() == 2 and x.is_cpu:
+        out = torch.empty((x.shape[0], d), dtype=x.dtype)
         load().gelu_tanh_and_mul(out, x)
         return out
     return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
@@ -166,11 +172,12 @@ def gelu_tanh_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS)
 def soft_cap(
     logits: torch.Tensor, cap: float, kernels: KernelSelection = TORCH_KERNELS
 ) -> torch.Tensor:
-    """tanh(logits / cap) * cap, in place in `logits` where the kernel runs."""
-    if kernels.fused_ops and logits.is_cpu:
+    """tanh(logits / cap) * cap, computed in place in `logits` (op for op the same bits as
+    the out-of-place expression, without two vocabulary-sized temporaries a step)."""
+    if torch.compiler.is_compiling() and kernels.fused_ops and logits.is_cpu:
         load().soft_cap(logits, cap)
         return logits
-    return torch.tanh(logits / cap) * cap
+    return logits.div_(cap).tanh_().mul_(cap)
 
 
 def rotary_embedding(

@@ -39,21 +39,26 @@ def test_rms_norm_reads_a_strided_range_of_heads(num_tokens):
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_gelu_tanh_and_mul_gives_the_eager_bits(rows):
+def test_gelu_tanh_and_mul_kernel_gives_the_eager_bits(rows):
+    # The kernel a compiled graph calls, against the eager expression (fused's eager path).
     torch.manual_seed(3)
     x = torch.randn(rows, 2 * 37) * 4
     gate, up = x.chunk(2, dim=-1)
-    assert torch.equal(
-        fused.gelu_tanh_and_mul(x, KERNELS), torch.nn.functional.gelu(gate, approximate="tanh") * up
-    )
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    out = torch.empty(rows, 37)
+    extension.load().gelu_tanh_and_mul(out, x)
+    assert torch.equal(out, expected) and torch.equal(fused.gelu_tanh_and_mul(x, KERNELS), expected)
 
 
-def test_soft_cap_gives_the_eager_bits_in_place():
+def test_soft_cap_kernel_and_eager_path_give_the_out_of_place_bits_in_place():
     torch.manual_seed(4)
     logits = torch.randn(3, 1001) * 80
     expected = torch.tanh(logits / 30.0) * 30.0
+    in_kernel = logits.clone()
+    extension.load().soft_cap(in_kernel, 30.0)
     capped = fused.soft_cap(logits, 30.0, KERNELS)
-    assert capped.data_ptr() == logits.data_ptr() and torch.equal(capped, expected)
+    assert capped.data_ptr() == logits.data_ptr()
+    assert torch.equal(capped, expected) and torch.equal(in_kernel, expected)
 
 
 def test_fused_add_rms_norm_updates_both_in_place():

@@ -385,10 +385,9 @@ void argmax_rows(at::Tensor out, const at::Tensor& logits) {
   });
 }
 
-// out = gelu_tanh(gate) * up, where x = [gate | up] along the last dimension: ATen's own
-// GELU kernel, so the bits are those of the eager `F.gelu(gate, approximate="tanh") * up`
-// (a compiled graph would otherwise generate its own tanh), in one call where Python made
-// three.
+// out = gelu_tanh(gate) * up, where x = [gate | up] along the last dimension, and logits =
+// tanh(logits / cap) * cap in place: ATen's own kernels, called for a compiled graph, which
+// would otherwise generate its own tanh (other last bits than the eager step's).
 void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "gelu_tanh_and_mul: x must be [rows, 2 * d]");
   const int64_t d = x.size(1) / 2;
@@ -399,9 +398,6 @@ void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
   out.mul_(x.narrow(1, d, d));
 }
 
-// logits = tanh(logits / cap) * cap in place, op for op as the eager expression (each
-// in-place op is the same kernel as its out-of-place form), without two vocabulary-sized
-// temporaries per step, and opaque to a compiled graph, which would generate its own tanh.
 void soft_cap(at::Tensor logits, double cap) {
   logits.div_(cap);
   logits.tanh_();
