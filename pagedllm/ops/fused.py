@@ -166,7 +166,8 @@ def gelu_tanh_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS)
         out = torch.empty((x.shape[0], d), dtype=x.dtype)
         load().gelu_tanh_and_mul(out, x)
         return out
-    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def soft_cap(
