@@ -19,12 +19,13 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
   the batch.
 
 `--gguf` runs given files (a real model's, e.g. Gemma 3 270M's Q4_K_M) in place of the
-random shapes.
+random shapes. `--compile` runs pagedllm's decode steps compiled (`compile=True`, the
+server's `--compile`); its load time then includes the compile.
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
         [--gguf FILE,...] [--decode-tokens 64] [--batched 32,128,64] [--prefill-tokens 512]
         [--concurrent-output 64] [--concurrency 32] [--gguf-activation-bits 16|8]
-        [--llama-cpp DIR] [--output-json F]
+        [--compile] [--llama-cpp DIR] [--output-json F]
 
 Prints one JSON object per shape; record the CPU's flags beside it (`lscpu`).
 """
@@ -91,6 +92,7 @@ def pagedllm_child(
     batched: dict | None,
     prefill_tokens: int,
     activation_bits: int = 16,
+    compile_decode: bool = False,
 ) -> dict:
     """Runs in its own process: load, resident memory, single-stream decode, and where asked
     the batched run and the prefill rate."""
@@ -99,13 +101,14 @@ def pagedllm_child(
     started = time.perf_counter()
     llm = LLM(
         model=path, quantization="gguf", gguf_activation_bits=activation_bits,
-        max_model_len=1024, kv_cache_memory=f"{kv_gib}GiB",
+        max_model_len=1024, kv_cache_memory=f"{kv_gib}GiB", compile=compile_decode,
     )  # fmt: skip
     load_s = time.perf_counter() - started
     rss = _rss_bytes()
     model = llm.model_runner.model
     weights = sum(t.nbytes for t in {t.data_ptr(): t for t in model.buffers()}.values())
     return {
+        "compile": compile_decode,
         **_memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens)),
         **({"batched": batched_run(llm, **batched)} if batched else {}),
         **({"prefill_tok_s": prefill_rate(llm, prefill_tokens)} if prefill_tokens else {}),
@@ -182,6 +185,7 @@ def run_pagedllm(path: Path, args: argparse.Namespace) -> dict:
     command += ["--decode-tokens", str(args.decode_tokens), "--kv-gib", str(args.kv_gib)]
     command += ["--batched", args.batched, "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--gguf-activation-bits", str(args.gguf_activation_bits)]
+    command += ["--compile"] if args.compile else []
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -292,6 +296,7 @@ def measure_file(shape: str, path: Path, args: argparse.Namespace, bandwidth: fl
                 "--served-model-name", "model", "--max-model-len", "1024",
                 "--kv-cache-memory", f"{args.kv_gib}GiB",
                 "--gguf-activation-bits", str(args.gguf_activation_bits)]  # fmt: skip
+        ours += ["--compile"] if args.compile else []
         result["pagedllm_concurrent"] = serve_and_measure(
             "pagedllm", ours, port, args, log_dir / f"pagedllm-{shape}.log"
         )
@@ -331,6 +336,9 @@ def main() -> None:
         "--gguf-activation-bits", type=int, default=16, choices=[16, 8],
         help="pagedllm's activation precision (8: one int8 digit, llama.cpp's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true", help="pagedllm's compiled decode step (its --compile)"
+    )
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
     parser.add_argument("--log-dir", default="benchmarks/out/real_size")
     parser.add_argument("--output-json")
@@ -339,7 +347,7 @@ def main() -> None:
     if args.child:
         child = pagedllm_child(
             args.child, args.decode_tokens, args.kv_gib, parse_batched(args.batched),
-            args.prefill_tokens, args.gguf_activation_bits,
+            args.prefill_tokens, args.gguf_activation_bits, args.compile,
         )  # fmt: skip
         print(json.dumps(child))
         return
