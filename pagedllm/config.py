@@ -416,9 +416,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     # Decode-only steps of up to 96 requests through one torch.compile graph, compiled at
     # start-up (Inductor's output cached on disk): ~1 ms less Python per step on the default
-    # model, more on a GGUF model's faster steps; 13-19 s more start-up from the cache here
-    # (~40 s the first time). Off by default; enforce_eager (vLLM's name) keeps every step eager and
-    # refuses compile.
+    # model; 10-13 s more start-up from the cache here, about a minute the first time. Off by
+    # default; enforce_eager (vLLM's name) keeps every step eager and refuses compile.
     compile: bool = False
     enforce_eager: bool = False
     tensor_parallel_size: int = 1

@@ -16,9 +16,9 @@ skinny kernel's range), or one less than `fused.PACKED_MIN_ROWS` (3 on a CPU wit
 faster eagerly than the graph's skinny kernel does. It is compiled
 at start-up on a dummy decode that writes only the reserved null block, so no request
 waits for the compiler. Inductor keeps its compiled code under pagedllm's cache directory;
-tracing is redone at each start (Gemma 3 270M: ~40 s the first time, 13-19 s from the
+tracing is redone at each start (the default model: 62 s the first time, 13 s from the
 cache). Floats are specialized up front: left symbolic, they made Dynamo trace the whole
-model twice (its analysis restarts to specialize them anyway), 42 s a start instead of 13.
+model twice (its analysis restarts to specialize them anyway), 58 s a start instead of 13.
 Prefill steps and larger batches stay eager: their matmuls dwarf the Python around them.
 """
 
