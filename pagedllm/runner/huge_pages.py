@@ -8,7 +8,8 @@ benchmarks/results/single_stream.md).
 The kernel's THP setting here is `madvise`, so memory gets huge pages only where asked:
 the large weights are copied into one 2 MB-aligned arena advised with MADV_HUGEPAGE before
 its first write. Where the advice is refused (not Linux, THP off) or PAGEDLLM_HUGE_PAGES=0,
-the weights stay where they are.
+the weights stay where they are. `mapped_zeros` gives the KV pool zeros of its own mapping,
+advised alike before any write.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes.util
 import errno
 import functools
 import logging
+import mmap
 import os
 import sys
 from collections.abc import Iterable
@@ -94,6 +96,19 @@ def madvise(address: int, length: int, advice: int) -> int:
     if function is None:
         return errno.ENOSYS
     return 0 if function(address, length, advice) == 0 else ctypes.get_errno()
+
+
+def mapped_zeros(num_bytes: int) -> np.ndarray:
+    """`num_bytes` of zeros in an anonymous mapping of their own, advised MADV_HUGEPAGE (where
+    refused, small pages): no page is in RAM until written. calloc (np.zeros) gives the same
+    only when it maps fresh memory; in a process that has freed much (a test suite, a
+    notebook) it may hand back a dirty free chunk of the heap and clear it, every page
+    then resident: a 2 GiB pool started with 512 MB of it in RAM that way."""
+    buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    array = np.frombuffer(buffer, dtype=np.uint8, count=num_bytes)
+    if num_bytes:
+        madvise(array.ctypes.data, num_bytes, _MADV_HUGEPAGE)
+    return array
 
 
 def _advised_arena(num_bytes: int) -> np.ndarray | None:

@@ -5,10 +5,12 @@ The pool's pages are faulted in lazily (`ModelBuilder.zeros`, kv_prefault.py), a
 tier's as blocks are offloaded to it, so an engine core's RSS at a given age varies with how
 much of them it touched, by hundreds of MB.
 A soak that compares RSS across cores wants the RSS outside the pool, and /proc/<pid>/smaps
-cannot say which pages are the pool's: its tensors come from calloc, which may place them in
-the brk heap beside everything else. So, when PAGEDLLM_KV_POOL_RANGES_DIR names a folder,
-the core writes `<pid>.json` there: the pool tensors' [start address, bytes] pairs, which an
-observer reads the resident pages of in /proc/<pid>/pagemap (benchmarks/soak_memory.py).
+cannot say which pages are the pool's: its tensors are anonymous mappings like many others
+in the process (`huge_pages.mapped_zeros`), and the host tier's come from calloc, which may
+place them in the brk heap beside everything else. So, when PAGEDLLM_KV_POOL_RANGES_DIR
+names a folder, the core writes `<pid>.json` there: the pool tensors' [start address,
+bytes] pairs, which an observer reads the resident pages of in /proc/<pid>/pagemap
+(benchmarks/soak_memory.py).
 Nothing is written otherwise.
 """
 

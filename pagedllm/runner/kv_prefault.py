@@ -1,6 +1,6 @@
 """Faulting the CPU KV pool's pages in ahead of use, on CPU time nothing else wants.
 
-The pool comes from calloc, so its pages are mapped lazily: the first write to a block
+The pool is an anonymous mapping, so its pages are mapped lazily: the first write to a block
 faults them in inside a step. On a VM that fault is the host's first touch of guest
 memory, ~0.4-0.75 GB/s here, and W1 (64 prompts x 384 tokens) touches ~1.1 GB of fresh
 blocks: 2-3 s of its ~40 (docs/performance.md, "The KV pool faulted in while the engine

@@ -13,7 +13,6 @@ import math
 import weakref
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig, KVCacheGroups, ModelConfig
@@ -42,7 +41,11 @@ from pagedllm.ops.kernel_selection import KernelSelection, select_kernels
 from pagedllm.ops.kv_quant import KVCache, kv_cache_entry
 from pagedllm.parallel_config import num_kv_heads_per_rank
 from pagedllm.runner.compiled_forward import CompiledDecode, compiled_batch_limit
-from pagedllm.runner.huge_pages import place_weights_on_huge_pages, release_free_heap
+from pagedllm.runner.huge_pages import (
+    mapped_zeros,
+    place_weights_on_huge_pages,
+    release_free_heap,
+)
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
 from pagedllm.spec_decode.medusa_config import read_medusa_config
 from pagedllm.spec_decode.runner import eagle_loading, medusa_loading
@@ -144,24 +147,24 @@ class ModelBuilder:
         """Zeroed, not empty: padded decode batches read slots past each sequence's end, and
         masked-out garbage that happens to be NaN would still poison 0 * NaN in softmax @ V.
 
-        On the CPU the zeros come from calloc (numpy), whose pages the OS maps lazily, so a
-        4 GiB cache costs no start-up time. A page not yet touched is faulted in by the first
-        write to its block, inside a step (5-8% of a 2,048-token prefill step); on this VM
-        that is the host's first touch of guest memory, ~0.5 GB/s on small and huge pages
-        alike, so touching the whole pool up front would take ~9 s. Instead
-        `KVCachePrefaulter` faults the pool's first GiB in on idle CPU time once the model
-        is loaded (while the engine waits for work), in the order blocks are handed out.
+        On the CPU the zeros are an anonymous mapping of their own (`mapped_zeros`), whose
+        pages the OS maps lazily, so a 4 GiB cache costs no start-up time. A page not yet
+        touched is faulted in by the first write to its block, inside a step (5-8% of a
+        2,048-token prefill step); on this VM that is the host's first touch of guest
+        memory, ~0.5 GB/s on small and huge pages alike, so touching the whole pool up
+        front would take ~9 s. Instead `KVCachePrefaulter` faults the pool's first GiB in on
+        idle CPU time once the model is loaded (while the engine waits for work), in the
+        order blocks are handed out.
 
-        numpy advises MADV_HUGEPAGE for arrays this large (NUMPY_MADVISE_HUGEPAGE=0 turns
-        that off), so where transparent huge pages are "madvise" the pool is faulted in as
-        huge pages. Nothing here depends on it: on small pages the steady-state decode step
-        at 256 sequences measured the same (docs/performance.md, "What bounds decode
-        attention").
+        The mapping is advised MADV_HUGEPAGE, so where transparent huge pages are "madvise"
+        the pool is faulted in as huge pages. Nothing here depends on it: on small pages the
+        steady-state decode step at 256 sequences measured the same (docs/performance.md,
+        "What bounds decode attention").
         """
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         num_bytes = math.prod(shape) * dtype.itemsize
-        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+        return torch.from_numpy(mapped_zeros(num_bytes)).view(dtype).view(shape)
 
     # ---- models -----------------------------------------------------------------------------
     def build_model(self, source: ModelSource, model_config: ModelConfig) -> BuiltModel:

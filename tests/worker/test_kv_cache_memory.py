@@ -15,9 +15,7 @@ from pagedllm import LLM, SamplingParams
 
 def resident_bytes(tensor: torch.Tensor) -> int:
     """Bytes of `tensor`'s own pages in RAM (mincore). The process's RSS also counts
-    whatever else the process faults in meanwhile: in a whole-suite run it once grew by
-    0.5 GB across this engine's start, with the cache itself untouched (what other tests
-    left running or cached is in the same process)."""
+    whatever else the process faults in meanwhile."""
     libc = ctypes.CDLL(None, use_errno=True)
     page = os.sysconf("SC_PAGE_SIZE")
     start = tensor.data_ptr() // page * page
@@ -49,3 +47,43 @@ def test_cache_is_zero_and_costs_ram_only_where_written(tiny_llama, monkeypatch)
     written = key_cache.flatten(1).any(dim=1).nonzero().flatten()
     assert len(written) > 0, "the step's keys were not written into the cache"
     assert torch.isfinite(key_cache[written]).all()
+
+
+# A process that has used and freed much of its heap (as a test suite has by this test's
+# turn): calloc may hand back a dirty free chunk of the heap and clear it, every page then
+# resident (a whole-suite run once started this test's 2 GiB pool with 512 MB in RAM). The
+# fixed mmap threshold keeps glibc from mapping the 16 MB chunks on their own.
+_DIRTY_HEAP_THEN_POOL = """
+import ctypes
+import sys
+import torch
+from pagedllm.runner.huge_pages import mapped_zeros
+sys.path.insert(0, sys.argv[1])
+from test_kv_cache_memory import resident_bytes
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+chunks = [libc.malloc(16 << 20) for _ in range(40)]
+for chunk in chunks:
+    ctypes.memset(chunk, 1, 16 << 20)
+pin = libc.malloc(1 << 20)  # above them: the heap cannot shrink back
+for chunk in chunks:
+    libc.free(chunk)
+pool = torch.from_numpy(mapped_zeros(512 << 20))
+print(resident_bytes(pool), int(pool.any()))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, mincore")
+def test_pool_memory_is_its_own_mapping_not_a_dirty_heap_chunk():
+    import subprocess
+
+    here = os.path.dirname(__file__)
+    result = subprocess.run(
+        [sys.executable, "-c", _DIRTY_HEAP_THEN_POOL, here],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    resident, nonzero = map(int, result.stdout.split())
+    assert nonzero == 0
+    assert resident < 16 << 20  # np.zeros (calloc) here: all 512 MB
