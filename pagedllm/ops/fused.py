@@ -153,8 +153,8 @@ def silu_and_mul(x: torch.Tensor, kernels: KernelSelection = TORCH_KERNELS) -> t
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-# Gemma's transcendental element-wise work. Eager, it is ATen's ops called from here (a
-# kernel that calls them costs ~5 us more a call in its own argument handling). In a
+# Gemma's transcendental element-wise work. Eager, it is ATen's ops called from here
+# (through the kernel, its output allocation and checks cost ~5 us more a call). In a
 # compiled graph it is that kernel: the graph would otherwise generate its own tanh, whose
 # last bits differ from ATen's, and the compiled step would leave the eager step's tokens.
 
