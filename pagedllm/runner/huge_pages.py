@@ -115,8 +115,7 @@ def _advised_arena(num_bytes: int) -> np.ndarray | None:
     """`num_bytes` of zeroed memory starting on a huge-page boundary and advised
     MADV_HUGEPAGE before its first touch, or None where the advice cannot be given."""
     length = round_up(num_bytes, HUGE_PAGE_BYTES)
-    # calloc of a large block maps fresh pages without touching them
-    raw = np.zeros(length + HUGE_PAGE_BYTES, dtype=np.uint8)
+    raw = mapped_zeros(length + HUGE_PAGE_BYTES)
     skip = -raw.ctypes.data % HUGE_PAGE_BYTES
     error = madvise(raw.ctypes.data + skip, length, _MADV_HUGEPAGE)
     if error:
