@@ -3,9 +3,10 @@
 An executor calls the same methods on every worker (`collective_rpc`); the engine core
 sees only the executor. Start-up runs in this order: `init_device`,
 `determine_available_memory`, `initialize_kv_cache`, `load_model`. The pool is a lazily
-mapped anonymous mapping, so allocating it costs nothing, and its first pages are faulted in on idle CPU once the model
-is loaded (`kv_prefault.py`); `kv_cache_memory` (or its default from the engine
-configuration) sizes it, so nothing needs the loaded model to measure what is left.
+mapped anonymous mapping, so allocating it costs nothing, and its first pages are faulted
+in on idle CPU once the model is loaded (`kv_prefault.py`); `kv_cache_memory` (or its
+default from the engine configuration) sizes it, so nothing needs the loaded model to
+measure what is left.
 
 With several ranks (the `mp` and `ray` executors) a worker is built with its global `rank`
 and the world's `distributed_init_method`; `init_device` then binds the rank's threads to

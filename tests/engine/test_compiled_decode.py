@@ -61,6 +61,40 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_model_factory, ar
             assert b.logprobs[position][token].logprob == a.logprobs[position][token].logprob
 
 
+def test_a_weight_replaced_after_compiling_is_used_without_compiling_again(tiny_llama):
+    # The graph does not guard on the model's modules, so nothing would notice a stale
+    # weight: the parameters must be read afresh at every step.
+    eager, compiled = small_engine(tiny_llama), small_engine(tiny_llama, compile=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for llm in (eager, compiled):
+        norm = model_runner(llm).model.model.norm
+        norm.weight = torch.nn.Parameter(norm.weight * 1.5, requires_grad=False)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    want, got = _generate(eager, prompts), _generate(compiled, prompts)
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for position, token in enumerate(a.token_ids):
+            assert b.logprobs[position][token].logprob == a.logprobs[position][token].logprob
+    unchanged = _generate(small_engine(tiny_llama), prompts)
+    assert [o.logprobs for o in unchanged] != [o.logprobs for o in got]  # the change showed
+
+
+def test_inductor_cache_goes_under_pagedllm_cache_dir(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from pagedllm.runner.compiled_forward import _use_pagedllm_cache
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    # What importing torch._dynamo leaves behind: torch's default, written in.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _use_pagedllm_cache()
+    assert cache_dir() == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))  # the user's
+    _use_pagedllm_cache()
+    assert cache_dir() == str(tmp_path / "chosen")
+
+
 def test_compiled_decode_leaves_prefill_and_large_batches_eager(tiny_llama):
     from pagedllm.runner.compiled_forward import CompiledDecode
 
