@@ -1,11 +1,13 @@
 """The compiled decode step against the eager forward, in one process, interleaved.
 
-Captures one real decode step of the default model (fp32) at each `--batch` size, then
+Captures one real decode step of the default model (fp32; `--gguf FILE`: that GGUF file
+with `quantization="gguf"`, e.g. Gemma 3 270M's Q4_K_M) at each `--batch` size, then
 times the model's forward on it eagerly and through `CompiledDecode`, alternating in
 `--rounds` rounds of `--calls` forwards each so that the machine's drift hits both alike.
 Prints the median and best of the rounds' medians (ms a forward) and the compile time.
 
     .venv/bin/python -m benchmarks.compiled_decode [--batch 1,2,3] [--rounds 15] [--calls 10]
+        [--gguf FILE]
 
 Only batches the engine would compile are timed (`compiled_batch_limit`: 3 where the linear
 layers hold oneDNN-packed weights, which serve larger batches eagerly; 96 without them,
@@ -48,9 +50,13 @@ def main() -> None:
     parser.add_argument("--batch", default="1,2,3")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--gguf", help="a GGUF file to run with quantization='gguf'")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    llm = LLM(dtype="float32", max_num_seqs=max(batches), disable_log_stats=True)
+    model_args = {}
+    if args.gguf:  # a short context: Gemma's 32k default would size a large KV pool
+        model_args = dict(model=args.gguf, quantization="gguf", max_model_len=1024)
+    llm = LLM(dtype="float32", max_num_seqs=max(batches), disable_log_stats=True, **model_args)
     model = llm.model_runner.model
     limit = compiled_batch_limit(model)
     compiled = CompiledDecode(model, limit)
