@@ -80,6 +80,23 @@ def test_a_weight_replaced_after_compiling_is_used_without_compiling_again(tiny_
     assert [o.logprobs for o in unchanged] != [o.logprobs for o in got]  # the change showed
 
 
+def test_two_models_of_one_class_in_one_process_each_run_their_own_graph(tiny_llama):
+    # The graph does not guard on the model's modules, so a graph kept for the class's
+    # forward would serve a second model of that class: here one whose KV cache is int8,
+    # which the first model's graph writes without the scales it needs.
+    first = small_engine(tiny_llama, compile=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    second = small_engine(tiny_llama, compile=True, kv_cache_dtype="int8")
+    assert model_runner(second).compiled_decode is not None
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1
+    eager = small_engine(tiny_llama, kv_cache_dtype="int8")
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    assert [o.token_ids for o in _generate(second, prompts)] == [
+        o.token_ids for o in _generate(eager, prompts)
+    ]
+    assert _generate(first, prompts)  # the first model's graph still runs
+
+
 def test_inductor_cache_goes_under_pagedllm_cache_dir(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
