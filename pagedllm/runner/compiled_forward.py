@@ -16,11 +16,12 @@ skinny kernel's range), or one less than `fused.PACKED_MIN_ROWS` (3 on a CPU wit
 faster eagerly than the graph's skinny kernel does. It is compiled at start-up on a dummy
 decode that writes only the reserved null block, so no request waits for the compiler.
 The graph does not guard on the model's modules (checking them cost 2 ms a step): its
-structure is fixed by then. Inductor keeps its compiled code under pagedllm's cache
-directory; tracing is redone at each start (the default model: 62 s the first time, 13 s
-from the cache). Floats are specialized up front: left symbolic, they made Dynamo trace
-the whole model twice (its analysis restarts to specialize them anyway), 58 s a start
-instead of 13.
+structure is fixed by then, and each model's step has a code object of its own, so no
+other model of its class reaches its graph. Inductor keeps its compiled code under
+pagedllm's cache directory; tracing is redone at each start (the default model: 62 s the
+first time, 13 s from the cache). Floats are specialized up front: left symbolic, they
+made Dynamo trace the whole model twice (its analysis restarts to specialize them
+anyway), 58 s a start instead of 13.
 Prefill steps and larger batches stay eager: their matmuls dwarf the Python around them.
 """
 
