@@ -104,23 +104,26 @@ def mapped_zeros(num_bytes: int) -> np.ndarray:
     only when it maps fresh memory; in a process that has freed much (a test suite, a
     notebook) it may hand back a dirty free chunk of the heap and clear it, every page
     then resident: a 2 GiB pool started with 512 MB of it in RAM that way."""
+    return _advised_mapping(num_bytes)[0]
+
+
+def _advised_mapping(num_bytes: int) -> tuple[np.ndarray, int]:
+    """`mapped_zeros`' array and madvise's errno (0: advised)."""
     buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     array = np.frombuffer(buffer, dtype=np.uint8, count=num_bytes)
-    if num_bytes:
-        madvise(array.ctypes.data, num_bytes, _MADV_HUGEPAGE)
-    return array
+    error = madvise(array.ctypes.data, num_bytes, _MADV_HUGEPAGE) if num_bytes else 0
+    return array, error
 
 
 def _advised_arena(num_bytes: int) -> np.ndarray | None:
     """`num_bytes` of zeroed memory starting on a huge-page boundary and advised
     MADV_HUGEPAGE before its first touch, or None where the advice cannot be given."""
     length = round_up(num_bytes, HUGE_PAGE_BYTES)
-    raw = mapped_zeros(length + HUGE_PAGE_BYTES)
-    skip = -raw.ctypes.data % HUGE_PAGE_BYTES
-    error = madvise(raw.ctypes.data + skip, length, _MADV_HUGEPAGE)
+    raw, error = _advised_mapping(length + HUGE_PAGE_BYTES)
     if error:
         logger.info("MADV_HUGEPAGE refused (errno %d); weights stay on small pages", error)
         return None
+    skip = -raw.ctypes.data % HUGE_PAGE_BYTES
     return raw[skip : skip + num_bytes]
 
 

@@ -28,6 +28,15 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list:
     return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
 
 
+def _assert_same_bits(want: list, got: list) -> None:
+    """The same tokens with the same logprobs, bit for bit: the same kernels in the same
+    order."""
+    for a, b in zip(want, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for position, token in enumerate(a.token_ids):
+            assert b.logprobs[position][token].logprob == a.logprobs[position][token].logprob
+
+
 # Gemma 3: query and key norms on strided head ranges (a reshape there once specialized the
 # graph on a single request, so the first lone request compiled a second graph), a float
 # soft-cap, and windowed and full KV cache groups.
@@ -54,11 +63,7 @@ def test_compiled_decode_equals_eager_at_every_batch_size(tiny_model_factory, ar
     largest = min(runner.compiled_decode.max_batch_size, len(prompts))
     assert sorted(set(batch_sizes)) == list(range(1, largest + 1))
     assert counters["stats"]["unique_graphs"] == graphs_before + 1  # and never again
-    for a, b in zip(want, got, strict=True):
-        assert a.token_ids == b.token_ids
-        for position, token in enumerate(a.token_ids):
-            # The same kernels in the same order: the same bits.
-            assert b.logprobs[position][token].logprob == a.logprobs[position][token].logprob
+    _assert_same_bits(want, got)
 
 
 def test_a_weight_replaced_after_compiling_is_used_without_compiling_again(tiny_llama):
@@ -72,10 +77,7 @@ def test_a_weight_replaced_after_compiling_is_used_without_compiling_again(tiny_
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     want, got = _generate(eager, prompts), _generate(compiled, prompts)
     assert counters["stats"]["unique_graphs"] == graphs_before
-    for a, b in zip(want, got, strict=True):
-        assert a.token_ids == b.token_ids
-        for position, token in enumerate(a.token_ids):
-            assert b.logprobs[position][token].logprob == a.logprobs[position][token].logprob
+    _assert_same_bits(want, got)
     unchanged = _generate(small_engine(tiny_llama), prompts)
     assert [o.logprobs for o in unchanged] != [o.logprobs for o in got]  # the change showed
 
