@@ -51,7 +51,7 @@ tail -2 "$out/steps_populated_kv_fp16.log"
 fi
 
 w1=(bench throughput --dataset-name file --dataset-path "$out/w1/workload_64.jsonl"
-  --num-prompts 64 --dtype float32)
+  --num-prompts 64 --dtype float32 --no-compile)
 if want w1; then
 step "W1 offline: pagedllm and vLLM CPU (compare.py), then pagedllm before"
 after "$py" -m benchmarks.compare --only pagedllm,vllm --num-prompts 64 \
@@ -98,7 +98,7 @@ for side in before after; do
 done
 step "single-stream decode: pagedllm (before, after) and llama.cpp F32 tg128"
 latency=(bench latency --batch-size 1 --input-len 1 --output-len 128 --num-iters 5
-  --num-iters-warmup 1 --dtype float32)
+  --num-iters-warmup 1 --dtype float32 --no-compile)
 for side in before after; do
   $side "$py" -m pagedllm "${latency[@]}" --output-json "$out/latency_$side.json" \
     > "$out/latency_$side.log" 2>&1
@@ -118,7 +118,7 @@ fi
 
 if want startup; then
 step "server start-up, warm cache (eager; then --compile)"
-after "$py" -m benchmarks.startup --runs 3 > "$out/startup.log" 2>&1
+after "$py" -m benchmarks.startup --runs 3 -- --no-compile > "$out/startup.log" 2>&1
 tail -3 "$out/startup.log"
 after "$py" -m benchmarks.startup --runs 2 -- --compile > "$out/startup_compile.log" 2>&1
 tail -3 "$out/startup_compile.log"

@@ -19,13 +19,14 @@ For each `--shapes` (Llama-3.2-1B, Llama-3.1-8B) a random-weight Q4_K_M file of 
   the batch.
 
 `--gguf` runs given files (a real model's, e.g. Gemma 3 270M's Q4_K_M) in place of the
-random shapes. `--compile` runs pagedllm's decode steps compiled (`compile=True`, the
-server's `--compile`); its load time then includes the compile.
+random shapes. pagedllm's decode steps compile where its engine compiles them by default
+(its load time then includes the compile); `--compile` / `--no-compile` ask for one or the
+other (the engine's and the server's flags).
 
     .venv/bin/python -m benchmarks.real_size [--shapes llama-3.2-1b,llama-3.1-8b]
         [--gguf FILE,...] [--decode-tokens 64] [--batched 32,128,64] [--prefill-tokens 512]
         [--concurrent-output 64] [--concurrency 32] [--gguf-activation-bits 16|8]
-        [--compile] [--llama-cpp DIR] [--output-json F]
+        [--[no-]compile] [--llama-cpp DIR] [--output-json F]
 
 Prints one JSON object per shape; record the CPU's flags beside it (`lscpu`).
 """
@@ -92,7 +93,7 @@ def pagedllm_child(
     batched: dict | None,
     prefill_tokens: int,
     activation_bits: int = 16,
-    compile_decode: bool = False,
+    compile_decode: bool | None = None,
 ) -> dict:
     """Runs in its own process: load, resident memory, single-stream decode, and where asked
     the batched run and the prefill rate."""
@@ -108,7 +109,7 @@ def pagedllm_child(
     model = llm.model_runner.model
     weights = sum(t.nbytes for t in {t.data_ptr(): t for t in model.buffers()}.values())
     return {
-        "compile": compile_decode,
+        "compile": llm.model_runner.compiled_decode is not None,  # what the engine chose
         **_memory_and_decode(load_s, rss, weights, single_stream_decode_rate(llm, decode_tokens)),
         **({"batched": batched_run(llm, **batched)} if batched else {}),
         **({"prefill_tok_s": prefill_rate(llm, prefill_tokens)} if prefill_tokens else {}),
@@ -180,12 +181,17 @@ def prefill_rate(llm, prompt_tokens: int) -> float:
     return round(prompt_tokens / best, 2)
 
 
+def compile_flags(compile_decode: bool | None) -> list[str]:
+    """pagedllm's flags for a compiled decode step, an eager one, or the engine's choice."""
+    return {True: ["--compile"], False: ["--no-compile"], None: []}[compile_decode]
+
+
 def run_pagedllm(path: Path, args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "benchmarks.real_size", "--child", str(path)]
     command += ["--decode-tokens", str(args.decode_tokens), "--kv-gib", str(args.kv_gib)]
     command += ["--batched", args.batched, "--prefill-tokens", str(args.prefill_tokens)]
     command += ["--gguf-activation-bits", str(args.gguf_activation_bits)]
-    command += ["--compile"] if args.compile else []
+    command += compile_flags(args.compile)
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -296,7 +302,7 @@ def measure_file(shape: str, path: Path, args: argparse.Namespace, bandwidth: fl
                 "--served-model-name", "model", "--max-model-len", "1024",
                 "--kv-cache-memory", f"{args.kv_gib}GiB",
                 "--gguf-activation-bits", str(args.gguf_activation_bits)]  # fmt: skip
-        ours += ["--compile"] if args.compile else []
+        ours += compile_flags(args.compile)
         result["pagedllm_concurrent"] = serve_and_measure(
             "pagedllm", ours, port, args, log_dir / f"pagedllm-{shape}.log"
         )
@@ -337,7 +343,9 @@ def main() -> None:
         help="pagedllm's activation precision (8: one int8 digit, llama.cpp's)",
     )  # fmt: skip
     parser.add_argument(
-        "--compile", action="store_true", help="pagedllm's compiled decode step (its --compile)"
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="pagedllm's compiled decode step, or not (default: the engine's choice)",
     )
     parser.add_argument("--llama-cpp", help="llama.cpp's bin/ (default: the peers' build)")
     parser.add_argument("--log-dir", default="benchmarks/out/real_size")

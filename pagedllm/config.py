@@ -364,8 +364,9 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     attention_backend: str = "cpu"
     device: str = "cpu"
-    # Decode-only steps run a torch.compile'd forward (EngineArgs.compile).
-    compile: bool = False
+    # Decode-only steps run a torch.compile'd forward (EngineArgs.compile): True, False, or
+    # None where the engine decides (runner/compile_choice.py).
+    compile: bool | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     # method "draft_model" / "self_quantized": the model that proposes (None otherwise).
@@ -415,10 +416,12 @@ class EngineArgs:
     gguf_activation_bits: int = 16
     kv_cache_dtype: str = "auto"
     # Decode-only steps of up to 96 requests through one torch.compile graph, compiled at
-    # start-up (Inductor's output cached on disk): ~1 ms less Python per step on the default
-    # model; 10-13 s more start-up from the cache here, about a minute the first time. Off by
-    # default; enforce_eager (vLLM's name) keeps every step eager and refuses compile.
-    compile: bool = False
+    # start-up (Inductor's output cached on disk): a third of Gemma 3 270M's forward at one
+    # request; 15-20 s more start-up from the cache, 1-1.5 minutes the first time. None
+    # (the default): compiled wherever the graph is tested bit-equal to the eager step
+    # (runner/compile_choice.py says where not, and why); True asks for it anywhere; False
+    # and enforce_eager (vLLM's name) keep every step eager.
+    compile: bool | None = None
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -483,6 +486,8 @@ class EngineArgs:
         self.lora_config()  # bad LoRA sizes fail here
         self._check_kv_tiers()
         self._check_runner()
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true, false or None, got {self.compile!r}")
         if self.compile and self.enforce_eager:
             raise ValueError(
                 "compile and enforce_eager exclude each other: compile runs decode steps "

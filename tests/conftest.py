@@ -12,6 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 # Every engine in the tests checks KV-cache integrity after every step.
 os.environ["PAGEDLLM_DEBUG"] = "1"
+# Engines compile their decode step only where a test asks (compile=True): compiled by
+# default, every engine the suite starts would add 10-60 s (runner/compile_choice.py).
+os.environ.setdefault("PAGEDLLM_COMPILE", "0")
 
 import process_guard
 from model_utils import make_tiny_model

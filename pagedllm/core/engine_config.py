@@ -225,7 +225,7 @@ def build_engine_config(
         scheduler_config,
         args.attention_backend,
         args.device,
-        compile=args.compile and not args.enforce_eager,
+        compile=False if args.enforce_eager else args.compile,
         parallel_config=parallel_config,
         speculative_config=args.speculative_config,
         draft_model_config=draft_model_config,

@@ -115,8 +115,8 @@ ENGINE_FLAGS = (
     CompatFlag("enable-sleep-mode", "device", "vLLM: let the engine sleep, freeing device "
                "memory", "there is no device memory to free on the CPU", same=(False,)),
     CompatFlag("compilation-config", "device", "vLLM: torch.compile settings, as JSON or an "
-               "optimization level", "steps run eagerly unless --compile (one torch.compile "
-               "graph for decode steps)", str, metavar="CONFIG"),
+               "optimization level", "decode steps compile to one torch.compile graph by "
+               "default where it is exact; --enforce-eager turns it off", str, metavar="CONFIG"),
     CompatFlag("disable-custom-all-reduce", "parallel", "vLLM: use NCCL's all-reduce "
                "instead of vLLM's custom kernel", "ranks all-reduce through torch.distributed "
                "on the CPU here: there is no custom GPU kernel to turn off"),

@@ -1,5 +1,6 @@
-"""The compiled decode step (`EngineArgs.compile`): decode-only steps run the model's forward
-through torch.compile (Inductor), the CPU counterpart of CUDA-graph capture.
+"""The compiled decode step (`EngineArgs.compile`, on by default where it is exact:
+`compile_choice.py`): decode-only steps run the model's forward through torch.compile
+(Inductor), the CPU counterpart of CUDA-graph capture.
 
 Between its kernels, an eager decode step of a few sequences runs Python: module calls,
 dispatch, the fast paths' checks, about 1 ms of a 16 ms step at batch 1 on the default
@@ -121,6 +122,10 @@ class CompiledDecode:
 
     def warm_up(self, device: torch.device) -> float:
         """Compile now, on a dummy decode of two requests; returns the seconds it took."""
+        logger.info(
+            "Compiling the decode step: a minute or more on a first start, 15-20 s from "
+            "Inductor's cache after (--enforce-eager skips it)"
+        )
         started = time.perf_counter()
         self(*_dummy_decode(2, device, self._attention_backend, self.num_kv_groups))
         elapsed = time.perf_counter() - started

@@ -56,6 +56,7 @@ from pagedllm.model.loader import ModelSource
 from pagedllm.ops.attention import AttentionLayout
 from pagedllm.parallel_config import pipeline_stage_layers
 from pagedllm.runner import kv_integrity
+from pagedllm.runner.compile_choice import eager_reason
 from pagedllm.runner.input_batch import InputBatch, to_device
 from pagedllm.runner.kv_pool_ranges import publish_kv_pool_ranges
 from pagedllm.runner.kv_prefault import KVCachePrefaulter
@@ -195,16 +196,9 @@ class ModelRunner:
             assert shared is not None
             target = BuiltModel(self.model, self.kernels, self.attention_backend)
             self.proposer = self.builder.build_medusa(target, shared)
-        # Eager with several ranks: a compiled graph traces neither the collectives of
-        # tensor parallelism nor a later pipeline stage's input from the previous stage.
-        compile_decode = self.config.compile and self.config.parallel_config.world_size == 1
-        if compile_decode and self._stage_tap is not None:
-            # The compiled graph would not hand the tapped layers' states over.
-            logger.warning("compile: an EAGLE-3 head reads the target's layers; steps stay eager")
-            compile_decode = False
         self.compiled_decode = (
             builder.compile_decode(self.model, self.attention_backend, self.num_kv_groups)
-            if compile_decode
+            if self._compiles_decode()
             else None
         )
         tiers = self.config.kv_tier_config
@@ -215,6 +209,24 @@ class ModelRunner:
         publish_kv_pool_ranges([*self.kv_block_tensors(), *host_tier])  # only where a soak asks
         # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
+
+    def _compiles_decode(self) -> bool:
+        """Whether decode steps get a compiled graph: compile=True asks for it, None leaves
+        it to `eager_reason` (compiled where the graph is tested bit-equal to eager)."""
+        if self.config.compile is None:
+            why = eager_reason(self.config, self.model, self.attention_backend.traceable)
+            if why is not None:
+                logger.info("Decode steps run eagerly: %s", why)
+            return why is None
+        # Eager with several ranks: a compiled graph traces neither the collectives of
+        # tensor parallelism nor a later pipeline stage's input from the previous stage.
+        if not self.config.compile or self.config.parallel_config.world_size > 1:
+            return False
+        if self._stage_tap is not None:
+            # The compiled graph would not hand the tapped layers' states over.
+            logger.warning("compile: an EAGLE-3 head reads the target's layers; steps stay eager")
+            return False
+        return True
 
     def _head_target_parts(self) -> TargetParts | None:
         """The target's embedding and logits whole on the sampling rank, for a head (None

@@ -46,7 +46,8 @@ from pagedllm.ops import extension
 from pagedllm.ops.cpu_attention import CpuAttentionBackend
 
 llm = LLM(sys.argv[1], max_model_len=64)
-model = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner.model
+runner = llm.llm_engine.engine_core.model_executor.driver_worker.model_runner
+model = runner.model
 backends = {type(m.backend) for m in model.modules() if hasattr(m, "backend")}
 params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
 prompt = {"prompt_token_ids": json.loads(sys.argv[2])}
@@ -56,6 +57,7 @@ print(json.dumps({
     "cpu_attention": backends == {CpuAttentionBackend},
     "library": str(extension.loaded_from()),
     "package": extension.__file__,
+    "compiled": runner.compiled_decode is not None,
 }))
 """
 
@@ -138,8 +140,11 @@ def fresh_venv(scratch: Path, wheel: Path) -> Path:
 
 
 def no_compiler_env(venv: Path, scratch: Path) -> dict[str, str]:
-    """The environment of a user without a compiler: PATH is the virtualenv's bin alone."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CC", "CXX", "PYTHONPATH")}
+    """The environment of a user without a compiler: PATH is the virtualenv's bin alone,
+    and the engine decides whether to compile its decode step (the suite's PAGEDLLM_COMPILE
+    dropped)."""
+    dropped = ("CC", "CXX", "PYTHONPATH", "PAGEDLLM_COMPILE")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env["PATH"] = str(venv / "bin")
     env["PAGEDLLM_CACHE_DIR"] = str(scratch / "cache")  # empty: a JIT build would land here
     env["TORCH_EXTENSIONS_DIR"] = str(scratch / "torch-extensions")
@@ -176,6 +181,9 @@ def test_the_wheel_runs_its_prebuilt_kernels_without_a_compiler(scratch):
     assert report["cpu_attention"]
     assert not (scratch / "cache" / "extensions").exists()  # nothing compiled
     assert not (scratch / "torch-extensions").exists()
+    # Inductor's code would need a compiler too: the default leaves the step eager, and says so.
+    assert not report["compiled"]
+    assert "Decode steps run eagerly: no C++ compiler" in result.stderr
 
     # The same tokens as this checkout's kernels give.
     llm = LLM(str(model), max_model_len=64)
