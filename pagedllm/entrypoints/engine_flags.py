@@ -58,8 +58,8 @@ ENGINE_ARG_HELP = {
     "kv_cache_dtype": f"KV cache dtype: {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)",
     "compile": "run decode steps through one torch.compile graph, compiled at start-up "
     "(15-20 s from Inductor's cache, 1-1.5 min the first time). Default: wherever that graph "
-    "is tested bit-equal to the eager step (float32 or --quantization gguf, one rank, dense "
-    "models); --no-compile or --enforce-eager: never",
+    "is tested bit-equal to the eager step (float32 or --quantization gguf, one rank); "
+    "--no-compile or --enforce-eager: never",
     "enforce_eager": "keep every step eager (vLLM's flag): no torch.compile at start-up; "
     "excludes --compile",
     "tensor_parallel_size": "ranks that split every layer (heads, MLP columns, vocabulary)",

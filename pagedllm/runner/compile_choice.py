@@ -1,9 +1,9 @@
 """Whether decode steps run compiled when the user left it to the engine (`compile=None`).
 
-Compiled wherever the graph is tested bit-equal to the eager step
-(tests/engine/test_compiled_decode.py), as vLLM compiles unless told `--enforce-eager`:
-one rank, the CPU attention kernel, float32 compute on plain or GGUF-quantized weights, a
-model class that declares `compiles_exactly`, and a C++ compiler for Inductor's code. Elsewhere
+Compiled wherever the graph is tested bit-equal to the eager step, as vLLM compiles unless
+told `--enforce-eager`: one rank, the CPU attention kernel, float32 compute on plain or
+GGUF-quantized weights (every architecture: tests/engine/test_compiled_decode.py,
+tests/model/test_gguf_architectures.py), and a C++ compiler for Inductor's code. Elsewhere
 the step stays eager and the log says why, once. `compile=True` still asks for it anywhere
 it traces; `PAGEDLLM_COMPILE=0` leaves the default eager (the test suite sets it, so that
 only the tests about compiling pay for it).
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 EXACT_QUANTIZATIONS = (None, "gguf")
 
 
-def eager_reason(config: EngineConfig, model: torch.nn.Module, traceable: bool) -> str | None:
+def eager_reason(config: EngineConfig, traceable: bool) -> str | None:
     """Why `compile=None` leaves this engine's decode steps eager; None: compile them.
     `traceable`: the attention backend reads a step's layout from tensors."""
     model_config = config.model_config
@@ -45,10 +45,6 @@ def eager_reason(config: EngineConfig, model: torch.nn.Module, traceable: bool) 
         (
             model_config.quantization not in EXACT_QUANTIZATIONS,
             f"quantization={model_config.quantization!r} (not tested bit-equal compiled)",
-        ),
-        (
-            not getattr(model, "compiles_exactly", False),
-            f"{type(model).__name__} is not tested bit-equal compiled",
         ),
     )
     why = next((why for refused, why in reasons if refused), None)

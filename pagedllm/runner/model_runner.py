@@ -214,7 +214,7 @@ class ModelRunner:
         """Whether decode steps get a compiled graph: compile=True asks for it, None leaves
         it to `eager_reason` (compiled where the graph is tested bit-equal to eager)."""
         if self.config.compile is None:
-            why = eager_reason(self.config, self.model, self.attention_backend.traceable)
+            why = eager_reason(self.config, self.attention_backend.traceable)
             if why is not None:
                 logger.info("Decode steps run eagerly: %s", why)
             return why is None

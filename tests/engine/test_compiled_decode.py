@@ -42,10 +42,18 @@ def _assert_same_bits(want: list, got: list) -> None:
 
 # Gemma 3: query and key norms on strided head ranges (a reshape there once specialized the
 # graph on a single request, so the first lone request compiled a second graph), a float
-# soft-cap, and windowed and full KV cache groups. Phi-3: its fused checkpoint rows. Each
-# compiled by default (the suite's PAGEDLLM_COMPILE=0 lifted): these are where it is exact.
+# soft-cap, and windowed and full KV cache groups. Phi-3: its fused checkpoint rows. The
+# mixtures: their routers (a graph's own softmax once moved a routing weight's last bits).
+# Each compiled by default (the suite's PAGEDLLM_COMPILE=0 lifted).
 @pytest.mark.parametrize(
-    "architecture", ["LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+    "architecture",
+    [
+        "LlamaForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ],
 )
 def test_compiled_decode_equals_eager_at_every_batch_size(
     tiny_model_factory, architecture, monkeypatch
@@ -150,7 +158,6 @@ def test_compile_needs_the_cpu_backend(tiny_llama, caplog):
 
 # Where the default stays eager (each case before any tracing: no graph is compiled).
 DEFAULT_EAGER_CASES = {
-    "moe": ("MixtralForCausalLM", {}, "MixtralForCausalLM is not tested bit-equal compiled"),
     "bf16": ("LlamaForCausalLM", {"dtype": "bfloat16"}, "dtype torch.bfloat16"),
     "int8": ("LlamaForCausalLM", {"quantization": "int8"}, "quantization='int8'"),
     "torch-attention": (

@@ -28,6 +28,7 @@ from gguf_writer import (
     write_converted_tensors,
 )
 from model_utils import (
+    assert_bit_equal_to_reference,
     compare_greedy,
     compare_to_reference_engine,
     greedy_with_logprobs,
@@ -273,10 +274,13 @@ def test_phi3_fused_tensors_compute_on_the_files_blocks(converted, tmp_path):
 
 
 @pytest.mark.parametrize(("key", "qtype"), [("mixtral", Q.Q8_0), ("qwen3-moe", Q.Q4_0)])
-def test_experts_compute_on_the_files_blocks(converted, key, qtype, tmp_path):
+def test_experts_compute_on_the_files_blocks(
+    converted, key, qtype, tmp_path, monkeypatch, report_ties
+):
     """quantization="gguf": each expert's gate/up and down compute on its slice of the file's
     stacked blocks, holding about the file's expert bytes, with the tokens (and, within the
-    kernels' activation quantization, the logprobs) of the engine that dequantizes them."""
+    kernels' activation quantization, the logprobs) of the engine that dequantizes them; its
+    decode steps, compiled by default, give the eager engine's bits."""
     model, _ = converted(key)
     path = write_converted_gguf(tmp_path / f"{key}.gguf", model, VARIANTS[key].gguf_arch, qtype)
     engines = [
@@ -302,6 +306,12 @@ def test_experts_compute_on_the_files_blocks(converted, key, qtype, tmp_path):
     ties, largest = compare_to_reference_engine(fp32, on_blocks, 1e-3)
     print(f"ties: {ties}; largest logprob difference: {largest:.2e}")
     assert largest < 1e-3
+    monkeypatch.delenv("PAGEDLLM_COMPILE")  # the suite's: the engine's own choice here
+    compiled = LLM(path, skip_tokenizer_init=True, max_model_len=128, kv_cache_memory="8MiB",
+                   quantization="gguf")  # fmt: skip
+    assert model_runner(compiled).compiled_decode is not None
+    got = greedy_with_logprobs(compiled, prompts, MAX_NEW_TOKENS)
+    assert_bit_equal_to_reference(on_blocks, got, report_ties)
 
 
 # --------------------------------------------------------------------------- refused files

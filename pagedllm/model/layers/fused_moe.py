@@ -68,11 +68,37 @@ def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] in `weights_dtype`, expert ids [T, top_k]) of each token."""
+    if torch.compiler.is_compiling():
+        # One opaque op in a graph: Inductor's own softmax differs from ATen's in the last
+        # bits, and a routing weight must be the eager step's.
+        return _select_experts_op(router_logits, top_k, renormalize, weights_dtype)
+    return _select_experts(router_logits, top_k, renormalize, weights_dtype)
+
+
+def _select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, expert_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(weights_dtype), expert_ids
+
+
+@torch.library.custom_op("pagedllm::select_experts", mutates_args=())
+def _select_experts_op(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _select_experts(router_logits, top_k, renormalize, weights_dtype)
+
+
+@_select_experts_op.register_fake
+def _(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (router_logits.shape[0], top_k)
+    weights = router_logits.new_empty(shape, dtype=weights_dtype)
+    return weights, router_logits.new_empty(shape, dtype=torch.int64)
 
 
 class TopKRouter(nn.Module):

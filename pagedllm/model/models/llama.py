@@ -283,9 +283,6 @@ class LlamaForCausalLM(nn.Module):
     # The stack it builds them in (Gemma 3's scales its embedding and keeps a RoPE per
     # attention kind).
     model_class: type[LlamaModel] = LlamaModel
-    # Its compiled decode step is tested bit-equal to the eager one, so `compile=None`
-    # compiles it (runner/compile_choice.py); Llama, Qwen, Mistral, Gemma 3 and Phi-3 are.
-    compiles_exactly: bool = True
 
     @classmethod
     def check_config(cls, config: Any) -> None:

@@ -111,10 +111,6 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama decoder whose layers build an MoE block; loads per-expert tensors."""
 
-    # Compiled, the router's softmax is Inductor's own and its weights differ from the eager
-    # ones in the last bits, so decode steps stay eager unless compile=True asks.
-    compiles_exactly = False
-
     def checkpoint_target(self, name: str) -> tuple[str, Any]:
         name = self.rename_checkpoint_tensor(name)
         match = _EXPERT_TENSOR.match(name)
