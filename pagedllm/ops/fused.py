@@ -46,14 +46,16 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     kernels: KernelSelection = TORCH_KERNELS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """norm(x) with no residual; with one, (norm(x + residual), x + residual), which the
-    kernel computes in place in x and residual (the residual stream of the decoder)."""
+    kernel computes in place in x and residual (the residual stream of the decoder). The
+    scale is `weight_offset + weight` (Gemma stores its weight as an offset from one)."""
     if kernels.fused_ops and _elementwise_fits(x, weight) and x.stride(-1) == 1:
         if residual is None and x.dim() in (2, 3):
             # A 3-D x may be a strided range of heads; the kernel writes them contiguous.
             out = torch.empty(x.shape, dtype=x.dtype)
-            load().rms_norm(out, x, weight, eps)
+            load().rms_norm(out, x, weight, eps, weight_offset)
             return out, None
         if (
             residual is not None
@@ -62,7 +64,7 @@ def rms_norm(
             and residual.dtype == x.dtype
             and residual.stride(-1) == 1
         ):
-            load().fused_add_rms_norm(x, residual, weight, eps)
+            load().fused_add_rms_norm(x, residual, weight, eps, weight_offset)
             return x, residual
     if residual is not None:
         residual = x + residual
@@ -70,7 +72,8 @@ def rms_norm(
     input_dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(input_dtype), residual
+    scale = weight_offset + weight if weight_offset else weight
+    return scale * h.to(input_dtype), residual
 
 
 # Up to this many rows the skinny kernel (one pass over the weight on every thread) beats

@@ -153,8 +153,9 @@ def test_norm_is_transformers_bit_for_bit(dtype):
 
 
 def test_fused_norm_follows_every_write_to_its_weight():
-    """The fused kernel's scale 1 + w is kept between calls: a weight written in place (as
-    loading does) or replaced (as moving it to huge pages does) must be seen at once."""
+    """The fused kernel reads the weight at every call (adding its one as it reads): a weight
+    written in place (as loading does) or replaced (as moving it to huge pages does) is seen
+    at once."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     generator = torch.Generator().manual_seed(1)

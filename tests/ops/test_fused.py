@@ -61,6 +61,24 @@ def test_soft_cap_kernel_and_eager_path_give_the_out_of_place_bits_in_place():
     assert torch.equal(capped, expected) and torch.equal(in_kernel, expected)
 
 
+@pytest.mark.parametrize("shape", [(37, 100), (3, 4, 256)])
+def test_a_weight_offset_gives_the_bits_of_the_shifted_weight(shape):
+    # Gemma's norms: the kernel adds the one as it reads each weight, in fp32 as `1.0 + w`,
+    # so the graph makes no scale tensor; the bits are those of the precomputed scale.
+    torch.manual_seed(4)
+    x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    shifted = 1.0 + weight
+    out, _ = fused.rms_norm(x, weight, 1e-6, kernels=KERNELS, weight_offset=1.0)
+    assert torch.equal(out, fused.rms_norm(x, shifted, 1e-6, kernels=KERNELS)[0])
+    assert torch.equal(fused.rms_norm(x, weight, 1e-6, weight_offset=1.0)[0],
+                       fused.rms_norm(x, shifted, 1e-6)[0])  # fmt: skip
+    rows = x.reshape(-1, shape[-1])
+    residual = torch.randn(rows.shape)
+    want = fused.rms_norm(rows.clone(), shifted, 1e-6, residual.clone(), kernels=KERNELS)
+    got = fused.rms_norm(rows.clone(), weight, 1e-6, residual.clone(), KERNELS, 1.0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_fused_add_rms_norm_updates_both_in_place():
     torch.manual_seed(1)
     x, residual, weight = torch.randn(20, 64), torch.randn(20, 64), torch.randn(64)

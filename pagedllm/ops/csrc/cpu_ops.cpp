@@ -55,10 +55,14 @@ inline float to_float(T v) {
   return static_cast<float>(v);
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * weight, one row of n elements (the sum of squares in
-// fp32; in bf16 the normalized row is rounded before the weight multiplies it).
+// out = x * rsqrt(mean(x^2) + eps) * (offset + weight), one row of n elements (the sum of
+// squares in fp32; in bf16 the normalized row is rounded before the weight multiplies it).
+// Gemma stores its weight as an offset from one: offset 1 adds it in fp32 as the eager
+// `1.0 + weight` does, so the graph needs no scale tensor made at every step; offset 0
+// leaves the weight untouched (adding 0 would turn a -0 weight into +0).
 template <typename T>
-inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float eps,
+                         float offset) {
   __m256 acc = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -69,13 +73,17 @@ inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float e
   for (; j < n; ++j) sum += to_float(x[j]) * to_float(x[j]);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   const __m256 scale = _mm256_set1_ps(inv);
+  const bool shifted = offset != 0.0f;
+  const __m256 shift = _mm256_set1_ps(offset);
   j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 v = round_to<T>(_mm256_mul_ps(load8(x + j), scale));
-    store8(out + j, _mm256_mul_ps(v, load8(weight + j)));
+    const __m256 w = shifted ? _mm256_add_ps(shift, load8(weight + j)) : load8(weight + j);
+    store8(out + j, _mm256_mul_ps(v, w));
   }
   for (; j < n; ++j) {
-    out[j] = static_cast<T>(round_to<T>(to_float(x[j]) * inv) * to_float(weight[j]));
+    const float w = shifted ? offset + to_float(weight[j]) : to_float(weight[j]);
+    out[j] = static_cast<T>(round_to<T>(to_float(x[j]) * inv) * w);
   }
 }
 
@@ -99,8 +107,10 @@ void check_row_stack(const at::Tensor& t, int64_t cols, const char* what) {
               "] with unit stride in the last dimension");
 }
 
-// out[i] = rms_norm(x[i]) * weight, for every row of x ([rows, n] or [a, b, n]).
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+// out[i] = rms_norm(x[i]) * (weight_offset + weight), for every row of x ([rows, n] or
+// [a, b, n]).
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps,
+              double weight_offset) {
   dispatch_dtype(x, "rms_norm", [&](auto type) {
     using T = decltype(type);
     const int64_t n = weight.numel();
@@ -114,16 +124,16 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     at::parallel_for(0, x.numel() / n, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         rms_norm_row(x.data_ptr<T>() + x_row(i), w, out.data_ptr<T>() + out_row(i), n,
-                     static_cast<float>(eps));
+                     static_cast<float>(eps), static_cast<float>(weight_offset));
       }
     });
   });
 }
 
-// residual += x; x = rms_norm(residual) * weight (both in place): the residual stream's
-// add and the next norm in one pass.
+// residual += x; x = rms_norm(residual) * (weight_offset + weight) (both in place): the
+// residual stream's add and the next norm in one pass.
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight,
-                        double eps) {
+                        double eps, double weight_offset) {
   dispatch_dtype(x, "fused_add_rms_norm", [&](auto type) {
     using T = decltype(type);
     const int64_t n = weight.numel();
@@ -141,7 +151,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
         int64_t j = 0;
         for (; j + 8 <= n; j += 8) store8(ri + j, _mm256_add_ps(load8(ri + j), load8(xi + j)));
         for (; j < n; ++j) ri[j] = static_cast<T>(to_float(ri[j]) + to_float(xi[j]));
-        rms_norm_row(ri, w, xi, n, static_cast<float>(eps));
+        rms_norm_row(ri, w, xi, n, static_cast<float>(eps), static_cast<float>(weight_offset));
       }
     });
   });
@@ -409,8 +419,12 @@ void soft_cap(at::Tensor logits, double cap) {
 // Schemas here, kernels under the CPU key: tracing (torch.compile) runs the fake kernels
 // registered in pagedllm/ops/fake.py instead of these.
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps, float weight_offset=0.0) -> "
+      "()");
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, "
+      "float weight_offset=0.0) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_cache, "
