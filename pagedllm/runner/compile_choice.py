@@ -30,6 +30,10 @@ def eager_reason(config: EngineConfig, traceable: bool) -> str | None:
     model_config = config.model_config
     reasons = (
         (os.environ.get("PAGEDLLM_COMPILE") == "0", "PAGEDLLM_COMPILE=0"),
+        (
+            torch.device(config.device).type != "cpu",
+            f"device={config.device!r} (the compiled step is built and tested on the CPU)",
+        ),
         (config.parallel_config.world_size > 1, "several ranks (a graph traces no collectives)"),
         (config.pooler_config is not None, "the pooling runner runs prefill steps only"),
         (

@@ -6,6 +6,7 @@ default stays eager and says why."""
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -186,6 +187,20 @@ def test_the_default_stays_eager_where_compiling_is_not_exact(
     assert f"Decode steps run eagerly: {why}" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 3
+
+
+def test_the_default_leaves_other_devices_eager(monkeypatch):
+    # No accelerator here: the choice itself, on the engine config a CUDA engine would have.
+    monkeypatch.delenv("PAGEDLLM_COMPILE")
+    config = SimpleNamespace(
+        device="cuda:0",
+        attention_backend="cpu",
+        parallel_config=SimpleNamespace(world_size=1),
+        pooler_config=None,
+        speculative_config=None,
+        model_config=SimpleNamespace(dtype=torch.float32, quantization=None),
+    )
+    assert compile_choice.eager_reason(config, traceable=True).startswith("device='cuda:0'")
 
 
 def test_compile_and_enforce_eager_exclude_each_other():
