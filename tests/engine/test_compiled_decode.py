@@ -159,29 +159,25 @@ def test_compile_needs_the_cpu_backend(tiny_llama, caplog):
 
 # Where the default stays eager (each case before any tracing: no graph is compiled).
 DEFAULT_EAGER_CASES = {
-    "bf16": ("LlamaForCausalLM", {"dtype": "bfloat16"}, "dtype torch.bfloat16"),
-    "int8": ("LlamaForCausalLM", {"quantization": "int8"}, "quantization='int8'"),
-    "torch-attention": (
-        "LlamaForCausalLM",
-        {"attention_backend": "torch"},
-        "attention_backend='torch'",
-    ),
-    "no-compiler": ("LlamaForCausalLM", {}, "no C++ compiler"),
-    "suite": ("LlamaForCausalLM", {}, "PAGEDLLM_COMPILE=0"),
+    "bf16": ({"dtype": "bfloat16"}, "dtype torch.bfloat16"),
+    "int8": ({"quantization": "int8"}, "quantization='int8'"),
+    "torch-attention": ({"attention_backend": "torch"}, "attention_backend='torch'"),
+    "no-compiler": ({}, "no C++ compiler"),
+    "suite": ({}, "PAGEDLLM_COMPILE=0"),
 }
 
 
 @pytest.mark.parametrize("case", DEFAULT_EAGER_CASES)
 def test_the_default_stays_eager_where_compiling_is_not_exact(
-    tiny_model_factory, case, monkeypatch, caplog
+    tiny_llama, case, monkeypatch, caplog
 ):
-    architecture, engine_args, why = DEFAULT_EAGER_CASES[case]
+    engine_args, why = DEFAULT_EAGER_CASES[case]
     if case != "suite":
         monkeypatch.delenv("PAGEDLLM_COMPILE")
     if case == "no-compiler":
         monkeypatch.setattr(compile_choice, "has_cpp_compiler", lambda: False)
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = small_engine(tiny_model_factory(architecture), **engine_args)
+    llm = small_engine(tiny_llama, **engine_args)
     assert model_runner(llm).compiled_decode is None
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert f"Decode steps run eagerly: {why}" in caplog.text

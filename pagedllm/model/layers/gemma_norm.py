@@ -43,7 +43,9 @@ class GemmaRMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(norm(x), None), or with a residual (norm(x + residual), x + residual)."""
         if x.dtype == torch.float32 and self.kernels.fused_ops:
-            return fused.rms_norm(x, self.weight, self.eps, residual, self.kernels, 1.0)
+            return fused.rms_norm(
+                x, self.weight, self.eps, residual, self.kernels, weight_offset=1.0
+            )
         if residual is not None:
             x = x + residual  # in the model's dtype, as Transformers adds the stream
             residual = x
