@@ -103,6 +103,14 @@ PACKED_MIN_ROWS = _packed_min_rows()
 BF16_IN_FP32_MIN_ROWS = 16
 
 
+# Up to this many rows a bf16 layer with its weight in AMX tiles multiplies there: one
+# pass over the weight without oneDNN's ~20-30 us of host work a call. The default model's
+# projections on Sapphire Rapids, 30 layers and the head with the weights read from memory:
+# 12.3 against 19.6 ms at one row, 16.1 against 22.3 at 32, 23.6 against 32.1 at 64; from
+# 128 rows oneDNN's blocking wins the wide layers (benchmarks/results/bf16.md, "AMX").
+AMX_MAX_ROWS = 64
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -110,16 +118,21 @@ def linear(
     kernels: KernelSelection = TORCH_KERNELS,
     packed: torch.Tensor | None = None,
     packed_fp32: torch.Tensor | None = None,
+    packed_amx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b), W shaped [out, in]. With `packed` (W prepacked for oneDNN,
-    `model/layers/onednn.py`) batches of PACKED_MIN_ROWS rows or more run on oneDNN (a bf16
-    layer's every batch: the skinny kernel takes fp32 only), and with `packed_fp32` (a bf16
-    W's fp32 copy) bf16 batches of BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest
-    rows go to the skinny kernel, and the rest to torch's sgemm."""
+    """x W^T (+ b), W shaped [out, in]. With `packed_amx` (a bf16 W in AMX tiles,
+    `model/layers/amx_tiles.py`) bf16 batches of up to AMX_MAX_ROWS rows run in the AMX
+    kernel. With `packed` (W prepacked for oneDNN, `model/layers/onednn.py`) batches of
+    PACKED_MIN_ROWS rows or more run on oneDNN (a bf16 layer's every other batch: the skinny
+    kernel takes fp32 only), and with `packed_fp32` (a bf16 W's fp32 copy) bf16 batches of
+    BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest rows go to the skinny kernel,
+    and the rest to torch's sgemm."""
     # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
     # packed tensors (and checked first, the row count adds no guard to the graph).
     if not torch.compiler.is_compiling() and x.dim() == 2:
         rows = x.shape[0]
+        if packed_amx is not None and rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
+            return amx_linear(x, packed_amx, bias)
         if packed_fp32 is not None and rows >= BF16_IN_FP32_MIN_ROWS:
             fp32_bias = None if bias is None else bias.float()
             return onednn_linear(x.float(), packed_fp32, fp32_bias).to(x.dtype)
@@ -137,6 +150,16 @@ def linear(
         load().skinny_linear(out, x, weight)
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T (+ b) in bf16 on AMX tiles, W packed by `model/layers/amx_tiles.py`."""
+    x = x.contiguous()
+    out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[3]), dtype=x.dtype)
+    load().amx_linear(out, x, packed, None if bias is None else bias.float())
+    return out
 
 
 def onednn_linear(

@@ -45,15 +45,19 @@ class KernelSelection:
     # their weights (exact: bf16 products are fp32 numbers), where the CPU's bf16 matmuls
     # are slower than fp32's (`fused.BF16_IN_FP32_MIN_ROWS`).
     bf16_matmul_in_fp32: bool = False
+    # A bf16 model's linear layers multiply the few rows of decode steps on AMX tiles
+    # (`fused.AMX_MAX_ROWS`), where the CPU has AMX-BF16 and the kernel grants its tile data.
+    bf16_amx_linear: bool = False
 
     def describe(self) -> str:
         def which(kernel: bool) -> str:
             return "C++" if kernel else "torch"
 
         matmul = ", bf16 matmuls in fp32" if self.bf16_matmul_in_fp32 else ""
+        amx = ", bf16 decode matmuls on AMX" if self.bf16_amx_linear else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
-            f"sampler draw={which(self.sampler_draw)}{matmul}"
+            f"sampler draw={which(self.sampler_draw)}{matmul}{amx}"
         )
 
 
@@ -95,6 +99,7 @@ def select_kernels(
         fused_ops=dtype in (torch.float32, torch.bfloat16),
         sampler_draw=True,
         bf16_matmul_in_fp32=dtype == torch.bfloat16 and not bf16_matmul_native(),
+        bf16_amx_linear=dtype == torch.bfloat16 and amx_tiles_granted(),
     )
 
 
@@ -117,6 +122,19 @@ def bf16_matmul_native() -> bool:
     ratio = float(extension.load().bf16_dot_speed_ratio())
     logger.info("bf16 dot products run at %.2fx the fp32 FMA rate on this CPU", ratio)
     return ratio >= BF16_DOT_MIN_SPEED_RATIO
+
+
+@functools.cache
+def amx_tiles_granted() -> bool:
+    """Whether the CPU has AMX-BF16 and AVX512-BF16 (the kernel rounds its sums with it),
+    neither hidden, and Linux lets this process use the tiles."""
+    features = cpu_features()
+    return (
+        features.amx_bf16
+        and features.avx512_bf16
+        and features.avx512bw
+        and bool(extension.load().amx_available())
+    )
 
 
 def _extension_error() -> str | None:

@@ -50,13 +50,20 @@ def test_fp32_model_on_this_cpu_runs_every_kernel():
 
 @needs_kernels
 @pytest.mark.parametrize("native", [True, False])
-def test_bf16_model_runs_every_kernel(native, monkeypatch):
+@pytest.mark.parametrize("amx", [True, False])
+def test_bf16_model_runs_every_kernel(native, amx, monkeypatch):
     # The element-wise kernels take bf16; the sampler upcasts logits, so its draw stays.
     monkeypatch.setattr(kernel_selection, "bf16_matmul_native", lambda: native)
+    monkeypatch.setattr(kernel_selection, "amx_tiles_granted", lambda: amx)
     assert select(dtype=torch.bfloat16) == KernelSelection(
-        "cpu", fused_ops=True, sampler_draw=True, bf16_matmul_in_fp32=not native
+        "cpu",
+        fused_ops=True,
+        sampler_draw=True,
+        bf16_matmul_in_fp32=not native,
+        bf16_amx_linear=amx,
     )
-    assert not select(dtype=torch.float32).bf16_matmul_in_fp32
+    fp32 = select(dtype=torch.float32)
+    assert not fp32.bf16_matmul_in_fp32 and not fp32.bf16_amx_linear
 
 
 @pytest.fixture
@@ -88,6 +95,31 @@ def test_bf16_matmuls_are_native_where_they_beat_fp32(
 
     monkeypatch.setattr(extension, "load", lambda: Probe())
     assert kernel_selection.bf16_matmul_native() is native
+
+
+@pytest.mark.parametrize(
+    ("flags", "granted", "tiles"),
+    [
+        (("avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), True, True),
+        (("avx512bw", "avx512_bf16", "amx_tile", "amx_bf16"), False, False),  # Linux refused
+        (("avx512bw", "avx512_bf16"), True, False),  # no AMX (Zen 4, or hidden)
+        (("avx512bw", "amx_tile", "amx_bf16"), True, False),  # AVX512-BF16 hidden
+    ],
+)
+def test_bf16_decode_matmuls_take_amx_tiles_where_granted(flags, granted, tiles, monkeypatch):
+    features = CpuFeatures.from_flags({"avx2", "fma", "avx512f", *flags})
+    monkeypatch.setattr(kernel_selection, "cpu_features", lambda: features)
+
+    class Kernel:
+        def amx_available(self) -> bool:
+            return granted
+
+    monkeypatch.setattr(extension, "load", lambda: Kernel())
+    kernel_selection.amx_tiles_granted.cache_clear()
+    try:
+        assert kernel_selection.amx_tiles_granted() is tiles
+    finally:
+        kernel_selection.amx_tiles_granted.cache_clear()
 
 
 @needs_kernels

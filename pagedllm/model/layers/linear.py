@@ -47,10 +47,12 @@ class Linear(nn.Module):
                 self.weight_loader,
             )
         self.kernels = kernels
-        # Set by model/layers/onednn.py: the weight packed for oneDNN, and a bf16 weight's
-        # fp32 copy where the CPU multiplies large bf16 batches faster in fp32.
+        # Set by model/layers/onednn.py: the weight packed for oneDNN, a bf16 weight's fp32
+        # copy where the CPU multiplies large bf16 batches faster in fp32, and a bf16 weight
+        # in AMX tiles for the few rows of decode steps (model/layers/amx_tiles.py).
         self.packed_weight: torch.Tensor | None = None
         self.packed_fp32_weight: torch.Tensor | None = None
+        self.packed_amx_weight: torch.Tensor | None = None
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None
@@ -58,8 +60,18 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on the best of the layer's weight copies for x's rows."""
         return fused.linear(
-            x, self.weight, self.bias, self.kernels, self.packed_weight, self.packed_fp32_weight
+            x,
+            self.weight,
+            bias,
+            self.kernels,
+            self.packed_weight,
+            self.packed_fp32_weight,
+            self.packed_amx_weight,
         )
 
 

@@ -14,7 +14,9 @@ AVX512-BF16 at half the FMA rate or absent: `KernelSelection.bf16_matmul_in_fp32
 gets an fp32 packed copy too: batches of `fused.BF16_IN_FP32_MIN_ROWS` rows or more
 multiply on it at the fp32 rate, with the same products, while fewer rows, bound by
 reading the weights, keep the bf16 copy's half-size reads. The fp32 copy is dropped first
-when memory is short.
+when memory is short. Where the CPU has AMX (`KernelSelection.bf16_amx_linear`) a bf16 weight
+gets a copy in AMX tiles instead (`amx_tiles.py`) for decode steps' few rows, which oneDNN
+serves with more host work than kernel time; it is dropped before the oneDNN copy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 
 import torch
 
+from pagedllm.model.layers import amx_tiles
 from pagedllm.model.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
@@ -77,9 +80,19 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     ]
     linears = [linear for linear in candidates if _packs_in_own_dtype(linear.weight.dtype)]
     in_fp32 = [linear for linear in candidates if _wants_fp32_copy(linear)]
+    in_tiles = [linear for linear in candidates if _wants_amx_copy(linear)]
     packed_bytes = sum(linear.weight.nbytes for linear in linears)
     fp32_bytes = sum(linear.weight.numel() * 4 for linear in in_fp32)
+    tile_bytes = sum(linear.weight.nbytes for linear in in_tiles)
     budget = packing_budget_bytes()
+    if packed_bytes + fp32_bytes + tile_bytes > budget and in_tiles:
+        logger.warning(
+            "bf16 layers keep no AMX tile copies: with them the packed weights (%.1f GB) "
+            "would exceed %.1f GB (PAGEDLLM_PACKED_WEIGHTS_SHARE); decode steps use oneDNN",
+            (packed_bytes + fp32_bytes + tile_bytes) / 1e9,
+            budget / 1e9,
+        )
+        in_tiles, tile_bytes = [], 0
     if packed_bytes + fp32_bytes > budget and in_fp32:
         logger.warning(
             "bf16 layers keep no fp32 copies: with them the packed weights (%.1f GB) would "
@@ -101,12 +114,15 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
         linear.packed_weight = pack(linear.weight)
     for linear in in_fp32:
         linear.packed_fp32_weight = pack(linear.weight.float())
+    for linear in in_tiles:
+        linear.packed_amx_weight = amx_tiles.pack(linear.weight)
     num_packed = len({id(linear) for linear in linears + in_fp32})
     logger.info(
-        "Packed %d linear weights for oneDNN (%.0f MB%s)",
+        "Packed %d linear weights for oneDNN (%.0f MB%s%s)",
         num_packed,
-        (packed_bytes + fp32_bytes) / 1e6,
+        (packed_bytes + fp32_bytes + tile_bytes) / 1e6,
         f", {len(in_fp32)} with fp32 copies for bf16 batches" if in_fp32 else "",
+        f", {len(in_tiles)} with AMX tile copies for decode steps" if in_tiles else "",
     )
     return num_packed
 
@@ -139,3 +155,7 @@ def _packs_in_own_dtype(dtype: torch.dtype) -> bool:
 
 def _wants_fp32_copy(linear: Linear) -> bool:
     return linear.weight.dtype == torch.bfloat16 and linear.kernels.bf16_matmul_in_fp32
+
+
+def _wants_amx_copy(linear: Linear) -> bool:
+    return linear.kernels.bf16_amx_linear and amx_tiles.fits(linear.weight)

@@ -28,7 +28,6 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.model.layers.linear import Linear, MergedLinear
-from pagedllm.ops import fused
 from pagedllm.ops.kernel_selection import TORCH_KERNELS, KernelSelection
 
 
@@ -205,9 +204,7 @@ class RowParallelLinear(Linear):
     def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial product x_r W_r^T, before the all-reduce and the bias (a LoRA
         layer adds its own rank's delta to it first)."""
-        return fused.linear(
-            x, self.weight, None, self.kernels, self.packed_weight, self.packed_fp32_weight
-        )
+        return self.product(x, None)
 
     def reduce_partial(self, out: torch.Tensor) -> torch.Tensor:
         """The ranks' partial products summed, then the bias added once."""

@@ -1,0 +1,225 @@
+// bf16 linear layers on AMX tiles for the few rows of a decode step (CPUs with AMX-BF16).
+//
+// oneDNN's packed bf16 linear runs these shapes on AMX too, but each call costs ~20-30 us
+// of host work before its kernel starts (7-9 us), and a decode step of the default model
+// makes 121 such calls; its weight stream also drew 9 GB/s of the ~20 two cores read here
+// (benchmarks/results/bf16.md, "AMX"). Here a call is one pass over the weight, stored in
+// the tiles' own layout so each thread reads its range of columns front to back.
+//
+// Weight layout (`amx_pack_weight`, once at load): W [N, K] as [N/32][K/32][16][32][2]:
+// a block of 32 output columns holds all of K, 32 at a time, as 16 rows of column-pairs
+// (AMX's VNNI order: row r, column c holds W[c][2r], W[c][2r + 1]). Its first and second 16
+// columns are two B tiles 128 bytes a row apart. x [M, K] bf16 is read in place as A tiles.
+// Sums are fp32 (tdpbf16ps), the bias added in fp32, each output rounded to bf16 once, as
+// oneDNN's bf16 linear rounds.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/library.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+namespace {
+
+constexpr int64_t kBlockN = 32;     // output columns of a weight block: two B tiles
+constexpr int64_t kStepK = 32;      // bf16 of the reduction a tile row holds (64 bytes)
+constexpr int64_t kTileRows = 16;   // rows of x an A tile (and a C tile) holds
+constexpr int64_t kChunkRows = 32;  // rows of x a pass over a block takes: two A tiles
+constexpr int64_t kBlockStepBytes = kTileRows * kBlockN * 2 * 2;  // one k-step of a block
+
+// Linux keeps AMX's tile data off until a process asks for it.
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+bool request_amx() {
+  static std::once_flag once;
+  static bool granted = false;
+  std::call_once(once, [] {
+    granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  });
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C for (row tile i, column tile j) at 2i + j; 4-5: A for row tiles 0 and 1;
+// 6-7: B for column tiles 0 and 1. `rows0` / `rows1`: x's rows in each row tile (0: unused).
+__attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int rows0, int rows1) {
+  TileConfig config;
+  const int rows[2] = {rows0, rows1};
+  for (int i = 0; i < 2; ++i) {
+    if (rows[i] == 0) continue;
+    for (int j = 0; j < 2; ++j) {
+      config.rows[2 * i + j] = static_cast<uint8_t>(rows[i]);
+      config.colsb[2 * i + j] = 64;
+    }
+    config.rows[4 + i] = static_cast<uint8_t>(rows[i]);
+    config.colsb[4 + i] = 64;
+  }
+  for (int j = 6; j < 8; ++j) {
+    config.rows[j] = kTileRows;
+    config.colsb[j] = 64;
+  }
+  // GCC 12 drops the stores above as dead: it does not see ldtilecfg read them.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// out[r, c] = bf16(acc[r, c] + bias[c]) for the chunk's rows and the block's 32 columns.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_rows(
+    const float* acc, int rows, const float* bias, at::BFloat16* out, int64_t out_stride) {
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(acc + r * kBlockN), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(acc + r * kBlockN + 16), b1);
+    const __m512bh packed = _mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_storeu_si512(out + r * out_stride, reinterpret_cast<__m512i>(packed));
+  }
+}
+
+// Rows [m, m + rows) of x (rows <= 32) against one weight block; `next` is the block a
+// thread reads after this one, prefetched into L2 a k-step at a time while this one is used.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
+    const at::BFloat16* x, int64_t x_stride, const at::BFloat16* block, int64_t k_steps,
+    int rows, const at::BFloat16* next, float* acc) {
+  const bool two = rows > kTileRows;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_bytes = x_stride * 2;
+  for (int64_t s = 0; s < k_steps; ++s) {
+    const char* b = reinterpret_cast<const char*>(block) + s * kBlockStepBytes;
+    if (next != nullptr) {
+      const char* p = reinterpret_cast<const char*>(next) + s * kBlockStepBytes;
+      for (int64_t line = 0; line < kBlockStepBytes; line += 64) {
+        _mm_prefetch(p + line, _MM_HINT_T1);
+      }
+    }
+    _tile_loadd(6, b, 128);
+    _tile_loadd(7, b + 64, 128);
+    _tile_loadd(4, x + s * kStepK, x_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x + kTileRows * x_stride + s * kStepK, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, kBlockN * 4);
+  _tile_stored(1, acc + 16, kBlockN * 4);
+  if (two) {
+    _tile_stored(2, acc + kTileRows * kBlockN, kBlockN * 4);
+    _tile_stored(3, acc + kTileRows * kBlockN + 16, kBlockN * 4);
+  }
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// Blocks [begin, end) for every row of x, on the calling thread: for each block the rows
+// 32 at a time, so a block read once serves them all from L1/L2.
+void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                 const float* bias, int64_t begin, int64_t end) {
+  const int64_t rows = x.size(0), k_steps = x.size(1) / kStepK;
+  const int64_t block_elements = k_steps * kBlockStepBytes / 2;
+  const auto* weight = packed.data_ptr<at::BFloat16>();
+  const auto* xs = x.data_ptr<at::BFloat16>();
+  auto* os = out.data_ptr<at::BFloat16>();
+  alignas(64) float acc[kChunkRows * kBlockN];
+  int configured0 = -1, configured1 = -1;
+  for (int64_t j = begin; j < end; ++j) {
+    const at::BFloat16* block = weight + j * block_elements;
+    for (int64_t m = 0; m < rows; m += kChunkRows) {
+      const int chunk = static_cast<int>(std::min(kChunkRows, rows - m));
+      const int rows0 = std::min<int>(chunk, kTileRows), rows1 = chunk - rows0;
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure_tiles(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      const at::BFloat16* next = m == 0 && j + 1 < end ? block + block_elements : nullptr;
+      block_chunk(xs + m * x.stride(0), x.stride(0), block, k_steps, chunk, next, acc);
+      store_rows(acc, chunk, bias ? bias + j * kBlockN : nullptr,
+                 os + m * out.stride(0) + j * kBlockN, out.stride(0));
+    }
+  }
+  if (configured0 >= 0) release_tiles();
+}
+
+// Columns [blocks * 32) per thread: a grain of blocks that keeps both cores busy on the
+// narrowest layers (18 blocks for 576 columns).
+constexpr int64_t kBlockGrain = 4;
+
+// out [M, N] = x [M, K] @ W^T (+ bias), W packed by amx_pack_weight; bf16 x and out, fp32
+// bias. K and N multiples of 32.
+void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(request_amx(), "amx_linear: the kernel did not grant AMX tile data");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1,
+              "amx_linear: x must be a 2-D bf16 CPU tensor with unit stride in its rows");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
+                  out.size(0) == x.size(0),
+              "amx_linear: out must be [M, N] bf16 with unit stride in its rows");
+  const int64_t k = x.size(1), n = out.size(1);
+  TORCH_CHECK(k % kStepK == 0 && n % kBlockN == 0, "amx_linear: K and N must be multiples of 32");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.numel() == n * k,
+              "amx_linear: the weight must be packed by amx_pack_weight for [", n, ", ", k,
+              "]");
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n,
+                "amx_linear: bias must be [N] fp32");
+    bias_data = bias->data_ptr<float>();
+  }
+  if (x.size(0) == 0) return;
+  at::parallel_for(0, n / kBlockN, kBlockGrain, [&](int64_t begin, int64_t end) {
+    block_range(out, x, packed, bias_data, begin, end);
+  });
+}
+
+// W [N, K] bf16 -> the kernel's layout (see the top of this file).
+at::Tensor amx_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "amx_pack_weight: expected a 2-D bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % kStepK == 0 && n % kBlockN == 0,
+              "amx_pack_weight: K and N must be multiples of 32");
+  return weight.reshape({n / kBlockN, kBlockN, k / kStepK, kTileRows, 2})
+      .permute({0, 2, 3, 1, 4})
+      .contiguous();
+}
+
+bool amx_available() { return request_amx(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("amx_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()");
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_available() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("amx_linear", &amx_linear);
+  m.impl("amx_pack_weight", &amx_pack_weight);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CatchAll, m) { m.impl("amx_available", &amx_available); }
