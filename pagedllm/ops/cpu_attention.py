@@ -56,7 +56,8 @@ class CpuAttentionBackend(AttentionBackend):
     Serves fp32 / bf16 / fp16 / int8 / fp8 caches and the kernel's head sizes (16, 32, 64,
     80, 96, 128, 256) on the CPU, which `kernel_covers` checks once, when the kernels are
     chosen; 16- and 8-bit caches are read as such (8-bit ones times their rows' scales) and
-    accumulated in fp32; queries are upcast to fp32 and the output cast back.
+    accumulated in fp32; bf16 queries and outputs are converted inside the kernel, others'
+    upcast to fp32 and the output cast back.
     """
 
     name = "cpu"
@@ -82,8 +83,11 @@ class CpuAttentionBackend(AttentionBackend):
         self, q, k, v, kv_cache, metadata: CpuAttentionMetadata, scale, sliding_window=None
     ):
         self._write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty(q.shape, dtype=torch.float32)
-        query = q.float()  # no copy when q is fp32 already
+        # A bf16 model's queries are read and its output written in bf16 by the kernel
+        # itself; other dtypes go through fp32 (no copy when q is fp32 already).
+        io_dtype = q.dtype if q.dtype == torch.bfloat16 else torch.float32
+        out = torch.empty(q.shape, dtype=io_dtype)
+        query = q.to(io_dtype)
         if query.stride(-1) != 1:  # the kernel takes any token/head strides, but not this
             query = query.contiguous()
         self._ops.paged_attention(

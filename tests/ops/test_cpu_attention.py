@@ -243,6 +243,41 @@ def test_half_precision_caches(cpu_backend, dtype):
     torch.testing.assert_close(actual.float(), expected.to(dtype).float(), rtol=1e-2, atol=1e-3)
 
 
+def test_bf16_queries_give_the_fp32_round_trips_bits(cpu_backend):
+    """A bf16 model's queries and output stay bf16 through the kernel: the same bits as
+    widening q to fp32 and rounding the fp32 output once, with no copies around the call."""
+    batch = make_batch(
+        [(100, 1), (0, 30), (57, 12), (250, 1)],
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        dtype=torch.bfloat16,
+    )
+    metadata = cpu_backend.build_metadata(batch.layout, torch.device("cpu"))
+    kv_cache = tuple(c.clone() for c in batch.kv_cache)
+    write_kv_cache(batch.k, batch.v, kv_cache, metadata.slot_mapping)  # as the step does
+    # A strided view, as the query heads of a fused q/k/v output are.
+    fused_qkv = torch.cat([batch.q, batch.q[:, :2]], dim=1)
+    query = fused_qkv[:, :9]
+    outputs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(query.shape, dtype=dtype)
+        extension.load().paged_attention(
+            out,
+            query.to(dtype),
+            *kv_cache,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            batch.scale,
+            0,
+        )
+        outputs[dtype] = out
+    assert torch.equal(outputs[torch.bfloat16], outputs[torch.float32].bfloat16())
+    actual, _ = run_backend(cpu_backend, batch)
+    assert torch.equal(actual, outputs[torch.bfloat16])
+
+
 def test_kv_write_reads_strided_slices_of_fused_qkv(cpu_backend):
     """The model hands k and v over as column slices of the fused q/k/v output."""
     batch = make_batch([(30, 1), (0, 40), (17, 5)], block_size=16, num_heads=9, num_kv_heads=3)

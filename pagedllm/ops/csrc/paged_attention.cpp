@@ -1,7 +1,7 @@
 // Paged attention on the CPU: reads K/V in place from the paged cache through each
 // request's block table (no gather), for decode and (chunked) prefill in one call.
 //
-// Layout (see pagedllm/ops/attention.py): query [T, H, D] fp32, caches
+// Layout (see pagedllm/ops/attention.py): query [T, H, D] fp32 or bf16 (out alike), caches
 // [num_blocks, block_size, Hkv, D] in fp32 / bf16 / fp16, or int8 / fp8 (e4m3, e5m2) with
 // an fp32 scale per token and kv head ([num_blocks, block_size, Hkv]: pagedllm/ops/kv_quant.py)
 // dequantized in the inner loops (a key's scale multiplies its scores, a value's its
@@ -158,9 +158,12 @@ constexpr int kRowsPerItem = 48;
 
 template <typename T>
 struct Problem {
-  const float* query;
+  // query [T, H, D] and out (contiguous, shaped alike) in fp32, or both in bf16 (a bf16
+  // model's: read as fp32, each output rounded once, as the fp32 round trip would give).
+  const void* query;
   int64_t query_token_stride, query_head_stride;
-  float* out;  // [T, H, D] contiguous
+  void* out;
+  bool bf16_io;
   const T* key_cache;
   const T* value_cache;
   int64_t block_stride, token_stride;  // in elements
@@ -219,9 +222,15 @@ void load_rows(const Problem<T>& p, const WorkItem& w, int context_start, Scratc
   for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
     for (int h = 0; h < heads; ++h, ++r) {
       const int head = w.kv_head * p.group + h;
-      const float* src = p.query + static_cast<int64_t>(q0 + t) * p.query_token_stride +
+      const int64_t at = static_cast<int64_t>(q0 + t) * p.query_token_stride +
                          static_cast<int64_t>(head) * p.query_head_stride;
-      for (int d = 0; d < D; ++d) s.q[r * D + d] = src[d] * p.scale;
+      if (p.bf16_io) {
+        const auto* src = static_cast<const at::BFloat16*>(p.query) + at;
+        for (int d = 0; d < D; ++d) s.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+      } else {
+        const float* src = static_cast<const float*>(p.query) + at;
+        for (int d = 0; d < D; ++d) s.q[r * D + d] = src[d] * p.scale;
+      }
       std::fill_n(s.acc.begin() + r * D, D, 0.0f);
       s.m[r] = kNegInf;
       s.l[r] = 0.0f;
@@ -238,11 +247,16 @@ void store_rows(const Problem<T>& p, const WorkItem& w, const Scratch& s) {
   const int q0 = p.query_start_loc[w.req];
   const int heads = (w.kv_head_end - w.kv_head) * p.group;
   for (int t = w.q_begin, r = 0; t < w.q_end; ++t) {
-    float* dst =
-        p.out + (static_cast<int64_t>(q0 + t) * p.num_heads + w.kv_head * p.group) * D;
+    const int64_t at = (static_cast<int64_t>(q0 + t) * p.num_heads + w.kv_head * p.group) * D;
     for (int h = 0; h < heads; ++h, ++r) {
       const float inv = 1.0f / s.l[r];
-      for (int d = 0; d < D; ++d) dst[h * D + d] = s.acc[r * D + d] * inv;
+      if (p.bf16_io) {
+        auto* dst = static_cast<at::BFloat16*>(p.out) + at + h * D;
+        for (int d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(s.acc[r * D + d] * inv);
+      } else {
+        float* dst = static_cast<float*>(p.out) + at + h * D;
+        for (int d = 0; d < D; ++d) dst[d] = s.acc[r * D + d] * inv;
+      }
     }
   }
 }
@@ -657,11 +671,14 @@ void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tens
   for (const auto* t : {&out, &query, &key_cache, &value_cache}) {
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: every tensor must be on the CPU");
   }
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kFloat && query.stride(2) == 1,
-              "paged_attention: query must be fp32 [T, H, D] with unit stride in D");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kFloat &&
+  TORCH_CHECK(query.dim() == 3 &&
+                  (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16) &&
+                  query.stride(2) == 1,
+              "paged_attention: query must be fp32 or bf16 [T, H, D] with unit stride in D");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() &&
                   out.is_contiguous(),
-              "paged_attention: out must be a contiguous fp32 tensor shaped like query");
+              "paged_attention: out must be a contiguous tensor shaped like query, of its "
+              "dtype");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
@@ -735,8 +752,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const auto run = [&](auto element) {
     using T = decltype(element);
     const Problem<T> problem{
-        query.data_ptr<float>(), query.stride(0), query.stride(1), out.data_ptr<float>(),
-        key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
+        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(),
+        query.scalar_type() == at::kBFloat16, key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
         key_cache.stride(1), scale_data(key_scale), scale_data(value_scale),
         block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
         lens, num_heads, group, head_dim, block_size, static_cast<float>(scale),
