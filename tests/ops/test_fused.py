@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.ops import extension, fused
+from pagedllm.ops.cpu_features import cpu_features
 from pagedllm.ops.kernel_selection import KernelSelection
 from pagedllm.sample.sampler import Sampler, SamplingMetadata
 
@@ -219,10 +220,12 @@ def test_bf16_rotary_gives_the_reference_bits(head_dim):
     assert bf16_mismatches(out_q, expected_q) == 0 and bf16_mismatches(out_k, expected_k) == 0
 
 
-def test_bf16_rounding_matches_torch_on_ties_nan_and_infinities():
+@pytest.mark.parametrize("width", [8, 16])
+def test_bf16_rounding_matches_torch_on_ties_nan_and_infinities(width):
     """The kernels' fp32 -> bf16 rounding (to nearest, ties to even, NaN kept), seen through
     the residual add, against torch's bf16 add: exact ties of both parities, overflow to
-    infinity, NaN and infinities, and sums in the subnormal range."""
+    infinity, NaN and infinities, and sums in the subnormal range. Rows of 16 take the
+    16-lane pass where the CPU has AVX-512."""
     half_ulp_at_one = 2.0**-8
     pairs = [
         (1.0, half_ulp_at_one),  # tie, even below: stays 1
@@ -236,10 +239,11 @@ def test_bf16_rounding_matches_torch_on_ties_nan_and_infinities():
         (-0.0, 0.0),
     ]
     pairs += [(float(a), float(b)) for a, b in torch.randn(55, 2) * 100]
-    residual = torch.tensor([a for a, _ in pairs]).bfloat16().view(-1, 8)
-    x = torch.tensor([b for _, b in pairs]).bfloat16().view(-1, 8)
+    residual = torch.tensor([a for a, _ in pairs]).bfloat16().view(-1, width)
+    x = torch.tensor([b for _, b in pairs]).bfloat16().view(-1, width)
     expected = x + residual
-    _, got = fused.rms_norm(x.clone(), torch.ones(8).bfloat16(), 1e-5, residual.clone(), KERNELS)
+    weight = torch.ones(width).bfloat16()
+    _, got = fused.rms_norm(x.clone(), weight, 1e-5, residual.clone(), KERNELS)
     same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
     assert bool(same.all())
 
@@ -330,3 +334,52 @@ def test_greedy_pick_is_torch_argmax(columns):
     wide = torch.full((logits.shape[0], columns + 3), 1e9)
     wide[:, :columns] = logits
     assert torch.equal(fused.greedy_pick(wide[:, :columns], KERNELS), expected)
+
+
+needs_avx512 = pytest.mark.skipif(
+    not (extension.available() and cpu_features().avx512f), reason="the CPU has no AVX-512"
+)
+
+
+@pytest.fixture
+def lanes():
+    """Sets the element-wise kernels' lane count for a test, and restores it."""
+    ops = extension.load()
+    before = ops.get_vector_lanes()
+    yield ops.set_vector_lanes
+    ops.set_vector_lanes(before)
+
+
+def test_the_extension_takes_16_lanes_exactly_where_the_cpu_has_avx512(lanes):
+    assert extension.load().get_vector_lanes() == (16 if cpu_features().avx512f else 8)
+    with pytest.raises(RuntimeError, match="lanes must be 8 or 16"):
+        lanes(4)
+    if not cpu_features().avx512f:
+        with pytest.raises(RuntimeError, match="no AVX-512"):
+            lanes(16)
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [16, 40, 67, 576])
+def test_16_lanes_give_the_8_lane_bits(lanes, dtype, width):
+    """The AVX-512 passes (SiLU·up, RMSNorm's scaling, the residual add) do each element's
+    operations in the 8-lane order: the same bits, tails included."""
+    torch.manual_seed(width)
+    x = (torch.randn(21, width) * 3).to(dtype)
+    gate_up = (torch.randn(21, 2 * width) * 6).to(dtype)
+    weight, residual = torch.randn(width).to(dtype), torch.randn(21, width).to(dtype)
+    results = {}
+    for count in (8, 16):
+        lanes(count)
+        normed = [fused.rms_norm(x, weight, 1e-5, kernels=KERNELS)[0]]
+        for offset in (0.0, 1.0):
+            x_in, residual_in = x.clone(), residual.clone()
+            extension.load().fused_add_rms_norm(x_in, residual_in, weight, 1e-5, offset)
+            normed += [x_in, residual_in]
+        results[count] = [fused.silu_and_mul(gate_up, kernels=KERNELS), *normed]
+    for eight, sixteen in zip(results[8], results[16], strict=True):
+        assert torch.equal(
+            eight.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            sixteen.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "vec_avx2.h"
+#include "vec_avx512.h"
 
 namespace {
 
@@ -25,6 +26,66 @@ using namespace pagedllm_vec;
 
 // Rows handed to one thread at a time: small row counts stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
+
+// 16 where the per-element passes below run on AVX-512 (set from Python at load, where the
+// CPU has it: `set_vector_lanes`), 8 for AVX2 alone. Either gives the same bits: the wide
+// spans do each element's operations in the 8-lane order, and the reductions stay 8-lane.
+int vector_lanes = 8;
+
+// ---- 16-lane spans: each returns how many leading elements (a multiple of 16) it did ----
+
+// out[j] = round(x[j] * inv) * (offset + weight[j]): RMSNorm's scaling pass.
+template <typename T>
+PAGEDLLM_AVX512 int64_t norm_span16(const T* x, const T* weight, T* out, int64_t n, float inv,
+                                    float offset) {
+  namespace v = pagedllm_vec512;
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512 shift = _mm512_set1_ps(offset);
+  const bool shifted = offset != 0.0f;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 r = v::round_to<T>(_mm512_mul_ps(v::load16(x + j), scale));
+    const __m512 w = shifted ? _mm512_add_ps(shift, v::load16(weight + j)) : v::load16(weight + j);
+    v::store16(out + j, _mm512_mul_ps(r, w));
+  }
+  return j;
+}
+
+// residual[j] += x[j].
+template <typename T>
+PAGEDLLM_AVX512 int64_t add_span16(T* residual, const T* x, int64_t n) {
+  namespace v = pagedllm_vec512;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    v::store16(residual + j, _mm512_add_ps(v::load16(residual + j), v::load16(x + j)));
+  }
+  return j;
+}
+
+// out[j] = round(silu(gate[j])) * up[j].
+template <typename T>
+PAGEDLLM_AVX512 int64_t silu_span16(const T* gate, const T* up, T* out, int64_t d) {
+  namespace v = pagedllm_vec512;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 zero = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= d; j += 16) {
+    const __m512 g = v::load16(gate + j);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, v::exp512(_mm512_sub_ps(zero, g))));
+    v::store16(out + j, _mm512_mul_ps(v::round_to<T>(_mm512_mul_ps(g, sig)), v::load16(up + j)));
+  }
+  return j;
+}
+
+// Sets the lanes of the per-element passes: 8, or 16 where the CPU has AVX-512 F.
+void set_vector_lanes(int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "set_vector_lanes: lanes must be 8 or 16, got ", lanes);
+  TORCH_CHECK(lanes == 8 || __builtin_cpu_supports("avx512f"),
+              "set_vector_lanes: this CPU has no AVX-512");
+  vector_lanes = static_cast<int>(lanes);
+}
+
+int64_t get_vector_lanes() { return vector_lanes; }
 
 // The element types of the fused ops: fp32, and bf16 read as fp32 with every result rounded
 // where the eager model's bf16 op would round it (Transformers' Llama: the normalized row
@@ -75,7 +136,7 @@ inline void rms_norm_row(const T* x, const T* weight, T* out, int64_t n, float e
   const __m256 scale = _mm256_set1_ps(inv);
   const bool shifted = offset != 0.0f;
   const __m256 shift = _mm256_set1_ps(offset);
-  j = 0;
+  j = vector_lanes == 16 ? norm_span16(x, weight, out, n, inv, offset) : 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 v = round_to<T>(_mm256_mul_ps(load8(x + j), scale));
     const __m256 w = shifted ? _mm256_add_ps(shift, load8(weight + j)) : load8(weight + j);
@@ -148,7 +209,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
       for (int64_t i = begin; i < end; ++i) {
         T* xi = x.data_ptr<T>() + i * x.stride(0);
         T* ri = residual.data_ptr<T>() + i * residual.stride(0);
-        int64_t j = 0;
+        int64_t j = vector_lanes == 16 ? add_span16(ri, xi, n) : 0;
         for (; j + 8 <= n; j += 8) store8(ri + j, _mm256_add_ps(load8(ri + j), load8(xi + j)));
         for (; j < n; ++j) ri[j] = static_cast<T>(to_float(ri[j]) + to_float(xi[j]));
         rms_norm_row(ri, w, xi, n, static_cast<float>(eps), static_cast<float>(weight_offset));
@@ -174,7 +235,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
         const T* gate = x.data_ptr<T>() + i * x.stride(0);
         const T* up = gate + d;
         T* o = out.data_ptr<T>() + i * out.stride(0);
-        int64_t j = 0;
+        int64_t j = vector_lanes == 16 ? silu_span16(gate, up, o, d) : 0;
         for (; j + 8 <= d; j += 8) {
           const __m256 g = load8(gate + j);
           const __m256 sig =
@@ -435,6 +496,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("soft_cap(Tensor(a!) logits, float cap) -> ()");
+  m.def("set_vector_lanes(int lanes) -> ()");
+  m.def("get_vector_lanes() -> int");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -446,4 +509,9 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("soft_cap", &soft_cap);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm, CatchAll, m) {
+  m.impl("set_vector_lanes", &set_vector_lanes);
+  m.impl("get_vector_lanes", &get_vector_lanes);
 }

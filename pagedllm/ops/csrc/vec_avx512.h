@@ -1,0 +1,72 @@
+// 16-lane (AVX-512) twins of vec_avx2.h's element helpers, for the element-wise kernels'
+// per-element passes on CPUs that have AVX-512 (chosen at run time: `set_vector_lanes`).
+// Each performs the 8-lane helper's operations in the same order, so a kernel gives the
+// same bits on either width.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <type_traits>
+
+#define PAGEDLLM_AVX512 __attribute__((target("avx2,fma,avx512f")))
+
+namespace pagedllm_vec512 {
+
+PAGEDLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+PAGEDLLM_AVX512 inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// round_bf16's 16 lanes: to nearest, ties to even, NaN to the quiet NaN torch stores.
+PAGEDLLM_AVX512 inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_and_si512(
+      _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+      _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
+template <typename T>
+PAGEDLLM_AVX512 inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return round_bf16(v);
+  } else {
+    return v;
+  }
+}
+
+PAGEDLLM_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+PAGEDLLM_AVX512 inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
+}
+
+// exp256's 16 lanes (Cephes' reduction and polynomial).
+PAGEDLLM_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
+}
+
+}  // namespace pagedllm_vec512
