@@ -79,7 +79,7 @@ def test_a_cpu_without_amx_gets_no_tile_copies(tiny_model_factory, monkeypatch):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100, 1000])  # 1000: three panels
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_sums_are_the_fp32_sums_rounded_once(rows, with_bias):
     torch.manual_seed(rows)

@@ -165,6 +165,8 @@ void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 // Columns [blocks * 32) per thread: a grain of blocks that keeps both cores busy on the
 // narrowest layers (18 blocks for 576 columns).
 constexpr int64_t kBlockGrain = 4;
+// The bytes of x a panel holds: a quarter of a 2 MB L2, beside the weight blocks in use.
+constexpr int64_t kPanelBytes = 512 * 1024;
 
 // out [M, N] = x [M, K] @ W^T (+ bias), W packed by amx_pack_weight; bf16 x and out, fp32
 // bias. K and N multiples of 32.
@@ -189,10 +191,16 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                 "amx_linear: bias must be [N] fp32");
     bias_data = bias->data_ptr<float>();
   }
-  if (x.size(0) == 0) return;
-  at::parallel_for(0, n / kBlockN, kBlockGrain, [&](int64_t begin, int64_t end) {
-    block_range(out, x, packed, bias_data, begin, end);
-  });
+  // Rows a panel at a time, so the panel's rows stay in L2 while every weight block passes
+  // them (2,048 rows of 576 at once ran at half oneDNN's rate).
+  const int64_t panel = std::max(kChunkRows, kPanelBytes / (2 * k) / kChunkRows * kChunkRows);
+  for (int64_t m = 0; m < x.size(0); m += panel) {
+    const int64_t rows = std::min(panel, x.size(0) - m);
+    const at::Tensor x_panel = x.narrow(0, m, rows), out_panel = out.narrow(0, m, rows);
+    at::parallel_for(0, n / kBlockN, kBlockGrain, [&](int64_t begin, int64_t end) {
+      block_range(out_panel, x_panel, packed, bias_data, begin, end);
+    });
+  }
 }
 
 // W [N, K] bf16 -> the kernel's layout (see the top of this file).
