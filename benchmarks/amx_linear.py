@@ -1,0 +1,121 @@
+"""bf16 linear layers on AMX tiles (`fused.amx_linear`) against oneDNN's packed bf16 linear.
+
+Two measurements at the default model's shapes (random bf16 weights), on a CPU with AMX-BF16:
+
+- `stream`: a decode step's matmuls, 30 layers' four projections and the tied head, each
+  weight read once from memory (512 MB of weights do not stay in cache between passes):
+  milliseconds a pass and the weight bytes' rate, per row count;
+- `layer`: one layer's four projections with the weights in cache, milliseconds a call
+  summed, per row count: where the tiles stop winning (`fused.AMX_MAX_ROWS`).
+
+Medians of ten passes (stream) and of seven timings (layer).
+
+    .venv/bin/python -m benchmarks.amx_linear [--stream-rows 1,32,64,128,256]
+        [--layer-rows 128,512,2048] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from pagedllm.model.layers import amx_tiles, onednn
+from pagedllm.ops import fused
+from pagedllm.ops.kernel_selection import amx_tiles_granted
+
+LAYERS = 30
+# The default model's projections (out, in): fused q/k/v, o, fused gate/up, down.
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+def each(linear: Callable, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:
+    for x, weight in zip(xs, weights, strict=True):
+        linear(x, weight)
+
+
+def stream(rows_list: list[int]) -> list[dict]:
+    """The decode step's projections, every weight read once a pass."""
+    torch.manual_seed(0)
+    weights = [torch.randn(o, i).bfloat16() for _ in range(LAYERS) for o, i in PROJECTIONS]
+    weights.append(torch.randn(*HEAD).bfloat16())
+    onednn_weights = [onednn.pack(w) for w in weights]
+    tile_weights = [amx_tiles.pack(w) for w in weights]
+    weight_bytes = sum(w.nbytes for w in weights)
+    results = []
+    for rows in rows_list:
+        inputs = {i: torch.randn(rows, i).bfloat16() for i in {w.shape[1] for w in weights}}
+        xs = [inputs[w.shape[1]] for w in weights]
+        seconds = {
+            "onednn": median_seconds(partial(each, fused.onednn_linear, xs, onednn_weights), 10),
+            "amx_tiles": median_seconds(partial(each, fused.amx_linear, xs, tile_weights), 10),
+        }
+        result = {"rows": rows, "weight_bytes": weight_bytes}
+        for name, value in seconds.items():
+            result[f"{name}_ms"] = value * 1e3
+            result[f"{name}_gb_per_s"] = weight_bytes / value / 1e9
+        results.append(result)
+        print(
+            f"stream {rows:5d} rows: oneDNN {result['onednn_ms']:6.2f} ms "
+            f"({result['onednn_gb_per_s']:4.1f} GB/s), AMX tiles {result['amx_tiles_ms']:6.2f} "
+            f"ms ({result['amx_tiles_gb_per_s']:4.1f} GB/s)",
+            flush=True,
+        )
+    return results
+
+
+def layer(rows_list: list[int]) -> list[dict]:
+    """One layer's projections, weights in cache: the sum of each call's median time."""
+    torch.manual_seed(1)
+    weights = [torch.randn(o, i).bfloat16() for o, i in PROJECTIONS]
+    onednn_weights = [onednn.pack(w) for w in weights]
+    tile_weights = [amx_tiles.pack(w) for w in weights]
+    results = []
+    for rows in rows_list:
+        onednn_ms = amx_ms = 0.0
+        for weight, packed, tiles in zip(weights, onednn_weights, tile_weights, strict=True):
+            x = [torch.randn(rows, weight.shape[1]).bfloat16()]
+            onednn_ms += median_seconds(partial(each, fused.onednn_linear, x, [packed]), 7) * 1e3
+            amx_ms += median_seconds(partial(each, fused.amx_linear, x, [tiles]), 7) * 1e3
+        results.append({"rows": rows, "onednn_ms": onednn_ms, "amx_tiles_ms": amx_ms})
+        print(f"layer  {rows:5d} rows: oneDNN {onednn_ms:6.2f} ms, AMX tiles {amx_ms:6.2f} ms")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stream-rows", default="1,32,64,128,256")
+    parser.add_argument("--layer-rows", default="128,512,2048")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if not amx_tiles_granted():
+        raise SystemExit("this CPU has no AMX-BF16 (or Linux refused its tile data)")
+    report = {
+        "threads": torch.get_num_threads(),
+        "stream": stream([int(r) for r in args.stream_rows.split(",")]),
+        "layer": layer([int(r) for r in args.layer_rows.split(",")]),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
