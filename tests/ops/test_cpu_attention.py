@@ -20,6 +20,7 @@ from pagedllm.ops import extension
 from pagedllm.ops.attention import AttentionLayout, write_kv_cache
 from pagedllm.ops.attention_registry import get_attention_backend
 from pagedllm.ops.cpu_attention import CpuAttentionBackend, CpuAttentionMetadata, kernel_covers
+from pagedllm.ops.cpu_features import cpu_features
 from pagedllm.ops.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 from pagedllm.utils import cdiv
 
@@ -429,3 +430,36 @@ def test_sliding_window_skips_blocks_before_it(cpu_backend, window):
         metadata = backend.build_metadata(batch.layout, torch.device("cpu"))
         out = backend.forward(batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale, window)
         torch.testing.assert_close(out, reference, **FP32_TOLERANCE)
+
+
+@pytest.mark.skipif(
+    not (extension.available() and cpu_features().avx512f), reason="the CPU has no AVX-512"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5, 20])
+@pytest.mark.parametrize("head_dim", [16, 80, 128])
+def test_16_lane_prefill_tiles_give_the_8_lane_bits(cpu_backend, dtype, window, head_dim):
+    """With AVX-512 a prefill tile's scores, softmax and value sums take one register per
+    16 keys; every lane does the 8-lane code's operations in its order: the same bits, for
+    groups of one to six rows, windows that start inside or past a slice, and tails."""
+    batch = make_batch(
+        [(0, 37), (30, 1), (50, 9), (3, 20), (0, 70)],
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    ops, outputs = extension.load(), {}
+    before = ops.get_vector_lanes()
+    try:
+        for lanes in (8, 16):
+            ops.set_vector_lanes(lanes)
+            metadata = cpu_backend.build_metadata(batch.layout, torch.device("cpu"))
+            kv_cache = tuple(c.clone() for c in batch.kv_cache)
+            outputs[lanes] = cpu_backend.forward(
+                batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale, window or None
+            )
+    finally:
+        ops.set_vector_lanes(before)
+    assert torch.equal(outputs[8], outputs[16])

@@ -20,6 +20,10 @@
 #include "vec_avx2.h"
 #include "vec_avx512.h"
 
+// Either width gives the same bits: the wide spans below (and paged attention's tiles) do
+// each element's operations in the 8-lane order, and the reductions stay 8-lane.
+int pagedllm_vec512::vector_lanes = 8;
+
 namespace {
 
 using namespace pagedllm_vec;
@@ -27,10 +31,7 @@ using namespace pagedllm_vec;
 // Rows handed to one thread at a time: small row counts stay on the calling thread.
 constexpr int64_t kRowGrain = 16;
 
-// 16 where the per-element passes below run on AVX-512 (set from Python at load, where the
-// CPU has it: `set_vector_lanes`), 8 for AVX2 alone. Either gives the same bits: the wide
-// spans do each element's operations in the 8-lane order, and the reductions stay 8-lane.
-int vector_lanes = 8;
+using pagedllm_vec512::vector_lanes;
 
 // ---- 16-lane spans: each returns how many leading elements (a multiple of 16) it did ----
 

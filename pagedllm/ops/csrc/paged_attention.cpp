@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "vec_avx2.h"
+#include "vec_avx512.h"
 
 #include <algorithm>
 #include <cmath>
@@ -438,10 +439,122 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
   group_values<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
 }
 
+// ---- the same group on 16 lanes (AVX-512; fp32 and bf16 caches) --------------------------
+//
+// A slice's 16 keys fill one register, so a row's scores are one vector and its values'
+// sums half the vectors. Every lane does the 8-lane code's operations in its order (the
+// score chains, the exp, the sum of weights as two halves): the same bits.
+
+template <typename T>
+constexpr bool kWideTiles = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+
+template <int NV, int R>
+PAGEDLLM_AVX512 inline void group_scores16(const float* q, const float* key_t,
+                                           __m512 (&scores)[R]) {
+  constexpr int D = NV * 8, C = (4 + R - 1) / R;
+  __m512 a[C][R];
+  for (int c = 0; c < C; ++c) {
+    for (int r = 0; r < R; ++r) a[c][r] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 8
+  for (int d = 0; d < D; d += C) {
+    for (int c = 0; c < C; ++c) {
+      const __m512 k = _mm512_loadu_ps(key_t + (d + c) * kSliceKeys);
+      for (int r = 0; r < R; ++r) {
+        a[c][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d + c]), k, a[c][r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    scores[r] = a[0][r];
+    for (int c = 1; c < C; ++c) scores[r] = _mm512_add_ps(scores[r], a[c][r]);
+  }
+}
+
+PAGEDLLM_AVX512 inline float slice_softmax16(__m512 scores, int lo, int n, int r, Scratch& s,
+                                             float* p) {
+  // Lanes lo .. n - 1 (lo may lie past the slice: a window starting after it).
+  const unsigned below_n = (1u << std::clamp(n, 0, kSliceKeys)) - 1u;
+  const unsigned below_lo = (1u << std::clamp(lo, 0, kSliceKeys)) - 1u;
+  const __mmask16 in = static_cast<__mmask16>(below_n & ~below_lo);
+  const __m512 masked = _mm512_mask_blend_ps(in, _mm512_set1_ps(kNegInf), scores);
+  const float m_new = std::max(s.m[r], _mm512_reduce_max_ps(masked));
+  const float rescale = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
+  const __m512 weights = _mm512_maskz_mov_ps(
+      in, pagedllm_vec512::exp512(_mm512_sub_ps(masked, _mm512_set1_ps(m_new))));
+  _mm512_storeu_ps(p, weights);
+  const __m256 low = _mm512_castps512_ps256(weights);
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(weights), 1));
+  s.l[r] = s.l[r] * rescale + hsum(_mm256_add_ps(low, high));
+  s.m[r] = m_new;
+  return rescale;
+}
+
+template <int NV, int R, int C0 = 0, typename T>
+PAGEDLLM_AVX512 inline void group_values16(float* acc, const T* values, int64_t stride,
+                                           const float* p, int n, const float* rescale) {
+  constexpr int D = NV * 8, NV16 = D / 16;
+  constexpr int kRegs = (30 - R) / R;
+  constexpr int NC = NV16 - C0 < kRegs ? NV16 - C0 : kRegs;
+  __m512 a[R][NC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 scale = _mm512_set1_ps(rescale[r]);
+    for (int v = 0; v < NC; ++v) {
+      a[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * (C0 + v)), scale);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    const T* row = values + j * stride + 16 * C0;
+    __m512 pj[R];
+    for (int r = 0; r < R; ++r) pj[r] = _mm512_set1_ps(p[r * kSliceKeys + j]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NC; ++v) {
+      const __m512 x = pagedllm_vec512::load16(row + 16 * v);
+      for (int r = 0; r < R; ++r) a[r][v] = _mm512_fmadd_ps(pj[r], x, a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NC; ++v) _mm512_storeu_ps(acc + r * D + 16 * (C0 + v), a[r][v]);
+  }
+  if constexpr (C0 + NC < NV16) {
+    group_values16<NV, R, C0 + NC>(acc, values, stride, p, n, rescale);
+  }
+}
+
+template <int NV, int R, typename T>
+PAGEDLLM_AVX512 inline void attend_group16(const T* values, int64_t stride, int n, int r0,
+                                           const int* lo, const int* valid,
+                                           const Ahead<T>& ahead, Scratch& s) {
+  constexpr int D = NV * 8;
+  float* p = s.group_scores.data();
+  prefetch_rows(ahead.keys, stride, ahead.tokens, ahead.run_elements);
+  __m512 scores[R];
+  group_scores16<NV, R>(&s.q[r0 * D], s.key_t.data(), scores);
+  float rescale[R];
+  for (int i = 0; i < R; ++i) {
+    rescale[i] = slice_softmax16(scores[i], lo[i], std::max(valid[i], 0), r0 + i, s,
+                                 p + i * kSliceKeys);
+  }
+  prefetch_rows(ahead.values, stride, ahead.tokens, ahead.run_elements);
+  group_values16<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
+}
+
 template <int NV, typename T>
 inline void attend_rows(const T* values, int64_t stride, int n, int r0, int count,
                         const int* lo, const int* valid, const Ahead<T>& ahead, Scratch& s,
                         const float* vf) {
+  if constexpr (kWideTiles<T> && NV % 2 == 0) {
+    if (pagedllm_vec512::vector_lanes == 16) {
+      switch (count) {
+        case 1: return attend_group16<NV, 1>(values, stride, n, r0, lo, valid, ahead, s);
+        case 2: return attend_group16<NV, 2>(values, stride, n, r0, lo, valid, ahead, s);
+        case 3: return attend_group16<NV, 3>(values, stride, n, r0, lo, valid, ahead, s);
+        case 4: return attend_group16<NV, 4>(values, stride, n, r0, lo, valid, ahead, s);
+        case 5: return attend_group16<NV, 5>(values, stride, n, r0, lo, valid, ahead, s);
+        default: return attend_group16<NV, 6>(values, stride, n, r0, lo, valid, ahead, s);
+      }
+    }
+  }
   switch (count) {
     case 1: return attend_group<NV, 1>(values, stride, n, r0, lo, valid, ahead, s, vf);
     case 2: return attend_group<NV, 2>(values, stride, n, r0, lo, valid, ahead, s, vf);

@@ -14,6 +14,10 @@
 
 namespace pagedllm_vec512 {
 
+// 16 where the kernels' wide passes run (AVX-512, set from Python at load:
+// `set_vector_lanes`), 8 for AVX2 alone (defined in cpu_ops.cpp).
+extern int vector_lanes;
+
 PAGEDLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 PAGEDLLM_AVX512 inline __m512 load16(const at::BFloat16* p) {
