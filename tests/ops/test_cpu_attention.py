@@ -437,14 +437,16 @@ def test_sliding_window_skips_blocks_before_it(cpu_backend, window):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 5, 20])
-@pytest.mark.parametrize("head_dim", [16, 80, 128])
-def test_16_lane_prefill_tiles_give_the_8_lane_bits(cpu_backend, dtype, window, head_dim):
+@pytest.mark.parametrize(("head_dim", "block_size"), [(16, 16), (80, 7), (128, 32)])
+def test_16_lane_attention_gives_the_8_lane_bits(cpu_backend, dtype, window, head_dim, block_size):
     """With AVX-512 a prefill tile's scores, softmax and value sums take one register per
-    16 keys; every lane does the 8-lane code's operations in its order: the same bits, for
-    groups of one to six rows, windows that start inside or past a slice, and tails."""
+    16 keys, and a decode row's dot products and value sums 16 elements of d at a time;
+    every lane does the 8-lane code's operations in its order: the same bits, for groups of
+    one to six rows, decodes, windows that start inside or past a slice, and partial
+    blocks."""
     batch = make_batch(
-        [(0, 37), (30, 1), (50, 9), (3, 20), (0, 70)],
-        block_size=16,
+        [(0, 37), (30, 1), (50, 9), (3, 20), (0, 70), (90, 1)],
+        block_size=block_size,
         num_heads=9,
         num_kv_heads=3,
         head_dim=head_dim,

@@ -210,7 +210,7 @@ struct Scratch {
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
   Scratch(int max_rows, int head_dim, int block_size)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
-        scores((block_size + 7) / 8 * 8), limit(max_rows), first(max_rows), head_offset(max_rows),
+        scores((block_size + 15) / 16 * 16), limit(max_rows), first(max_rows), head_offset(max_rows),
         key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys) {}
 };
 
@@ -446,7 +446,7 @@ inline void attend_group(const T* values, int64_t stride, int n, int r0, const i
 // score chains, the exp, the sum of weights as two halves): the same bits.
 
 template <typename T>
-constexpr bool kWideTiles = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
+constexpr bool kWideLanes = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>;
 
 template <int NV, int R>
 PAGEDLLM_AVX512 inline void group_scores16(const float* q, const float* key_t,
@@ -539,11 +539,90 @@ PAGEDLLM_AVX512 inline void attend_group16(const T* values, int64_t stride, int 
   group_values16<NV, R>(&s.acc[r0 * D], values, stride, p, n, rescale);
 }
 
+// A decode row against a block on 16 lanes: its dot products take the 8-lane code's two
+// accumulators (even and odd 8-element chunks of d) as the two halves of one register, its
+// weights' sum adds the halves in the 8-lane order.
+template <int NV, typename T>
+PAGEDLLM_AVX512 inline void block_scores16(const float* q, const T* keys, int64_t stride, int n,
+                                           float* scores) {
+  for (int j = 0; j < n; j += 4) {
+    const T* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = keys + std::min(j + i, n - 1) * stride;
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+#pragma GCC unroll 16
+    for (int v = 0; v < NV / 2; ++v) {
+      const __m512 qv = _mm512_loadu_ps(q + 16 * v);
+      for (int i = 0; i < 4; ++i) {
+        a[i] = _mm512_fmadd_ps(qv, pagedllm_vec512::load16(k[i] + 16 * v), a[i]);
+      }
+    }
+    __m256 halves[4];
+    for (int i = 0; i < 4; ++i) {
+      halves[i] = _mm256_add_ps(
+          _mm512_castps512_ps256(a[i]),
+          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+    }
+    _mm_storeu_ps(scores + j, reduce4(halves[0], halves[1], halves[2], halves[3]));
+  }
+}
+
+PAGEDLLM_AVX512 inline float exp_and_sum16(float* scores, int n, float max) {
+  __m256 sum = _mm256_setzero_ps();
+  const __m512 m = _mm512_set1_ps(max);
+  for (int j = 0; j < n; j += 16) {
+    const int left = n - j;
+    const __mmask16 in = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 p = _mm512_maskz_mov_ps(
+        in, pagedllm_vec512::exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m)));
+    _mm512_storeu_ps(scores + j, p);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));
+    if (left > 8) {
+      sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+    }
+  }
+  return hsum(sum);
+}
+
+template <int NV, int C0 = 0, typename T>
+PAGEDLLM_AVX512 inline void accumulate_values16(float* acc, const T* values, int64_t stride,
+                                                const float* p, int n, float rescale) {
+  constexpr int NV16 = NV / 2, NC = NV16 - C0 < 16 ? NV16 - C0 : 16;
+  __m512 a[NC];
+  const __m512 r = _mm512_set1_ps(rescale);
+  for (int v = 0; v < NC; ++v) a[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * (C0 + v)), r);
+  for (int j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const T* row = values + j * stride + 16 * C0;
+#pragma GCC unroll 16
+    for (int v = 0; v < NC; ++v) {
+      a[v] = _mm512_fmadd_ps(pj, pagedllm_vec512::load16(row + 16 * v), a[v]);
+    }
+  }
+  for (int v = 0; v < NC; ++v) _mm512_storeu_ps(acc + 16 * (C0 + v), a[v]);
+  if constexpr (C0 + NC < NV16) {
+    accumulate_values16<NV, C0 + NC>(acc, values, stride, p, n, rescale);
+  }
+}
+
+template <int NV, typename T>
+PAGEDLLM_AVX512 inline void attend_block16(const T* keys, const T* values, int64_t stride, int n,
+                                           int r, Scratch& s) {
+  constexpr int D = NV * 8;
+  float* scores = s.scores.data();
+  block_scores16<NV>(&s.q[r * D], keys, stride, n, scores);
+  const float m_new = std::max(s.m[r], masked_max(scores, n));
+  const float rescale = m_new == s.m[r] ? 1.0f : std::exp(s.m[r] - m_new);
+  s.l[r] = s.l[r] * rescale + exp_and_sum16(scores, n, m_new);
+  s.m[r] = m_new;
+  accumulate_values16<NV>(&s.acc[r * D], values, stride, scores, n, rescale);
+}
+
 template <int NV, typename T>
 inline void attend_rows(const T* values, int64_t stride, int n, int r0, int count,
                         const int* lo, const int* valid, const Ahead<T>& ahead, Scratch& s,
                         const float* vf) {
-  if constexpr (kWideTiles<T> && NV % 2 == 0) {
+  if constexpr (kWideLanes<T> && NV % 2 == 0) {
     if (pagedllm_vec512::vector_lanes == 16) {
       switch (count) {
         case 1: return attend_group16<NV, 1>(values, stride, n, r0, lo, valid, ahead, s);
@@ -616,6 +695,13 @@ void attend_decode(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows,
       const int end = std::min(n, s.limit[r] - t0);
       if (end <= begin) continue;  // a row that ends before this block or starts after it
       const int64_t offset = block + s.head_offset[r] + begin * p.token_stride;
+      if constexpr (kWideLanes<T> && NV % 2 == 0) {
+        if (pagedllm_vec512::vector_lanes == 16) {
+          attend_block16<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride,
+                             end - begin, r, s);
+          continue;
+        }
+      }
       attend_block<NV>(p.key_cache + offset, p.value_cache + offset, p.token_stride,
                        end - begin, r, s, scales_at<T>(p.key_scale, offset, p.head_dim),
                        scales_at<T>(p.value_scale, offset, p.head_dim), scale_stride);
