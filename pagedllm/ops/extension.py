@@ -111,9 +111,6 @@ def load() -> Any:
     except Exception as error:
         _load_error = error
         raise RuntimeError(f"the CPU extension is unavailable: {error}") from error
-    # The element-wise kernels' per-element passes take 16 lanes where AVX-512 is there and
-    # not hidden (PAGEDLLM_CPU_DISABLE): the same bits as 8, in fewer instructions.
-    _extension.set_vector_lanes(16 if cpu_features().avx512f else 8)
     elapsed = time.perf_counter() - start
     if elapsed > 2:  # it compiled: say where the time went
         logger.info("CPU extension built in %.1f s, cached in %s", elapsed, cache_dir())
@@ -145,7 +142,7 @@ def _import_prebuilt() -> Any:
     except OSError as error:
         logger.warning("the prebuilt CPU extension does not load (%s); building it instead", error)
         return None
-    _register_fake_kernels()
+    _prepare_loaded_library()
     _library = library
     return torch.ops.pagedllm
 
@@ -171,7 +168,7 @@ def _compile_and_import() -> Any:
             build_directory=str(directory),
             is_python_module=False,
         )
-    _register_fake_kernels()
+    _prepare_loaded_library()
     _library = directory / f"{_EXTENSION_NAME}.so"
     return torch.ops.pagedllm
 
@@ -213,6 +210,13 @@ _TENSOR_OPS = (
     "gguf_linear_k",
     "gguf_pack",
 )
+
+
+def _prepare_loaded_library() -> None:
+    _register_fake_kernels()
+    # The element-wise and attention kernels take 16 lanes where AVX-512 is there and not
+    # hidden (PAGEDLLM_CPU_DISABLE): the same bits as 8, in fewer instructions.
+    torch.ops.pagedllm.set_vector_lanes(16 if cpu_features().avx512f else 8)
 
 
 def _register_fake_kernels() -> None:
