@@ -158,7 +158,8 @@ def amx_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x W^T (+ b) in bf16 on AMX tiles, W packed by `model/layers/amx_tiles.py`."""
-    x = x.contiguous()
+    if x.stride(-1) != 1:  # the kernel reads rows in place, at any row stride
+        x = x.contiguous()
     out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[3]), dtype=x.dtype)
     load().amx_linear(out, x, packed, None if bias is None else bias.float())
     return out

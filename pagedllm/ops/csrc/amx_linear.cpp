@@ -194,12 +194,15 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   // Rows a panel at a time, so the panel's rows stay in L2 while every weight block passes
   // them (2,048 rows of 576 at once ran at half oneDNN's rate).
   const int64_t panel = std::max(kChunkRows, kPanelBytes / (2 * k) / kChunkRows * kChunkRows);
-  for (int64_t m = 0; m < x.size(0); m += panel) {
-    const int64_t rows = std::min(panel, x.size(0) - m);
-    const at::Tensor x_panel = x.narrow(0, m, rows), out_panel = out.narrow(0, m, rows);
+  const auto run = [&](const at::Tensor& x_panel, const at::Tensor& out_panel) {
     at::parallel_for(0, n / kBlockN, kBlockGrain, [&](int64_t begin, int64_t end) {
       block_range(out_panel, x_panel, packed, bias_data, begin, end);
     });
+  };
+  if (x.size(0) <= panel) return run(x, out);  // a decode step's rows: no views to make
+  for (int64_t m = 0; m < x.size(0); m += panel) {
+    const int64_t rows = std::min(panel, x.size(0) - m);
+    run(x.narrow(0, m, rows), out.narrow(0, m, rows));
   }
 }
 
