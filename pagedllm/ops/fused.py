@@ -106,11 +106,11 @@ BF16_IN_FP32_MIN_ROWS = 16
 # Up to this many rows a bf16 layer with its weight in AMX tiles multiplies there: one
 # pass over the weight without oneDNN's ~20-30 us of host work a call. The default model's
 # projections on Sapphire Rapids, 30 layers and the head with the weights read from memory:
-# 12.3 against 19.6 ms at one row, 16.1 against 22.3 at 32, 23.6 against 32.1 at 64; a
-# layer's four projections with its weights in cache: 0.59 against 0.70 ms at 128 rows,
-# 2.07 against 2.32 at 512, 8.35 against 6.49 at 2,048, where oneDNN's blocking wins
-# (benchmarks/results/bf16.md, "AMX").
-AMX_MAX_ROWS = 256
+# 14.0 against 19.5 ms at one row, 18.1 against 23.9 at 32, 25.2 against 28.1 at 64, but
+# 40.5 against 37.7 at 128 (the head's 49,152 columns: every block reads all the rows
+# again), though a layer's four projections in cache still took 0.65 against 0.70 ms there
+# (benchmarks.amx_linear; benchmarks/results/bf16.md, "AMX").
+AMX_MAX_ROWS = 64
 
 
 def linear(

@@ -9,7 +9,8 @@ The kernel's THP setting here is `madvise`, so memory gets huge pages only where
 the large weights are copied into one 2 MB-aligned arena advised with MADV_HUGEPAGE before
 its first write. Where the advice is refused (not Linux, THP off) or PAGEDLLM_HUGE_PAGES=0,
 the weights stay where they are. `mapped_zeros` gives the KV pool zeros of its own mapping,
-advised alike before any write.
+advised alike before any write. `reuse_activation_pages` keeps a step's large activation
+buffers on glibc's heap, so their pages are faulted in once, not at every step.
 """
 
 from __future__ import annotations
@@ -125,6 +126,30 @@ def _advised_arena(num_bytes: int) -> np.ndarray | None:
         return None
     skip = -raw.ctypes.data % HUGE_PAGE_BYTES
     return raw[skip : skip + num_bytes]
+
+
+# glibc's mallopt parameters.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# A step's activations up to this size come from the heap and reuse its pages. Above
+# glibc's default ceiling (32 MB, where its threshold stops adapting) every buffer was a
+# fresh mapping whose pages fault in on first write: a 2,048-token prefill chunk of
+# Llama-3.2-1B's shape makes 33 and 67 MB buffers, and SiLU·up into a fresh 33 MB one took
+# 22.2 ms (8,193 faults) against 7.6 into a reused one. The heap keeps as much free memory
+# before returning it, which a step's peak needs again at the next chunk.
+ACTIVATION_HEAP_BYTES = 512 * 1024 * 1024
+
+
+def reuse_activation_pages() -> bool:
+    """Serve large activation buffers from glibc's heap, pages reused across steps (Linux
+    glibc; elsewhere nothing changes). Returns whether glibc took the settings."""
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, ACTIVATION_HEAP_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, ACTIVATION_HEAP_BYTES)
+    )
 
 
 def release_free_heap() -> None:

@@ -45,6 +45,7 @@ from pagedllm.runner.huge_pages import (
     mapped_zeros,
     place_weights_on_huge_pages,
     release_free_heap,
+    reuse_activation_pages,
 )
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, prefault_enabled
 from pagedllm.spec_decode.medusa_config import read_medusa_config
@@ -233,6 +234,7 @@ class ModelBuilder:
             pack_linear_weights(model)
             place_weights_on_huge_pages(model)
             release_free_heap()  # what loading and the moves above freed, back to the OS
+            reuse_activation_pages()
 
     def build_draft_model(
         self, draft_config: ModelConfig, num_blocks: int, target_backend

@@ -90,11 +90,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_rows(
   }
 }
 
-// Rows [m, m + rows) of x (rows <= 32) against one weight block; `next` is the block a
-// thread reads after this one, prefetched into L2 a k-step at a time while this one is used.
+// Rows [m, m + rows) of x (rows <= 32) against one weight block. A thread's blocks lie
+// back to back, one sequential stream that the hardware prefetchers follow: prefetching the
+// next block in software as well drew 17.0 against 19.4 GB/s through Llama-3.2-1B's
+// projections at 32 rows, 20.8 against 22.8 at one.
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
     const at::BFloat16* x, int64_t x_stride, const at::BFloat16* block, int64_t k_steps,
-    int rows, const at::BFloat16* next, float* acc) {
+    int rows, float* acc) {
   const bool two = rows > kTileRows;
   _tile_zero(0);
   _tile_zero(1);
@@ -105,12 +107,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
   const int64_t x_bytes = x_stride * 2;
   for (int64_t s = 0; s < k_steps; ++s) {
     const char* b = reinterpret_cast<const char*>(block) + s * kBlockStepBytes;
-    if (next != nullptr) {
-      const char* p = reinterpret_cast<const char*>(next) + s * kBlockStepBytes;
-      for (int64_t line = 0; line < kBlockStepBytes; line += 64) {
-        _mm_prefetch(p + line, _MM_HINT_T1);
-      }
-    }
     _tile_loadd(6, b, 128);
     _tile_loadd(7, b + 64, 128);
     _tile_loadd(4, x + s * kStepK, x_bytes);
@@ -153,8 +149,7 @@ void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
         configured0 = rows0;
         configured1 = rows1;
       }
-      const at::BFloat16* next = m == 0 && j + 1 < end ? block + block_elements : nullptr;
-      block_chunk(xs + m * x.stride(0), x.stride(0), block, k_steps, chunk, next, acc);
+      block_chunk(xs + m * x.stride(0), x.stride(0), block, k_steps, chunk, acc);
       store_rows(acc, chunk, bias ? bias + j * kBlockN : nullptr,
                  os + m * out.stride(0) + j * kBlockN, out.stride(0));
     }
