@@ -125,10 +125,10 @@ def linear(
     """x W^T (+ b), W shaped [out, in]. With `packed_amx` (a bf16 W in AMX tiles,
     `model/layers/amx_tiles.py`) bf16 batches of up to AMX_MAX_ROWS rows run in the AMX
     kernel. With `packed` (W prepacked for oneDNN, `model/layers/onednn.py`) batches of
-    PACKED_MIN_ROWS rows or more run on oneDNN (a bf16 layer's every other batch: the skinny
-    kernel takes fp32 only), and with `packed_fp32` (a bf16 W's fp32 copy) bf16 batches of
-    BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest rows go to the skinny kernel,
-    and the rest to torch's sgemm."""
+    PACKED_MIN_ROWS rows or more run on oneDNN (and every bf16 batch the AMX kernel does not
+    take: the skinny kernel takes fp32 only), and with `packed_fp32` (a bf16 W's fp32 copy)
+    bf16 batches of BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest rows go to the
+    skinny kernel, and the rest to torch's sgemm."""
     # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
     # packed tensors (and checked first, the row count adds no guard to the graph).
     if not torch.compiler.is_compiling() and x.dim() == 2:
