@@ -8,7 +8,7 @@ Two measurements at the default model's shapes (random bf16 weights), on a CPU w
 - `layer`: one layer's four projections with the weights in cache, milliseconds a call
   summed, per row count: where the tiles stop winning (`fused.AMX_MAX_ROWS`).
 
-Medians of ten passes (stream) and of seven timings (layer).
+Medians of ten passes (stream) and of seven timings (layer), after one warm-up call.
 
     .venv/bin/python -m benchmarks.amx_linear [--stream-rows 1,32,64,128,256]
         [--layer-rows 128,512,2048] [--json F]
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from benchmarks.timing import median_seconds
 from pagedllm.model.layers import amx_tiles, onednn
 from pagedllm.ops import fused
 from pagedllm.ops.kernel_selection import amx_tiles_granted
@@ -34,17 +33,6 @@ LAYERS = 30
 # The default model's projections (out, in): fused q/k/v, o, fused gate/up, down.
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    timings = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        timings.append(time.perf_counter() - started)
-    return statistics.median(timings)
 
 
 def each(linear: Callable, xs: list[torch.Tensor], weights: list[torch.Tensor]) -> None:

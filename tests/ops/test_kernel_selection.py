@@ -86,15 +86,17 @@ def measured_again():
 def test_bf16_matmuls_are_native_where_they_beat_fp32(
     flags, ratio, native, monkeypatch, measured_again
 ):
+    on_a_cpu_with(monkeypatch, flags, bf16_dot_speed_ratio=lambda: ratio)
+    assert kernel_selection.bf16_matmul_native() is native
+
+
+def on_a_cpu_with(monkeypatch, flags: tuple[str, ...], **kernel_answers) -> None:
+    """The selection sees an AVX-512 CPU with `flags` besides, and an extension whose ops
+    answer as `kernel_answers` (name -> function) say."""
     features = CpuFeatures.from_flags({"avx2", "fma", "avx512f", *flags})
     monkeypatch.setattr(kernel_selection, "cpu_features", lambda: features)
-
-    class Probe:
-        def bf16_dot_speed_ratio(self) -> float:
-            return ratio
-
-    monkeypatch.setattr(extension, "load", lambda: Probe())
-    assert kernel_selection.bf16_matmul_native() is native
+    kernel = type("Kernel", (), {name: staticmethod(f) for name, f in kernel_answers.items()})
+    monkeypatch.setattr(extension, "load", kernel)
 
 
 @pytest.mark.parametrize(
@@ -107,14 +109,7 @@ def test_bf16_matmuls_are_native_where_they_beat_fp32(
     ],
 )
 def test_bf16_decode_matmuls_take_amx_tiles_where_granted(flags, granted, tiles, monkeypatch):
-    features = CpuFeatures.from_flags({"avx2", "fma", "avx512f", *flags})
-    monkeypatch.setattr(kernel_selection, "cpu_features", lambda: features)
-
-    class Kernel:
-        def amx_available(self) -> bool:
-            return granted
-
-    monkeypatch.setattr(extension, "load", lambda: Kernel())
+    on_a_cpu_with(monkeypatch, flags, amx_available=lambda: granted)
     kernel_selection.amx_tiles_granted.cache_clear()
     try:
         assert kernel_selection.amx_tiles_granted() is tiles
