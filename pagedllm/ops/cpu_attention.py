@@ -63,8 +63,13 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     traceable = True
 
-    def __init__(self) -> None:
+    def __init__(self, amx_tiles: bool = False) -> None:
+        """`amx_tiles`: a bf16 cache's prefill tiles run on AMX (ops/csrc/attention_amx.h:
+        bf16 weights as Transformers' bf16 attention multiplies them, not the fp32 ones of the
+        vector tiles), where the kernel covers the head and block sizes and Linux grants
+        the tile data; the caller checks that the CPU has AMX-BF16."""
         self._ops = load()
+        self.amx_tiles = amx_tiles
 
     def build_metadata(self, layout: AttentionLayout, device: torch.device) -> CpuAttentionMetadata:
         tables = to_device(layout.block_tables, device, torch.int32)
@@ -101,6 +106,7 @@ class CpuAttentionBackend(AttentionBackend):
             scale,
             sliding_window or 0,
             *kv_cache[2:],  # a quantized cache's key and value scales
+            amx_tiles=self.amx_tiles,
         )
         return out.to(q.dtype)
 

@@ -48,6 +48,9 @@ class KernelSelection:
     # A bf16 model's linear layers multiply the few rows of decode steps on AMX tiles
     # (`fused.AMX_MAX_ROWS`), where the CPU has AMX-BF16 and the kernel grants its tile data.
     bf16_amx_linear: bool = False
+    # A bf16 KV cache's prefill tiles run on AMX tiles (ops/csrc/attention_amx.h), under the
+    # same condition.
+    bf16_amx_attention: bool = False
 
     def describe(self) -> str:
         def which(kernel: bool) -> str:
@@ -55,6 +58,7 @@ class KernelSelection:
 
         matmul = ", bf16 matmuls in fp32" if self.bf16_matmul_in_fp32 else ""
         amx = ", bf16 decode matmuls on AMX" if self.bf16_amx_linear else ""
+        amx += ", bf16 prefill attention on AMX" if self.bf16_amx_attention else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
             f"sampler draw={which(self.sampler_draw)}{matmul}{amx}"
@@ -100,6 +104,7 @@ def select_kernels(
         sampler_draw=True,
         bf16_matmul_in_fp32=dtype == torch.bfloat16 and not bf16_matmul_native(),
         bf16_amx_linear=dtype == torch.bfloat16 and amx_tiles_granted(),
+        bf16_amx_attention=dtype == cache_dtype == torch.bfloat16 and amx_tiles_granted(),
     )
 
 

@@ -180,7 +180,7 @@ class ModelBuilder:
             cache_dtype=self.config.cache_config.cache_dtype,
         )
         logger.debug("kernels: %s", kernels.describe())
-        attention_backend = get_attention_backend(kernels.attention)
+        attention_backend = get_attention_backend(kernels.attention, kernels)
         with torch.device(self.device):
             model = model_class(
                 model_config.hf_config,

@@ -100,6 +100,18 @@ def make_batch(
     return Batch(q, k, v, (key_cache, value_cache), layout, head_dim**-0.5)
 
 
+def widened(batch: Batch) -> Batch:
+    """The same step in fp32: q, k, v and the cache widened exactly."""
+    return Batch(
+        batch.q.float(),
+        batch.k.float(),
+        batch.v.float(),
+        tuple(c.float() for c in batch.kv_cache),
+        batch.layout,
+        batch.scale,
+    )
+
+
 def run_backend(backend, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Output and the cache after the step, on a private copy of the cache; the backend
     builds its own metadata from the batch's layout."""
@@ -231,15 +243,7 @@ def test_half_precision_caches(cpu_backend, dtype):
         dtype=dtype,
     )
     actual, _ = run_backend(cpu_backend, batch)
-    widened = Batch(
-        batch.q.float(),
-        batch.k.float(),
-        batch.v.float(),
-        tuple(c.float() for c in batch.kv_cache),
-        batch.layout,
-        batch.scale,
-    )
-    expected, _ = run_backend(TorchAttentionBackend(), widened)
+    expected, _ = run_backend(TorchAttentionBackend(), widened(batch))
     assert actual.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.to(dtype).float(), rtol=1e-2, atol=1e-3)
 

@@ -61,9 +61,13 @@ def test_bf16_model_runs_every_kernel(native, amx, monkeypatch):
         sampler_draw=True,
         bf16_matmul_in_fp32=not native,
         bf16_amx_linear=amx,
+        bf16_amx_attention=amx,
     )
     fp32 = select(dtype=torch.float32)
     assert not fp32.bf16_matmul_in_fp32 and not fp32.bf16_amx_linear
+    assert not fp32.bf16_amx_attention
+    # The attention tiles read a bf16 cache only.
+    assert not select(dtype=torch.bfloat16, cache=torch.float32).bf16_amx_attention
 
 
 @pytest.fixture

@@ -16,14 +16,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
+
+#include "amx_tiles.h"
 
 namespace {
 
@@ -33,26 +32,7 @@ constexpr int64_t kTileRows = 16;   // rows of x an A tile (and a C tile) holds
 constexpr int64_t kChunkRows = 32;  // rows of x a pass over a block takes: two A tiles
 constexpr int64_t kBlockStepBytes = kTileRows * kBlockN * 2 * 2;  // one k-step of a block
 
-// Linux keeps AMX's tile data off until a process asks for it.
-constexpr int kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-bool request_amx() {
-  static std::once_flag once;
-  static bool granted = false;
-  std::call_once(once, [] {
-    granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  });
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using pagedllm_amx::TileConfig;
 
 // Tiles 0-3: C for (row tile i, column tile j) at 2i + j; 4-5: A for row tiles 0 and 1;
 // 6-7: B for column tiles 0 and 1. `rows0` / `rows1`: x's rows in each row tile (0: unused).
@@ -167,7 +147,8 @@ constexpr int64_t kPanelBytes = 512 * 1024;
 // bias. K and N multiples of 32.
 void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                 const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(request_amx(), "amx_linear: the kernel did not grant AMX tile data");
+  TORCH_CHECK(pagedllm_amx::request_tiles(),
+              "amx_linear: the kernel did not grant AMX tile data");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   x.stride(1) == 1,
               "amx_linear: x must be a 2-D bf16 CPU tensor with unit stride in its rows");
@@ -213,7 +194,7 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
       .contiguous();
 }
 
-bool amx_available() { return request_amx(); }
+bool amx_available() { return pagedllm_amx::request_tiles(); }
 
 }  // namespace
 

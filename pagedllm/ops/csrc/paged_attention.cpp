@@ -32,6 +32,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "attention_amx.h"
 #include "vec_avx2.h"
 #include "vec_avx512.h"
 
@@ -41,6 +42,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -179,6 +181,7 @@ struct Problem {
   int num_heads, group, head_dim, block_size;
   float scale;
   int window;  // sliding window in tokens; 0: none
+  bool amx_tiles;  // prefill tiles on AMX (attention_amx.h): bf16 caches and queries only
 };
 
 // Query tokens [q_begin, q_end) of a request (indices within its chunk) against kv heads
@@ -208,10 +211,14 @@ struct Scratch {
   std::vector<int64_t> head_offset;  // of the row's kv head within a cache token, elements
   std::vector<float> key_t;          // a slice's keys transposed: head_dim x kSliceKeys
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
-  Scratch(int max_rows, int head_dim, int block_size)
+  std::unique_ptr<pagedllm_amx_attention::Scratch> amx;  // where the tiles run
+  Scratch(int max_rows, int head_dim, int block_size, bool amx_tiles)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
-        scores((block_size + 15) / 16 * 16), limit(max_rows), first(max_rows), head_offset(max_rows),
-        key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys) {}
+        scores((block_size + 15) / 16 * 16), limit(max_rows), first(max_rows),
+        head_offset(max_rows),
+        key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys),
+        amx(amx_tiles ? std::make_unique<pagedllm_amx_attention::Scratch>(max_rows, head_dim)
+                      : nullptr) {}
 };
 
 // Scaled queries into scratch; a row sees keys [first, limit) (causal, and windowed).
@@ -758,10 +765,43 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
 
 // Attention of one work item, written to out. Blocks are visited in order; every row of
 // the item uses a block while it is in L1, and the next block is prefetched meanwhile.
+// A tile item on AMX: its rows' queries, outputs and visible keys for attention_amx.h.
+template <int NV, typename T>
+void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
+  constexpr int D = NV * 8;
+  pagedllm_amx_attention::Scratch& a = *s.amx;
+  const int q0 = p.query_start_loc[w.req];
+  int rows = 0;
+  for (int t = w.q_begin; t < w.q_end; ++t) {
+    for (int h = 0; h < p.group; ++h, ++rows) {
+      const int head = w.kv_head * p.group + h;
+      a.query[rows] = static_cast<const at::BFloat16*>(p.query) +
+                      static_cast<int64_t>(q0 + t) * p.query_token_stride +
+                      static_cast<int64_t>(head) * p.query_head_stride;
+      a.out[rows] = static_cast<at::BFloat16*>(p.out) +
+                    (static_cast<int64_t>(q0 + t) * p.num_heads + head) * D;
+      a.limit[rows] = context_start + t + 1;
+      a.first[rows] = p.window > 0 ? std::max(0, a.limit[rows] - p.window) : 0;
+    }
+  }
+  const pagedllm_amx_attention::Context context{
+      p.key_cache, p.value_cache, p.block_stride, p.token_stride,
+      static_cast<int64_t>(w.kv_head) * D, p.block_tables + w.req * p.table_stride,
+      p.block_size};
+  pagedllm_amx_attention::attend_rows<D>(context, rows, a.first[0], context_start + w.q_end,
+                                         p.scale, a);
+}
+
 template <int NV, typename T>
 void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
   const int context_start = p.seq_lens[w.req] - query_len;
+  if constexpr (std::is_same_v<T, at::BFloat16> && (NV == 4 || NV == 8 || NV == 16)) {
+    // p.amx_tiles holds only where attention_amx.h covers the head and block sizes.
+    if (p.amx_tiles && w.q_end - w.q_begin > 1 && w.kv_head_end - w.kv_head == 1) {
+      return attend_amx<NV>(p, w, context_start, s);
+    }
+  }
   load_rows<NV>(p, w, context_start, s);
   const int rows = (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * p.group;
   const int kv_end = context_start + w.q_end;
@@ -818,7 +858,7 @@ void run_items(const Problem<T>& p, const std::vector<WorkItem>& items, int max_
   const int threads = std::max(1, std::min(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch(max_rows, p.head_dim, p.block_size);
+    Scratch scratch(max_rows, p.head_dim, p.block_size, p.amx_tiles);
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < num_items; ++i) attend<NV>(p, items[i], scratch);
   }
@@ -924,7 +964,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale, int64_t sliding_window,
                      const std::optional<at::Tensor>& key_scale,
-                     const std::optional<at::Tensor>& value_scale) {
+                     const std::optional<at::Tensor>& value_scale, bool amx_tiles) {
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0");
   check_layout(out, query, key_cache, value_cache, {&block_tables, &query_start_loc, &seq_lens});
   check_scales("paged_attention", key_cache, key_scale, value_scale);
@@ -952,11 +992,15 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     using T = decltype(element);
     const Problem<T> problem{
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(),
-        query.scalar_type() == at::kBFloat16, key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), key_cache.stride(0),
-        key_cache.stride(1), scale_data(key_scale), scale_data(value_scale),
-        block_tables.data_ptr<int32_t>(), block_tables.stride(0), qsl,
-        lens, num_heads, group, head_dim, block_size, static_cast<float>(scale),
-        static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int>::max()))};
+        query.scalar_type() == at::kBFloat16, key_cache.data_ptr<T>(),
+        value_cache.data_ptr<T>(), key_cache.stride(0), key_cache.stride(1),
+        scale_data(key_scale), scale_data(value_scale), block_tables.data_ptr<int32_t>(),
+        block_tables.stride(0), qsl, lens, num_heads, group, head_dim, block_size,
+        static_cast<float>(scale),
+        static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int>::max())),
+        std::is_same_v<T, at::BFloat16> && amx_tiles && query.scalar_type() == at::kBFloat16 &&
+            pagedllm_amx_attention::covers(head_dim, block_size) &&
+            pagedllm_amx::request_tiles()};
     dispatch_head_dim(problem, items, max_rows);
   };
   switch (key_cache.scalar_type()) {
@@ -1167,7 +1211,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
-      "int sliding_window=0, Tensor? key_scale=None, Tensor? value_scale=None) -> ()");
+      "int sliding_window=0, Tensor? key_scale=None, Tensor? value_scale=None, "
+      "bool amx_tiles=False) -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
       "Tensor slots, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");

@@ -1,0 +1,34 @@
+// What every AMX kernel needs (amx_linear.cpp, attention_amx.h): Linux's grant of the tile
+// data, and the tile configuration's memory layout (palette 1).
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <mutex>
+
+namespace pagedllm_amx {
+
+// Linux keeps AMX's tile data off until a process asks for it.
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+inline bool request_tiles() {
+  static std::once_flag once;
+  static bool granted = false;
+  std::call_once(once, [] {
+    granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  });
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace pagedllm_amx

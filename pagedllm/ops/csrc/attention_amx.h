@@ -1,0 +1,344 @@
+// A prefill tile's attention on AMX tiles (bf16 caches and queries, CPUs with AMX-BF16):
+// paged_attention.cpp routes its tile items here when asked (`amx_tiles`).
+//
+// The 16- and 8-lane tiles spend 128 fused multiply-adds a score on q . k and p . v, which
+// set their pace; here those products are tile dot products (tdpbf16ps, fp32 sums) and the
+// vector units keep the softmax. Keys are taken 32 at a time (two 16-key slices of their
+// blocks) against the item's rows 16 at a time (a row tile):
+//
+// - S^T = K Q^T: the keys are A tiles read in place from the cache (a slice's 16 rows lie
+//   token_stride apart), the row tile's queries one B tile per 32 of d, transposed into
+//   the tiles' pair order once per item. S^T's rows are keys and its lanes the tile's rows,
+//   so the online softmax runs lane-wise: a row's max, weights and sum over the 32 keys are
+//   vector operations with no horizontal reductions.
+// - The weights are rounded to bf16 (as the bf16 softmax(q k^T) v of Transformers' SDPA
+//   path multiplies them) and transposed into an A tile (rows, key pairs).
+// - O += P V: V's 32 keys in pair order (a B tile per 16 of d, built once per 32 keys for
+//   all row tiles), the product's fp32 tile added to the row's fp32 sums after they are
+//   rescaled by the running max's change.
+//
+// Rows see keys [first, limit) (causal, and windowed); others get weight 0. A slice's rows
+// past the context lie inside its block (block_size a multiple of 16, slices aligned): their
+// scores are masked and their values replaced by zeros, so stale cache contents never reach
+// a sum.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "vec_avx2.h"
+#include "vec_avx512.h"
+
+#define PAGEDLLM_AMX \
+  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
+
+namespace pagedllm_amx_attention {
+
+constexpr int kRowTile = 16;    // rows of a row tile: the lanes of S^T
+constexpr int kSliceKeys = 16;  // keys of an A tile of K
+constexpr int kStepKeys = 32;   // keys a step takes: the k of one P V product
+constexpr int kTileDwords = 16 * 16;
+
+// The head sizes and block sizes taken here: a multiple of 32 of d for each q . k tile,
+// at most four of them (Q^T's B tiles sit beside S^T's and K's), and slices aligned in
+// their blocks.
+inline bool covers(int head_dim, int block_size) {
+  return (head_dim == 32 || head_dim == 64 || head_dim == 128) && block_size % kSliceKeys == 0;
+}
+
+// One kv head's keys and values in the paged cache, and a request's block table.
+struct Context {
+  const at::BFloat16* key_cache;
+  const at::BFloat16* value_cache;
+  int64_t block_stride, token_stride, head_offset;  // elements
+  const int32_t* block_table;
+  int block_size;
+};
+
+// An item's query rows; the caller fills the row arrays (`resize` first).
+struct Scratch {
+  std::vector<const at::BFloat16*> query;
+  std::vector<at::BFloat16*> out;
+  std::vector<int> first, limit;  // keys [first, limit) visible to a row
+  std::vector<int> tile_first, tile_limit;  // the least first and greatest limit of a tile
+  std::vector<uint32_t> query_t;  // per row tile and 32 of d: Q^T as a B tile
+  std::vector<uint32_t> values;   // per 16 of d: V's 32 keys as a B tile
+  std::vector<float> acc, partial, m, l;
+  alignas(64) float scores[kStepKeys * kRowTile];
+  alignas(64) uint32_t weights[kTileDwords];  // row k: keys 2k, 2k + 1 of each row (lanes)
+  alignas(64) uint32_t weights_t[kTileDwords];
+  alignas(64) float rescale[kRowTile];
+
+  Scratch(int max_rows, int head_dim) {
+    const int tiles = (max_rows + kRowTile - 1) / kRowTile, padded = tiles * kRowTile;
+    query.resize(padded);
+    out.resize(padded);
+    first.resize(padded);
+    limit.resize(padded);
+    tile_first.resize(tiles);
+    tile_limit.resize(tiles);
+    query_t.resize(static_cast<size_t>(tiles) * head_dim / 32 * kTileDwords);
+    values.resize(static_cast<size_t>(head_dim) / 16 * kTileDwords);
+    acc.resize(static_cast<size_t>(padded) * head_dim);
+    partial.resize(static_cast<size_t>(kRowTile) * head_dim);
+    m.resize(padded);
+    l.resize(padded);
+  }
+};
+
+// Rows i of r become columns: r[k][i] = r_in[i][k], 16 x 16 dwords.
+PAGEDLLM_AMX inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c]: column c, c + 4, c + 8, c + 12 of rows 4g .. 4g + 3, a 128-bit lane each.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  // t[2c], t[2c + 1] (and t[8 + ...] for rows 8-15): columns c, c + 8 and c + 4, c + 12 of
+  // rows 0-7, as 128-bit lanes.
+  for (int h = 0; h < 2; ++h) {
+    for (int c = 0; c < 4; ++c) {
+      t[8 * h + 2 * c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      t[8 * h + 2 * c + 1] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0xdd);
+  }
+}
+
+PAGEDLLM_AMX inline void configure_tiles() {
+  pagedllm_amx::TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = 16;
+    config.colsb[i] = 64;
+  }
+  // GCC 12 drops the stores above as dead: it does not see ldtilecfg read them.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// Q^T of each row tile, per 32 of d: B[k][i] = (q_i[32 s + 2 k], q_i[32 s + 2 k + 1]).
+template <int D>
+PAGEDLLM_AMX void load_queries(int rows, Scratch& s) {
+  constexpr int kSteps = D / 32;
+  for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+    for (int step = 0; step < kSteps; ++step) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = r0 + i < rows ? _mm512_loadu_si512(s.query[r0 + i] + 32 * step)
+                             : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint32_t* tile = s.query_t.data() + (r0 / kRowTile * kSteps + step) * kTileDwords;
+      for (int k = 0; k < 16; ++k) _mm512_storeu_si512(tile + 16 * k, r[k]);
+    }
+  }
+}
+
+// V's keys 2k and 2k + 1 side by side per d, one B tile per 16 of d; keys past `count`
+// (past the context) are zeros.
+template <int D>
+PAGEDLLM_AMX void load_values(const at::BFloat16* const (&rows)[kStepKeys], int count,
+                              Scratch& s) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                       32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int k = 0; k < kStepKeys / 2; ++k) {
+    for (int c = 0; c < D / 32; ++c) {
+      const __m512i a = 2 * k < count ? _mm512_loadu_si512(rows[2 * k] + 32 * c)
+                                      : _mm512_setzero_si512();
+      const __m512i b = 2 * k + 1 < count ? _mm512_loadu_si512(rows[2 * k + 1] + 32 * c)
+                                          : _mm512_setzero_si512();
+      uint32_t* tile = s.values.data() + 2 * c * kTileDwords + 16 * k;
+      _mm512_storeu_si512(tile, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_storeu_si512(tile + kTileDwords, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// s.scores[j * 16 + i] = k_j . q_i for the step's keys (slices at k0 and k1, k1 null when
+// the step holds one slice) and the row tile's rows.
+template <int D>
+PAGEDLLM_AMX void tile_scores(const at::BFloat16* k0, const at::BFloat16* k1, int64_t stride,
+                              const uint32_t* query_t, Scratch& s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int step = 0; step < D / 32; ++step) {
+    _tile_loadd(3, query_t + step * kTileDwords, 64);
+    _tile_loadd(2, k0 + 32 * step, stride * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    if (k1 != nullptr) {
+      _tile_loadd(4, k1 + 32 * step, stride * 2);
+      _tile_dpbf16ps(1, 4, 3);
+    }
+  }
+  _tile_stored(0, s.scores, 64);
+  if (k1 != nullptr) _tile_stored(1, s.scores + kSliceKeys * kRowTile, 64);
+}
+
+// The online-softmax update of a row tile (rows r0 ..) over the step's `count` keys from
+// position `position`: weights into s.weights (bf16, key pairs per row lane), the running
+// max and sum updated, each row's rescale factor into s.rescale.
+PAGEDLLM_AMX inline void tile_softmax(int r0, int position, int count, float scale, Scratch& s) {
+  using pagedllm_vec::kNegInf;
+  const __m512i first = _mm512_loadu_si512(s.first.data() + r0);
+  const __m512i limit = _mm512_loadu_si512(s.limit.data() + r0);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __mmask16 visible[kStepKeys] = {};
+  __m512 step_max = neg_inf;
+  for (int j = 0; j < count; ++j) {
+    const __m512i at = _mm512_set1_epi32(position + j);
+    visible[j] = _mm512_cmplt_epi32_mask(at, limit) & _mm512_cmpge_epi32_mask(at, first);
+    const __m512 score = _mm512_mul_ps(_mm512_load_ps(s.scores + 16 * j), _mm512_set1_ps(scale));
+    _mm512_store_ps(s.scores + 16 * j, score);
+    step_max = _mm512_max_ps(step_max, _mm512_mask_blend_ps(visible[j], neg_inf, score));
+  }
+  const __m512 m_old = _mm512_loadu_ps(s.m.data() + r0);
+  const __m512 m_new = _mm512_max_ps(m_old, step_max);
+  // Rows with no visible key yet keep max -inf; their weights and factor are 0.
+  const __m512 m_use = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ), m_new);
+  const __m512 rescale = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, neg_inf, _CMP_NEQ_OQ),
+                                             pagedllm_vec512::exp512(_mm512_sub_ps(m_old, m_use)));
+  __m512 sum = _mm512_setzero_ps();
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  for (int k = 0; k < kStepKeys / 2; ++k) {
+    __m512 p[2];
+    for (int e = 0; e < 2; ++e) {
+      const int j = 2 * k + e;
+      p[e] = j < count ? _mm512_maskz_mov_ps(
+                             visible[j], pagedllm_vec512::exp512(_mm512_sub_ps(
+                                             _mm512_load_ps(s.scores + 16 * j), m_use)))
+                       : _mm512_setzero_ps();
+      sum = _mm512_add_ps(sum, p[e]);
+    }
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[1], p[0]));
+    _mm512_store_si512(s.weights + 16 * k, _mm512_permutexvar_epi16(pairs, packed));
+  }
+  _mm512_storeu_ps(s.l.data() + r0,
+                   _mm512_fmadd_ps(_mm512_loadu_ps(s.l.data() + r0), rescale, sum));
+  _mm512_storeu_ps(s.m.data() + r0, m_new);
+  _mm512_store_ps(s.rescale, rescale);
+}
+
+// acc[r0 + i] <- acc[r0 + i] * rescale[i] + (P V)[i] for the row tile's `rows` rows.
+template <int D>
+PAGEDLLM_AMX void tile_values(int r0, int rows, Scratch& s) {
+  __m512i w[16];
+  for (int k = 0; k < 16; ++k) w[k] = _mm512_load_si512(s.weights + 16 * k);
+  transpose16(w);
+  for (int i = 0; i < 16; ++i) _mm512_store_si512(s.weights_t + 16 * i, w[i]);
+  _tile_loadd(5, s.weights_t, 64);
+  float* partial = s.partial.data();
+  for (int g = 0; g < D / 16; g += 4) {
+    // Up to four 16-column tiles of the product at a time (tiles 0-3).
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* v = s.values.data() + g * kTileDwords;
+    _tile_loadd(6, v, 64);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, v + kTileDwords, 64);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(0, partial + 16 * g, D * 4);
+    _tile_stored(1, partial + 16 * (g + 1), D * 4);
+    if (g + 2 < D / 16) {
+      _tile_loadd(6, v + 2 * kTileDwords, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, v + 3 * kTileDwords, 64);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_stored(2, partial + 16 * (g + 2), D * 4);
+      _tile_stored(3, partial + 16 * (g + 3), D * 4);
+    }
+  }
+  for (int i = 0; i < rows; ++i) {
+    const __m512 factor = _mm512_set1_ps(s.rescale[i]);
+    float* acc = s.acc.data() + static_cast<int64_t>(r0 + i) * D;
+    for (int d = 0; d < D; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), factor,
+                                                _mm512_loadu_ps(partial + i * D + d)));
+    }
+  }
+}
+
+// The element offset of the key at `position` in the context's cache (its kv head's run).
+inline int64_t key_offset(const Context& c, int position) {
+  return static_cast<int64_t>(c.block_table[position / c.block_size]) * c.block_stride +
+         static_cast<int64_t>(position % c.block_size) * c.token_stride + c.head_offset;
+}
+
+// Attention of `rows` rows (s.query, s.first, s.limit filled) over keys [kv_begin, kv_end)
+// of the context, each row's output rounded once to bf16 into s.out.
+template <int D>
+PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_end, float scale,
+                              Scratch& s) {
+  const int tiles = (rows + kRowTile - 1) / kRowTile;
+  for (int r = rows; r < tiles * kRowTile; ++r) s.first[r] = s.limit[r] = 0;
+  std::fill_n(s.acc.begin(), static_cast<int64_t>(tiles) * kRowTile * D, 0.0f);
+  std::fill_n(s.m.begin(), tiles * kRowTile, pagedllm_vec::kNegInf);
+  std::fill_n(s.l.begin(), tiles * kRowTile, 0.0f);
+  // Keys each row tile may see, to skip the steps wholly outside them.
+  for (int t = 0; t < tiles; ++t) {
+    const auto begin = s.first.begin() + t * kRowTile;
+    const int end = std::min(rows, (t + 1) * kRowTile) - t * kRowTile;
+    s.tile_first[t] = *std::min_element(begin, begin + end);
+    const auto limits = s.limit.begin() + t * kRowTile;
+    s.tile_limit[t] = *std::max_element(limits, limits + end);
+  }
+  configure_tiles();
+  load_queries<D>(rows, s);
+  for (int position = kv_begin / kSliceKeys * kSliceKeys; position < kv_end;
+       position += kStepKeys) {
+    const int count = std::min(kStepKeys, kv_end - position);
+    const at::BFloat16* keys[2] = {c.key_cache + key_offset(c, position), nullptr};
+    const at::BFloat16* value_rows[kStepKeys];
+    const at::BFloat16* values1 = nullptr;
+    if (count > kSliceKeys) {
+      keys[1] = c.key_cache + key_offset(c, position + kSliceKeys);
+      values1 = c.value_cache + key_offset(c, position + kSliceKeys);
+    }
+    const at::BFloat16* values0 = c.value_cache + key_offset(c, position);
+    for (int j = 0; j < count; ++j) {
+      value_rows[j] = j < kSliceKeys ? values0 + j * c.token_stride
+                                     : values1 + (j - kSliceKeys) * c.token_stride;
+    }
+    load_values<D>(value_rows, count, s);
+    for (int t = 0; t < tiles; ++t) {
+      if (position >= s.tile_limit[t] || position + count <= s.tile_first[t]) continue;
+      const int r0 = t * kRowTile;
+      tile_scores<D>(keys[0], keys[1], c.token_stride,
+                     s.query_t.data() + t * (D / 32) * kTileDwords, s);
+      tile_softmax(r0, position, count, scale, s);
+      tile_values<D>(r0, std::min(kRowTile, rows - r0), s);
+    }
+  }
+  _tile_release();
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / s.l[r]);
+    const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
+    for (int d = 0; d < D; d += 16) {
+      pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));
+    }
+  }
+}
+
+}  // namespace pagedllm_amx_attention

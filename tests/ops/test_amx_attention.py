@@ -1,0 +1,122 @@
+"""Prefill tiles of a bf16 cache on AMX tiles (ops/csrc/attention_amx.h): bf16 softmax weights
+times bf16 values summed in fp32, against a dense fp32 reference; decodes and what the tiles do
+not cover keep the vector kernel's bits; stale cache rows past a context never reach a sum.
+The tiles' arithmetic runs where the CPU has AMX-BF16; which backend asks for them is
+checked on every CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_cpu_attention import Batch, dense_reference, make_batch, widened
+
+from pagedllm.ops import extension
+from pagedllm.ops.attention import write_kv_cache
+from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.kernel_selection import KernelSelection, amx_tiles_granted
+
+pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
+needs_amx = pytest.mark.skipif(
+    not (extension.available() and amx_tiles_granted()), reason="the CPU has no AMX-BF16"
+)
+
+# Prompts from scratch and continued, chunk tails of 2-3 tokens, decodes beside them, and
+# contexts that end inside a 16-key slice and inside a 32-key step.
+REQUESTS = [(0, 37), (30, 1), (50, 9), (3, 20), (0, 70), (90, 1), (0, 256), (61, 2), (17, 3)]
+
+
+def run_kernel(batch: Batch, amx_tiles: bool, window: int = 0) -> torch.Tensor:
+    backend = get_attention_backend(
+        "cpu", KernelSelection("cpu", True, True, bf16_amx_attention=amx_tiles)
+    )
+    assert backend.amx_tiles is amx_tiles
+    kv_cache = tuple(c.clone() for c in batch.kv_cache)
+    metadata = backend.build_metadata(batch.layout, torch.device("cpu"))
+    return backend.forward(batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale, window)
+
+
+def test_the_backend_takes_the_tiles_from_the_kernel_selection():
+    assert not get_attention_backend("cpu").amx_tiles
+    plain = KernelSelection("cpu", True, True)
+    assert not get_attention_backend("cpu", plain).amx_tiles
+    tiles = KernelSelection("cpu", True, True, bf16_amx_attention=True)
+    assert get_attention_backend("cpu", tiles).amx_tiles
+
+
+@needs_amx
+@pytest.mark.parametrize("window", [0, 5, 40])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (32, 32), (128, 16), (64, 48)])
+def test_tiles_equal_fp32_attention_within_bf16_weights(head_dim, block_size, window):
+    """Each output is within what rounding the weights and the output to bf16 allows of the
+    fp32 reference over the same bf16 q, k and v, and as close on average as the vector
+    kernel (fp32 weights) to within a bf16 weight's rounding."""
+    batch = make_batch(
+        REQUESTS,
+        block_size=block_size,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+    )
+    reference = dense_reference(widened(batch), window or 10**9)
+    tiles, vector = run_kernel(batch, True, window), run_kernel(batch, False, window)
+    assert tiles.dtype == torch.bfloat16
+    torch.testing.assert_close(tiles.float(), reference, rtol=2**-6, atol=2**-8)
+    tile_error = (tiles.float() - reference).abs().mean()
+    vector_error = (vector.float() - reference).abs().mean()
+    assert tile_error <= vector_error * (1 + 2**-3)
+    # The tiles ran: bf16 weights do not give the vector kernel's bits everywhere.
+    assert not torch.equal(tiles, vector)
+
+
+@needs_amx
+def test_decodes_keep_the_vector_kernels_bits():
+    batch = make_batch(
+        [(n, 1) for n in (1, 15, 16, 33, 200)],
+        block_size=16,
+        num_heads=9,
+        num_kv_heads=3,
+        dtype=torch.bfloat16,
+    )
+    assert torch.equal(run_kernel(batch, True), run_kernel(batch, False))
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "dtype"),
+    [(80, 16, torch.bfloat16), (64, 8, torch.bfloat16), (64, 16, torch.float32)],
+)
+def test_what_the_tiles_do_not_cover_keeps_the_vector_kernel(head_dim, block_size, dtype):
+    """Head sizes that are not 32, 64 or 128, blocks not a multiple of 16 keys, and caches
+    other than bf16 run the vector kernel, amx_tiles or not."""
+    batch = make_batch(
+        REQUESTS,
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    assert torch.equal(run_kernel(batch, True), run_kernel(batch, False))
+
+
+@needs_amx
+def test_stale_rows_past_a_context_never_reach_a_sum():
+    """A slice's rows past its context are read as A tiles of keys (masked) and skipped as
+    values: NaN in every cache row no request holds leaves every output finite."""
+    batch = make_batch(REQUESTS, block_size=16, num_heads=9, num_kv_heads=3, dtype=torch.bfloat16)
+    key_cache, value_cache = batch.kv_cache
+    write_kv_cache(batch.k, batch.v, batch.kv_cache, torch.from_numpy(batch.layout.slot_mapping))
+    held = torch.zeros(key_cache.shape[:2], dtype=torch.bool)
+    for req, seq_len in enumerate(batch.layout.seq_lens.tolist()):
+        for position in range(seq_len):
+            block = batch.layout.block_tables[req, position // 16]
+            held[block, position % 16] = True
+    for cache in (key_cache, value_cache):
+        cache[~held] = math.nan
+    out = run_kernel(batch, True)
+    assert out.isfinite().all()
+    reference = dense_reference(widened(batch), 10**9)
+    torch.testing.assert_close(out.float(), reference, rtol=2**-6, atol=2**-8)
