@@ -6,7 +6,9 @@ unless `--kv-cache-dtype` says otherwise): decode batches of 64 and 256 sequence
 prompt's first two 2048-token chunks and one of eight 256-token prompts (the step
 breakdown's prefill chunk). Prints ms per call, median and minimum of the repeats (on a
 shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
-scattered over the cache as after a while of serving.
+scattered over the cache as after a while of serving. A bf16 cache comes with a bf16 model's
+bf16 queries, and where the CPU has AMX-BF16 a third column times the kernel with its
+prefill tiles on AMX ("cpu amx", `KernelSelection.bf16_amx_attention`) and cpu/amx.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16|int8|float8_e4m3fn|...]
@@ -27,6 +29,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention import AttentionBackend, AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.ops.kernel_selection import amx_tiles_granted
 from pagedllm.ops.kv_quant import is_quantized, quantize
 from pagedllm.utils import cdiv
 
@@ -67,9 +70,11 @@ def make_step(requests: list[tuple[int, int]], seed: int = 0, dtype=torch.float3
         seq_lens=np.array(seq_lens, dtype=np.int64),
     )
     num_tokens = len(slots)
-    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM)
-    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    # A bf16 cache is a bf16 model's: its q, k and v are bf16 too.
+    io_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM).to(io_dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(io_dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM).to(io_dtype)
     return q, k, v, kv_cache, layout
 
 
@@ -124,11 +129,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     extension.build()
     backends = {name: get_attention_backend(name) for name in ("torch", "cpu")}
+    if dtype == torch.bfloat16 and amx_tiles_granted():
+        backends["cpu amx"] = get_attention_backend("cpu", amx_tiles=True)
     print(
         f"threads={torch.get_num_threads()}  repeats={args.repeats}  "
         f"cache {args.kv_cache_dtype}  window {args.sliding_window}  (one layer, ms/call)"
     )
-    print(f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}")
+    amx_header = f" {'cpu amx median/min':>20} {'cpu/amx':>8}" if "cpu amx" in backends else ""
+    print(
+        f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}"
+        + amx_header
+    )
     wanted = None if args.cases is None else set(args.cases.split(","))
     for name, requests in cases().items():
         if wanted is not None and name not in wanted:
@@ -140,7 +151,11 @@ def main() -> None:
         }
         ratio = ms["torch"][0] / ms["cpu"][0]
         torch_ms, cpu_ms = (f"{m[0]:8.2f} /{m[1]:8.2f}" for m in (ms["torch"], ms["cpu"]))
-        print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x")
+        amx = ""
+        if "cpu amx" in ms:
+            amx_ms = ms["cpu amx"]
+            amx = f" {amx_ms[0]:10.2f} /{amx_ms[1]:8.2f} {ms['cpu'][0] / amx_ms[0]:7.2f}x"
+        print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x{amx}")
 
 
 if __name__ == "__main__":

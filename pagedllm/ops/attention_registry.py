@@ -7,21 +7,16 @@ interface and this module imports them, never the other way round.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pagedllm.ops.attention import AttentionBackend
 from pagedllm.ops.cpu_attention import CpuAttentionBackend
 from pagedllm.ops.torch_attention import TorchAttentionBackend
 
-if TYPE_CHECKING:  # kernel_selection imports this module
-    from pagedllm.ops.kernel_selection import KernelSelection
-
 # Building a "cpu" backend loads (or first builds) the C++ extension; naming it does not.
-_BACKENDS: dict[str, Callable[[KernelSelection | None], AttentionBackend]] = {
-    "torch": lambda kernels: TorchAttentionBackend(),
-    "cpu": lambda kernels: CpuAttentionBackend(
-        amx_tiles=kernels is not None and kernels.bf16_amx_attention
-    ),
+# Each is built from the one option a kernel selection gives backends: `amx_tiles`.
+_BACKENDS: dict[str, Callable[[bool], AttentionBackend]] = {
+    "torch": lambda amx_tiles: TorchAttentionBackend(),
+    "cpu": lambda amx_tiles: CpuAttentionBackend(amx_tiles=amx_tiles),
 }
 
 
@@ -34,9 +29,10 @@ def check_attention_backend(name: str) -> None:
         )
 
 
-def get_attention_backend(name: str, kernels: KernelSelection | None = None) -> AttentionBackend:
-    """A new backend of that name, running the kernels' choices where it has a say (the
-    "cpu" backend's prefill tiles on AMX). Which name serves a model is `kernel_selection`'s
-    to decide: "cpu" here needs the extension and raises RuntimeError without it."""
+def get_attention_backend(name: str, *, amx_tiles: bool = False) -> AttentionBackend:
+    """A new backend of that name. Which name serves a model is `kernel_selection`'s to
+    decide, and so is `amx_tiles` (`KernelSelection.bf16_amx_attention`: the "cpu"
+    backend's bf16 prefill tiles on AMX; the torch backend has none). "cpu" here needs the
+    extension and raises RuntimeError without it."""
     check_attention_backend(name)
-    return _BACKENDS[name](kernels)
+    return _BACKENDS[name](amx_tiles)

@@ -10,12 +10,14 @@ import math
 
 import pytest
 import torch
+from model_utils import model_runner
 from test_cpu_attention import Batch, dense_reference, make_batch, widened
 
+from pagedllm import LLM
 from pagedllm.ops import extension
 from pagedllm.ops.attention import write_kv_cache
 from pagedllm.ops.attention_registry import get_attention_backend
-from pagedllm.ops.kernel_selection import KernelSelection, amx_tiles_granted
+from pagedllm.ops.kernel_selection import amx_tiles_granted
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
 needs_amx = pytest.mark.skipif(
@@ -28,21 +30,21 @@ REQUESTS = [(0, 37), (30, 1), (50, 9), (3, 20), (0, 70), (90, 1), (0, 256), (61,
 
 
 def run_kernel(batch: Batch, amx_tiles: bool, window: int = 0) -> torch.Tensor:
-    backend = get_attention_backend(
-        "cpu", KernelSelection("cpu", True, True, bf16_amx_attention=amx_tiles)
-    )
+    backend = get_attention_backend("cpu", amx_tiles=amx_tiles)
     assert backend.amx_tiles is amx_tiles
     kv_cache = tuple(c.clone() for c in batch.kv_cache)
     metadata = backend.build_metadata(batch.layout, torch.device("cpu"))
     return backend.forward(batch.q, batch.k, batch.v, kv_cache, metadata, batch.scale, window)
 
 
-def test_the_backend_takes_the_tiles_from_the_kernel_selection():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_engine_builds_its_backend_with_the_selections_tiles(tiny_llama, dtype):
+    """The cpu backend takes AMX tiles exactly where the kernel selection says: a bf16 cache
+    on a CPU with AMX-BF16 granted."""
+    runner = model_runner(LLM(str(tiny_llama), dtype=dtype, max_model_len=64))
+    assert runner.kernels.bf16_amx_attention == (dtype == "bfloat16" and amx_tiles_granted())
+    assert runner.attention_backend.amx_tiles == runner.kernels.bf16_amx_attention
     assert not get_attention_backend("cpu").amx_tiles
-    plain = KernelSelection("cpu", True, True)
-    assert not get_attention_backend("cpu", plain).amx_tiles
-    tiles = KernelSelection("cpu", True, True, bf16_amx_attention=True)
-    assert get_attention_backend("cpu", tiles).amx_tiles
 
 
 @needs_amx

@@ -109,7 +109,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
 __attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 // Blocks [begin, end) for every row of x, on the calling thread: for each block the rows
-// 32 at a time, so a block read once serves them all from L1/L2.
+// 32 at a time, so a block read once serves them all from L1/L2. Each B tile serves two A
+// tiles: passes of 16 rows (double-buffered B tiles, the block re-read from L2 for each
+// pass) ran 64 rows at 46.6 against 24.4 ms, and 32 at 18.6 against 17.6, through the
+// default model's projections; prefetching 1-4 k-steps ahead into L1 changed nothing
+// beyond the run-to-run spread.
 void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                  const float* bias, int64_t begin, int64_t end) {
   const int64_t rows = x.size(0), k_steps = x.size(1) / kStepK;

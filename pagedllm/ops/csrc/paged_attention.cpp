@@ -20,7 +20,8 @@
 // each key vector loaded serves six rows. Softmax is online over the blocks
 // (running max and sum per row, fp32), so nothing is materialized per context. Items are
 // spread over OpenMP threads costliest first with dynamic scheduling, because their costs
-// (context lengths) differ widely.
+// (context lengths) differ widely. Asked for `amx_tiles`, a bf16 cache's prefill tiles run on
+// AMX tiles instead (attention_amx.h; its weights rounded to bf16 before P V).
 
 // Registered as torch.ops.pagedllm.* through TORCH_LIBRARY rather than a pybind11 module:
 // it compiles in a third of the time (~15 s here: no torch/extension.h, no pybind11) and
@@ -763,8 +764,6 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
   });
 }
 
-// Attention of one work item, written to out. Blocks are visited in order; every row of
-// the item uses a block while it is in L1, and the next block is prefetched meanwhile.
 // A tile item on AMX: its rows' queries, outputs and visible keys for attention_amx.h.
 template <int NV, typename T>
 void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
@@ -792,6 +791,8 @@ void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scrat
                                          p.scale, a);
 }
 
+// Attention of one work item, written to out. Blocks are visited in order; every row of
+// the item uses a block while it is in L1, and the next block is prefetched meanwhile.
 template <int NV, typename T>
 void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
