@@ -28,6 +28,7 @@ cd "$root"
 py=$root/.venv/bin/python
 peers=${PAGEDLLM_PEERS_DIR:-$HOME/.cache/pagedllm-peers}
 engines=${ENGINES:-"vllm pagedllm"}
+dtypes=${DTYPES:-"bfloat16 float32"}
 want() { [[ " ${SECTIONS:-all} " == *" all "* || " ${SECTIONS:-all} " == *" $1 "* ]]; }
 rate() { grep -o '"requests_per_s": [0-9.]*\|"output_tokens_per_s": [0-9.]*' "$1" | tr '\n' ' '; }
 
@@ -68,7 +69,7 @@ if want w1lite; then
   workload w1lite 32 256 64
   model=$peers/models/SmolLM2-135M-Instruct-fp32-hf
   for round in $(seq 1 "$rounds"); do
-    for dtype in bfloat16 float32; do
+    for dtype in $dtypes; do
       for engine in $engines; do
         run "$engine" "w1lite_${engine}_${dtype}_$round" w1lite 32 "$model" "$dtype"
       done
@@ -79,7 +80,7 @@ fi
 if want w1; then
   workload w1 64 256 128
   model=$peers/models/SmolLM2-135M-Instruct-fp32-hf
-  for dtype in bfloat16 float32; do
+  for dtype in $dtypes; do
     for engine in $engines; do
       run "$engine" "w1_${engine}_${dtype}" w1 64 "$model" "$dtype"
     done
@@ -97,7 +98,7 @@ write_config_dir('$model', LLAMA_3_2_1B.hf_config())"
 print(round(read_bandwidth_gb_s(), 1))")
   echo "read bandwidth: $bandwidth GB/s" | tee "$out/bandwidth.txt"
   dummy=(--load-format dummy --skip-tokenizer-init --max-model-len 1024)
-  for dtype in bfloat16 float32; do
+  for dtype in $dtypes; do
     for engine in $engines; do
       run "$engine" "1b_single_${engine}_${dtype}" single 1 "$model" "$dtype" "${dummy[@]}"
       run "$engine" "1b_batch32_${engine}_${dtype}" batch32 32 "$model" "$dtype" "${dummy[@]}"
