@@ -52,9 +52,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void configure_tiles(int rows0, int
     config.rows[j] = kTileRows;
     config.colsb[j] = 64;
   }
-  // GCC 12 drops the stores above as dead: it does not see ldtilecfg read them.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  pagedllm_amx::load_config(config);
 }
 
 // out[r, c] = bf16(acc[r, c] + bias[c]) for the chunk's rows and the block's 32 columns.

@@ -1,7 +1,8 @@
 // What every AMX kernel needs (amx_linear.cpp, attention_amx.h): Linux's grant of the tile
-// data, and the tile configuration's memory layout (palette 1).
+// data, and the tile configuration (palette 1) and its loading.
 #pragma once
 
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -30,5 +31,12 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// Makes `config` the tiles' configuration.
+__attribute__((target("amx-tile"))) inline void load_config(const TileConfig& config) {
+  // GCC 12 drops the stores that filled `config` as dead: it does not see ldtilecfg read them.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 
 }  // namespace pagedllm_amx

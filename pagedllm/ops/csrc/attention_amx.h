@@ -128,9 +128,7 @@ PAGEDLLM_AMX inline void configure_tiles() {
     config.rows[i] = 16;
     config.colsb[i] = 64;
   }
-  // GCC 12 drops the stores above as dead: it does not see ldtilecfg read them.
-  asm volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  pagedllm_amx::load_config(config);
 }
 
 // Q^T of each row tile, per 32 of d: B[k][i] = (q_i[32 s + 2 k], q_i[32 s + 2 k + 1]).
