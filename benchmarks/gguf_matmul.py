@@ -8,7 +8,7 @@ fp32-equivalent GFLOP/s (2 * rows * in * out per matmul), for the gguf kernel wi
 fp32 oneDNN on prepacked weights.
 
     .venv/bin/python -m benchmarks.gguf_matmul [--rows 64,256,2048] [--digits 2] [--repeats 10]
-        [--isa 0|1|2]
+        [--isa 0|1|2|3]
 
 `--shape llama-3.2-1b` (or another of `benchmarks.random_gguf`'s shapes) times that model's
 projections instead, on random blocks of their Q4_K_M types (q/k/o/gate/up Q4_K, v/down
@@ -55,7 +55,10 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=2, choices=[1, 2])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
-        "--isa", type=int, default=gguf_kernel_isa(), help="0 portable, 1 AVX2, 2 VNNI"
+        "--isa",
+        type=int,
+        default=gguf_kernel_isa(),
+        help="0 portable, 1 AVX2, 2 VNNI, 3 AMX-INT8 tiles",
     )
     parser.add_argument("--shape", help="a real model's projections (random_gguf's names)")
     args = parser.parse_args()

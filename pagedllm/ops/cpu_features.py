@@ -107,8 +107,10 @@ def cpu_features() -> CpuFeatures:
     )
 
 
-# The GGUF kernel's paths (ops/csrc/gguf_linear.cpp's `isa`).
-GGUF_PORTABLE, GGUF_AVX2, GGUF_VNNI = 0, 1, 2
+# The GGUF kernel's paths (ops/csrc/gguf_linear.cpp's `isa`). The AMX path runs groups of
+# 16 rows on AMX-INT8 tiles and the rest on the VNNI body; the kernel lowers it to VNNI
+# where Linux does not grant the tiles.
+GGUF_PORTABLE, GGUF_AVX2, GGUF_VNNI, GGUF_AMX = 0, 1, 2, 3
 
 
 def gguf_kernel_isa(features: CpuFeatures | None = None) -> int:
@@ -117,7 +119,7 @@ def gguf_kernel_isa(features: CpuFeatures | None = None) -> int:
     if not (features.avx2 and features.fma):  # every vector path uses both
         return GGUF_PORTABLE
     if features.avx512f and features.avx512_vnni and features.avx512bw and features.avx512vl:
-        return GGUF_VNNI
+        return GGUF_AMX if features.amx_tile and features.amx_int8 else GGUF_VNNI
     return GGUF_AVX2
 
 
@@ -136,7 +138,12 @@ def fp8_kernel_isa(features: CpuFeatures | None = None) -> int:
 def describe_cpu(features: CpuFeatures | None = None) -> str:
     """One line for the start-up log: the features and what each kernel family runs."""
     features = features or cpu_features()
-    gguf_path = {GGUF_VNNI: "AVX-512 VNNI", GGUF_AVX2: "AVX2", GGUF_PORTABLE: "portable"}
+    gguf_path = {
+        GGUF_AMX: "AMX-INT8 tiles from 16 rows, AVX-512 VNNI below",
+        GGUF_VNNI: "AVX-512 VNNI",
+        GGUF_AVX2: "AVX2",
+        GGUF_PORTABLE: "portable",
+    }
     fp8_path = {FP8_AVX512: "AVX-512", FP8_AVX2: "AVX2"}
     disabled = sorted(disabled_features())
     hidden = f" ({DISABLE_ENV} hides {', '.join(disabled)})" if disabled else ""

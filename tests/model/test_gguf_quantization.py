@@ -1,5 +1,5 @@
 """`quantization="gguf"`: GGUF blocks read as the file stores them (K-quants included), the
-block kernel against a float reference (VNNI, AVX2 and portable paths bit for bit), which
+block kernel against a float reference (AMX, VNNI, AVX2 and portable paths bit for bit), which
 layers it replaces, greedy output against the fp32 engine on a tiny GGUF Llama, and refused
 settings."""
 
@@ -34,13 +34,22 @@ from pagedllm.model.layers.gguf_linear import (
     unpack_k_blocks,
 )
 from pagedllm.model.layers.linear import Linear
-from pagedllm.ops.cpu_features import gguf_kernel_isa
+from pagedllm.ops import extension
+from pagedllm.ops.cpu_features import (
+    GGUF_AMX,
+    GGUF_AVX2,
+    GGUF_PORTABLE,
+    GGUF_VNNI,
+    CpuFeatures,
+    describe_cpu,
+    gguf_kernel_isa,
+)
 
 KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Offsets of the fp16 super-block scales in a K-quant block: d (and dmin).
 K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-# Every kernel path this CPU can run: 0 portable, 1 AVX2, 2 AVX-512 VNNI.
+# Every kernel path this CPU can run: 0 portable, 1 AVX2, 2 AVX-512 VNNI, 3 AMX-INT8 tiles.
 PATHS = list(range(gguf_kernel_isa() + 1))
 NUM_PROMPTS, MAX_TOKENS = 12, 24
 # Largest top-2 logprob gap at which the quantized engine may pick the other token. Two int8
@@ -117,12 +126,15 @@ def test_one_pass_packing_equals_the_reference(qtype):
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES + K_TYPES)
 @pytest.mark.parametrize(
-    ("rows", "out_features"), [(1, 20), (4, 20), (5, 20), (9, 20), (15, 14), (23, 52)]
+    ("rows", "out_features"),
+    [(1, 20), (4, 20), (5, 20), (9, 20), (15, 14), (23, 52), (16, 14), (40, 52), (144, 20)],
 )
 def test_kernel_matches_the_float_reference(qtype, rows, out_features):
-    # Output columns in tiles of 8, paired on the VNNI path: 20 is a pair and an odd tile, 14 a
-    # pair whose second tile is part padding (never written out), 52 an item of two pairs and
-    # one of a pair and an odd partial tile. Rows: passes of 8 and what is left (4, 2, 1).
+    # Output columns in tiles of 8, paired on the VNNI and AMX paths: 20 is a pair and an odd
+    # tile, 14 a pair whose second tile is part padding (never written out), 52 an item of two
+    # pairs and one of a pair and an odd partial tile. Rows: passes of 8 and what is left (4,
+    # 2, 1); on the AMX path groups of 16 (one, two, nine: more than a pass over a pair's
+    # blocks takes) and the rows after them on the VNNI body.
     cols = 512 if qtype in K_TYPES else 96
     raw, weight = _any_raw(out_features, cols, qtype)
     bias = torch.randn(out_features)
@@ -142,15 +154,34 @@ def test_kernel_matches_the_float_reference(qtype, rows, out_features):
 
 # Q4_1 and Q4_K take the AVX2 path's 4-bit tile body, the others its general one.
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_1, Q.Q4_K])
-def test_one_digit_paths_agree(qtype):
+@pytest.mark.parametrize("rows", [6, 37])
+def test_one_digit_paths_agree(qtype, rows):
     raw, _ = _any_raw(16, 256, qtype)
     layer = GGUFLinear(raw, qtype, digits=1)
-    x = _activations(6, 256)
+    x = _activations(rows, 256)
     outputs = []
     for path in PATHS:
         layer.isa = path
         outputs.append(layer(x))
     assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
+def test_the_kernel_runs_the_widest_path_the_features_allow():
+    # The kernel lowers a path the CPU lacks (or whose tiles Linux withholds) to one it has:
+    # here it must keep the one cpu_features names, or the bit checks above would compare a
+    # path with itself.
+    ops = extension.load()
+    assert ops.gguf_path(gguf_kernel_isa()) == gguf_kernel_isa()
+    assert ops.gguf_path(GGUF_PORTABLE) == GGUF_PORTABLE
+
+
+def test_amx_tiles_are_the_path_only_with_amx_int8_and_vnni():
+    vnni = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert gguf_kernel_isa(CpuFeatures.from_flags(vnni | {"amx_tile", "amx_int8"})) == GGUF_AMX
+    assert gguf_kernel_isa(CpuFeatures.from_flags(vnni | {"amx_tile"})) == GGUF_VNNI
+    amx = vnni | {"amx_tile", "amx_int8"}
+    assert gguf_kernel_isa(CpuFeatures.from_flags(amx - {"avx512_vnni"})) == GGUF_AVX2
+    assert "AMX-INT8" in describe_cpu(CpuFeatures.from_flags(amx))
 
 
 @pytest.mark.parametrize(("qtype", "bits_a_weight"), [(Q.Q4_0, 5), (Q.Q8_0, 9)])

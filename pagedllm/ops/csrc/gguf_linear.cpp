@@ -12,8 +12,9 @@
 //     acc += float(dot) * (d * step) ;  acc += m * sum(quantized x)
 // in that order, so every path gives the same bits: AVX-512 VNNI (vpdpbusd, u8 weights x s8
 // digits into int32), AVX2 (vpmaddubsw into int16 pairs, widened before they can overflow)
-// and the portable loop. Which one runs: the caller's `isa` (0 portable, 1 AVX2, 2 VNNI),
-// lowered to what this CPU has.
+// and the portable loop; AMX-INT8 tiles (tdpbsud) make the same integer dots for groups of
+// 16 rows. Which one runs: the caller's `isa` (0 portable, 1 AVX2, 2 VNNI, 3 AMX), lowered
+// to what this CPU has.
 //
 // Packed layout (pagedllm/model/layers/gguf_linear.py builds it): columns in tiles of 8; per
 // tile and block, 8 groups of 4 consecutive k for the 8 columns, 32 bytes a group, stored
@@ -28,11 +29,15 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "amx_tiles.h"
 #include "gguf_layout.h"
+
+#include <cpuid.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 // The tile bodies' helpers pass register arrays by reference: called rather than inlined
@@ -50,7 +55,7 @@ using gguf_layout::kTileCols;
 // 6 items and two threads share them evenly.
 constexpr int64_t kTilesPerItem = 4;
 
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kVnni = 2 };
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kVnni = 2, kAmx = 3 };
 enum ScaleType : int { kScaleF32 = 0, kScaleF16 = 1, kScaleBF16 = 2 };
 
 // The quantized input in groups of a pass's rows (the path's kRowsPerPass), each group
@@ -370,6 +375,7 @@ constexpr int kRowsPerPass = 8;
 #include "gguf_epilogue.h"
 #include "gguf_tile512.h"
 #include "gguf_tile.h"
+#include "gguf_tile_amx.h"
 
 }  // namespace vnni_path
 
@@ -382,7 +388,24 @@ bool vnni_available() {
   return available;
 }
 
-int64_t best_isa() { return vnni_available() ? kVnni : kAvx2; }
+// AMX-INT8 (CPUID leaf 7: EDX bit 25; GCC 12's __builtin_cpu_supports does not know it),
+// with Linux's grant of the tile data.
+bool amx_int8_available() {
+  static const bool available = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 25))) return false;
+    return pagedllm_amx::request_tiles();
+  }();
+  return available;
+}
+
+int64_t best_isa() {
+  if (!vnni_available()) return kAvx2;
+  return amx_int8_available() ? kAmx : kVnni;
+}
+
+// The path `isa` runs on this CPU: the caller's, lowered to what the CPU has and Linux grants.
+int64_t gguf_path(int64_t isa) { return std::min(isa, best_isa()); }
 
 // ---- the ops --------------------------------------------------------------------------------
 
@@ -406,12 +429,15 @@ void check_common(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 
 void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits, int64_t isa) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
-  const int64_t path = std::min(isa, best_isa());
+  const int64_t path = gguf_path(isa);
   // Flat: Activations::at lays them out (in groups of a pass's rows).
   const at::Tensor digit_buf = at::empty({rows * blocks * digits * kBlock}, x.options().dtype(at::kChar));
   const at::Tensor row_buf = at::empty({4 * rows * blocks}, x.options());
   float* row_data = row_buf.data_ptr<float>();
-  const int pass_rows = path == kVnni ? vnni_path::kRowsPerPass : avx2_path::kRowsPerPass;
+  // Rows grouped as a pass takes them; on the AMX path as an A tile does.
+  const int pass_rows = path == kAmx    ? vnni_path::kAmxRows
+                        : path == kVnni ? vnni_path::kRowsPerPass
+                                        : avx2_path::kRowsPerPass;
   const Activations a{digit_buf.data_ptr<int8_t>(),
                       row_data,
                       row_data + rows * blocks,
@@ -431,6 +457,7 @@ void run(at::Tensor& out, const at::Tensor& x, const Weights& w, int64_t digits,
     const int64_t tile_begin = begin * kTilesPerItem;
     const int64_t tile_end = std::min(tiles, end * kTilesPerItem);
     const int d = static_cast<int>(digits);
+    if (path == kAmx) return vnni_path::amx_dispatch(a, w, rows, tile_begin, tile_end, d, o);
     if (path == kVnni) return vnni_path::vector_dispatch(a, w, rows, tile_begin, tile_end, d, o);
     if (path == kAvx2) return avx2_path::vector_dispatch(a, w, rows, tile_begin, tile_end, d, o);
     for (int64_t r = 0; r < rows; ++r)
@@ -507,9 +534,12 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def(
       "gguf_linear_k(Tensor(a!) out, Tensor x, Tensor packed, Tensor super_d, Tensor super_m, "
       "Tensor sub_sc, Tensor sub_mn, int bits, int digits, int isa) -> ()");
+  m.def("gguf_path(int isa) -> int");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_linear_k", &gguf_linear_k);
 }
+
+TORCH_LIBRARY_IMPL(pagedllm, CatchAll, m) { m.impl("gguf_path", &gguf_path); }

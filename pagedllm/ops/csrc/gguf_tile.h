@@ -142,13 +142,14 @@ void rows_pass(const Activations& a, const Weights& w, int64_t row, int64_t tile
   for (; t < tile_end; ++t) vector_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
 }
 
+// Rows [row_begin, rows) of the item's tiles.
 template <int BITS, int DIGITS, bool KQUANT, int HALVES>
-void vector_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile_begin,
-                 int64_t tile_end, const Output& out) {
+void vector_item(const Activations& a, const Weights& w, int64_t row_begin, int64_t rows,
+                 int64_t tile_begin, int64_t tile_end, const Output& out) {
   // Rows outer: a pass's few activation rows stay in L1 while the item's tiles (32 columns
   // of weights: 72-458 KB at the default model's to an 8B model's shapes) come from L2.
   // The rows left after the full passes go in passes of 4, 2 and 1.
-  int64_t row = 0;
+  int64_t row = row_begin;
   for (; row + kRowsPerPass <= rows; row += kRowsPerPass)
     rows_pass<kRowsPerPass, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out);
   if constexpr (kRowsPerPass > 4) {
@@ -167,8 +168,8 @@ void vector_item(const Activations& a, const Weights& w, int64_t rows, int64_t t
 template <int BITS, bool KQUANT, int HALVES>
 void vector_digits(const Activations& a, const Weights& w, int64_t rows, int64_t tile_begin,
                    int64_t tile_end, int digits, const Output& out) {
-  if (digits == 2) return vector_item<BITS, 2, KQUANT, HALVES>(a, w, rows, tile_begin, tile_end, out);
-  return vector_item<BITS, 1, KQUANT, HALVES>(a, w, rows, tile_begin, tile_end, out);
+  if (digits == 2) return vector_item<BITS, 2, KQUANT, HALVES>(a, w, 0, rows, tile_begin, tile_end, out);
+  return vector_item<BITS, 1, KQUANT, HALVES>(a, w, 0, rows, tile_begin, tile_end, out);
 }
 
 // The combinations the GGUF types use: Q4_0/Q4_1 (4, float), Q8_0 (8, float), Q4_K (4, K),
