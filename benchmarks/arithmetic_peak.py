@@ -9,6 +9,8 @@ Builds a small C program (gcc, OpenMP) and runs register-only loops on every cor
   int8 VNNI   12 independent vpdpbusd chains (u8 x s8 pairs into int32): MACs per cycle
   bf16 dot    12 independent vdpbf16ps chains (bf16 pairs into fp32, AVX512-BF16): FLOP
               per cycle, two products and two adds per fp32 lane
+  int8 AMX    4 independent tdpbsud on full tiles (16 x 64 bytes, s8 x u8 into int32,
+              AMX-INT8 where Linux grants the tiles): MACs per cycle
 
 No memory is touched inside the loops, so these are the cores' issue rates, the bound above
 `ceiling.py`'s measured matmul rate. Each thread is timed by its own CPU time: on cores
@@ -27,11 +29,15 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = r"""
+#include <cpuid.h>
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 /* The calling thread's own CPU time: a loop's rate is per second it ran, so other processes
    sharing the cores (time slices, a hypervisor's steal) do not bend the per-cycle ratios. */
@@ -88,6 +94,43 @@ __attribute__((target("avx512f,avx512bf16"))) static void bf16dot512(long iterat
     LOOP("zmm", "vdpbf16ps")
 }
 
+/* AMX-INT8 (CPUID leaf 7, EDX bit 25), and Linux's grant of the tile data. */
+static int amx_int8_granted(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 25))) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+struct tile_config {
+    unsigned char palette, start_row, reserved[14];
+    unsigned short colsb[16];
+    unsigned char rows[16];
+} __attribute__((aligned(64)));
+
+/* Four independent multiplies of full tiles an iteration: C0..C3 += A4|A5 x B6|B7. */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_int8(long iterations) {
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    __asm__ volatile("" : : "r"(&config) : "memory"); /* GCC 12 drops the stores as dead */
+    _tile_loadconfig(&config);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (long i = 0; i < iterations; i++) {
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+        _tile_dpbsud(2, 5, 6);
+        _tile_dpbsud(3, 5, 7);
+    }
+    _tile_release();
+}
+
 typedef void (*loop_fn)(long);
 
 /* Every thread runs `fn` for about `seconds`; prints the iterations a second of all threads
@@ -128,6 +171,7 @@ int main(int argc, char **argv) {
         run("bf16_dot_256", bf16dot256, seconds, CHAINS * 8 * 4);
         run("bf16_dot_512", bf16dot512, seconds, CHAINS * 16 * 4);
     }
+    if (amx_int8_granted()) run("int8_amx_tile", amx_int8, seconds, 4 * 16 * 16 * 64);
     return 0;
 }
 """

@@ -30,3 +30,7 @@ def test_rates_are_per_cycle_issue_rates():
             # Four FLOP per fp32 lane; from one 8-lane dot product every eighth cycle to two
             # 16-lane ones a cycle.
             assert 4 <= figures[name]["per_cycle_per_core"] <= 128 * 1.1, (name, figures)
+    if "int8_amx_tile" in figures:  # only where the CPU has AMX-INT8 and Linux grants it
+        # A tile multiply is 16 x 16 x 64 MACs; Sapphire Rapids issues one every 16 cycles
+        # (1,024 a cycle); a quarter of that at least, or the loop is not on the tiles.
+        assert 256 <= figures["int8_amx_tile"]["per_cycle_per_core"] <= 1024 * 1.1, figures
