@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import httpx2 as httpx
@@ -207,9 +208,22 @@ def test_dashboard_data_shows_a_tenant_its_own_figures(admin_server):
     assert bob["samples"] and all(set(s["tenants"]) <= {"bob"} for s in bob["samples"])
     assert all(s["running"] is None and "lora_adapters" not in s for s in bob["samples"])
     assert bob["totals"]["finished"] >= 1 and bob["totals"]["preemptions"] is None
-    everyone = admin_server.get("/dashboard/data").json()
+    # A sample is a closed second: one that ended after bob's request began names bob.
+    everyone = _dashboard_once_a_second_closes(admin_server)
     assert {"alice", "bob"} <= {name for s in everyone["samples"] for name in s["tenants"]}
     assert everyone["totals"]["finished"] > bob["totals"]["finished"]
+
+
+def _dashboard_once_a_second_closes(server) -> dict:
+    """The admin's dashboard data once a second has closed since this call (the series
+    closes seconds as it is read; on a fast machine both requests fit in one second)."""
+    start = server.get("/dashboard/data").json()["now"]
+    for _ in range(50):
+        data = server.get("/dashboard/data").json()
+        if data["samples"] and data["samples"][-1]["t"] > start:
+            return data
+        time.sleep(0.1)
+    raise AssertionError("no second of the dashboard series closed within 5 s")
 
 
 # ---- without a server ------------------------------------------------------------------------

@@ -24,21 +24,21 @@ constexpr int kAmxRows = 16;  // rows of an A (and a C) tile
 // The unpacked pair: block b's 8 rows of 64 bytes at kAmxBlockAt + b * kAmxBlockStride, and
 // 8 rows of zeros before each block (written once: unpacking never touches them). Beside it,
 // in a buffer of their own, each block's float scales and mins for the 16 columns (d then m
-// for each half, 64 floats a block): made at each of a pair's groups' blocks, from 8 cache
-// lines of two tiles' tables, they cost a sixth of a group's time.
+// for each half, 64 floats a block), made once a pair rather than at every group's block
+// from 8 cache lines of the two tiles' tables.
 constexpr int64_t kAmxBlockStride = 1024;
 constexpr int64_t kAmxBlockAt = 512;
 constexpr int64_t kAmxScaleFloats = 64;
 // Rows a pass over a pair's blocks takes (4 groups): their fp32 sums, 4 KB, stay in L1, and
-// their digits (1 MB at a K of 8,192) in L2 beside the item's unpacked pairs.
+// their digits (1 MB at a K of 8,192) in L2 beside the unpacked pair.
 constexpr int64_t kAmxChunkGroups = 4;
 
 PAGEDLLM_AMX_INT8_TARGET inline void release_amx_tiles() { _tile_release(); }
 
 // A buffer of the calling thread's, zeroed when made and grown to the widest layer's blocks
 // (an 8B model's down projection: 448 blocks, 448 KB of tiles, which stay in L2 while the
-// pair's rows run). 64-byte aligned: a tile row that straddles two cache lines made the
-// group's multiplies a third slower.
+// pair's rows run). 64-byte aligned: with a std::vector's 16-byte alignment every tile row
+// straddled two cache lines, and Q4_K ran 15-20% slower.
 struct ThreadBuffer {
   uint8_t* data = nullptr;
   size_t size = 0;
@@ -88,6 +88,17 @@ PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void stored_scales(const float* 
   }
 }
 
+// Both bodies' tile shapes: C tiles 0-3 of 16 rows of int32; A tiles 4 and 5 of 16 rows of
+// `a_bytes` digits; B tiles 6 and 7 of `b_rows` rows of 64 bytes.
+PAGEDLLM_AMX_INT8_TARGET inline void configure_tiles(int a_bytes, int b_rows) {
+  pagedllm_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(t < 6 ? kAmxRows : b_rows);
+    config.colsb[t] = static_cast<uint16_t>(t == 4 || t == 5 ? a_bytes : 64);
+  }
+  pagedllm_amx::load_config(config);
+}
+
 // ---- whole blocks (every type but Q6_K) -----------------------------------------------------
 //
 // One multiply a digit. With two digits an A tile is a row's 64 bytes as they lie (hi, then
@@ -98,24 +109,6 @@ PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void stored_scales(const float* 
 // right after its multiplies ran Q4_K at 64 rows at 332 GOP/s, against 535 pipelined).
 //
 // Tiles: set s's C tiles (hi, lo) at 2s, 2s + 1 and its A tile at 4 + s; B (hi, lo) at 6, 7.
-
-template <int DIGITS>
-PAGEDLLM_AMX_INT8_TARGET void configure_block_tiles() {
-  pagedllm_amx::TileConfig config;
-  for (int t = 0; t < 4; ++t) {
-    config.rows[t] = kAmxRows;
-    config.colsb[t] = 64;
-  }
-  for (int t = 4; t < 6; ++t) {
-    config.rows[t] = kAmxRows;
-    config.colsb[t] = DIGITS * kBlock;
-  }
-  for (int t = 6; t < 8; ++t) {
-    config.rows[t] = DIGITS * 8;
-    config.colsb[t] = 64;
-  }
-  pagedllm_amx::load_config(config);
-}
 
 // The multiplies of one group into set SET, its 16 rows' digits at `rows` (one A tile).
 template <int SET, int DIGITS>
@@ -141,32 +134,45 @@ PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void issue_group(const int8_t* r
 }
 
 template <int SET, int DIGITS>
-PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void store_group(int32_t (&dots)[DIGITS][kAmxRows * 16]) {
+PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void store_group(int32_t (&dots)[1][DIGITS][kAmxRows * 16]) {
   if constexpr (SET == 0) {
-    _tile_stored(0, dots[0], 64);
-    if constexpr (DIGITS == 2) _tile_stored(1, dots[1], 64);
+    _tile_stored(0, dots[0][0], 64);
+    if constexpr (DIGITS == 2) _tile_stored(1, dots[0][1], 64);
   } else {
-    _tile_stored(2, dots[0], 64);
-    if constexpr (DIGITS == 2) _tile_stored(3, dots[1], 64);
+    _tile_stored(2, dots[0][0], 64);
+    if constexpr (DIGITS == 2) _tile_stored(3, dots[0][1], 64);
   }
 }
 
-// The float epilogue of one block for a group's 16 rows, their sums in `acc` (16 floats a row).
+// The float epilogue of one block for a group's 16 rows: their dots dots[half][digit], the
+// block's scales and mins, the rows' sums in `acc` (16 floats a row), the rows' first entry
+// in the activation tables at `at` (a full group's rows are consecutive there).
+template <int HALVES, int DIGITS>
+PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void finish_rows(
+    const int32_t (&dots)[HALVES][DIGITS][kAmxRows * 16], const __m512 (&d)[HALVES],
+    const __m512 (&m)[HALVES], const Activations& a, int64_t at, float* acc) {
+#pragma GCC unroll 16
+  for (int r = 0; r < kAmxRows; ++r) {
+    __m512i row_dots[HALVES];
+    for (int h = 0; h < HALVES; ++h) {
+      row_dots[h] = _mm512_load_si512(dots[h][0] + 16 * r);
+      if constexpr (DIGITS == 2)
+        row_dots[h] = _mm512_add_epi32(_mm512_slli_epi32(row_dots[h], 8),
+                                       _mm512_load_si512(dots[h][1] + 16 * r));
+    }
+    const __m512 sum = block_epilogue<Lanes16, HALVES>(_mm512_load_ps(acc + 16 * r), row_dots, d, m, a, at + r);
+    _mm512_store_ps(acc + 16 * r, sum);
+  }
+}
+
+// finish_rows for a group of whole blocks: its rows from `row`, block b.
 template <int DIGITS>
 PAGEDLLM_AMX_INT8_TARGET PAGEDLLM_ALWAYS_INLINE void finish_group(
-    const int32_t (&dots)[DIGITS][kAmxRows * 16], const Activations& a, const float* scales,
+    const int32_t (&dots)[1][DIGITS][kAmxRows * 16], const Activations& a, const float* scales,
     int64_t row, int64_t b, float* acc) {
   __m512 d[1], m[1];
   stored_scales<1>(scales, b, d, m);
-  const int64_t at = a.at(row, b);  // a full group's rows are consecutive in the tables
-#pragma GCC unroll 16
-  for (int r = 0; r < kAmxRows; ++r) {
-    __m512i dot[1] = {_mm512_load_si512(dots[0] + 16 * r)};
-    if constexpr (DIGITS == 2)
-      dot[0] = _mm512_add_epi32(_mm512_slli_epi32(dot[0], 8), _mm512_load_si512(dots[1] + 16 * r));
-    const __m512 sum = block_epilogue<Lanes16, 1>(_mm512_load_ps(acc + 16 * r), dot, d, m, a, at + r);
-    _mm512_store_ps(acc + 16 * r, sum);
-  }
+  finish_rows<1, DIGITS>(dots, d, m, a, a.at(row, b), acc);
 }
 
 // A chunk's sums to `out`: the pair's 16 columns, the last pair's part padding.
@@ -187,7 +193,7 @@ PAGEDLLM_AMX_INT8_TARGET void amx_pair_chunk(const Activations& a, int64_t block
                                              const float* scales, const Output& out) {
   alignas(64) float acc[kAmxChunkGroups * kAmxRows * 16];
   std::memset(acc, 0, sizeof(float) * groups * kAmxRows * 16);
-  alignas(64) int32_t dots[2][DIGITS][kAmxRows * 16];
+  alignas(64) int32_t dots[2][1][DIGITS][kAmxRows * 16];  // [set][half][digit]
   // The group issued before the current one, finished after it (last_b < 0: none yet).
   int64_t last_b = -1, last_g = 0;
   int set = 0;
@@ -223,23 +229,6 @@ PAGEDLLM_AMX_INT8_TARGET void amx_pair_chunk(const Activations& a, int64_t block
 // once a block for all the groups) against the first or last 16 bytes of each row's digit
 // (A tiles 4 and 5). C for half h and digit i at 2h + i (0-3); a group's sums are stored
 // once its four multiplies are issued.
-
-PAGEDLLM_AMX_INT8_TARGET inline void configure_half_tiles() {
-  pagedllm_amx::TileConfig config;
-  for (int t = 0; t < 4; ++t) {
-    config.rows[t] = kAmxRows;
-    config.colsb[t] = 64;
-  }
-  for (int t = 4; t < 6; ++t) {
-    config.rows[t] = kAmxRows;
-    config.colsb[t] = kBlock / 2;
-  }
-  for (int t = 6; t < 8; ++t) {
-    config.rows[t] = 4;
-    config.colsb[t] = 64;
-  }
-  pagedllm_amx::load_config(config);
-}
 
 // A group's dots for both halves into dots[half][digit], its rows' digits at `rows`.
 template <int DIGITS>
@@ -285,20 +274,7 @@ PAGEDLLM_AMX_INT8_TARGET void amx_pair_halves(const Activations& a, int64_t bloc
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t group_row = row + kAmxRows * g;
       half_group_dots<DIGITS>(a.hi(group_row, b), dots);
-      const int64_t at = a.at(group_row, b);  // a full group's rows are consecutive in the tables
-      float* group_acc = acc + g * kAmxRows * 16;
-#pragma GCC unroll 16
-      for (int r = 0; r < kAmxRows; ++r) {
-        __m512i row_dots[2];
-        for (int h = 0; h < 2; ++h) {
-          row_dots[h] = _mm512_load_si512(dots[h][0] + 16 * r);
-          if constexpr (DIGITS == 2)
-            row_dots[h] = _mm512_add_epi32(_mm512_slli_epi32(row_dots[h], 8),
-                                           _mm512_load_si512(dots[h][1] + 16 * r));
-        }
-        const __m512 sum = block_epilogue<Lanes16, 2>(_mm512_load_ps(group_acc + 16 * r), row_dots, d, m, a, at + r);
-        _mm512_store_ps(group_acc + 16 * r, sum);
-      }
+      finish_rows<2, DIGITS>(dots, d, m, a, a.at(group_row, b), acc + g * kAmxRows * 16);
     }
   }
   store_chunk_rows(acc, row, groups, tile, out);
@@ -307,9 +283,10 @@ PAGEDLLM_AMX_INT8_TARGET void amx_pair_halves(const Activations& a, int64_t bloc
 // A work item's tiles for every row: the full groups of 16 rows on the tiles and the rest
 // (rows past the last group, an odd last tile) on the VNNI body. Chunks of rows outer, pairs
 // inner: a chunk's digits stay in L2 while each pair is unpacked and run over them (pairs
-// outer, all the rows of a 256-row matmul with a K of 8,192 streamed 4 MB of digits a pair
-// from L3). Each pair is unpacked into the same buffer, where it was just run: unpacked
-// side by side in a buffer of their own, the second pair ran at 16 rows at half the rate.
+// outer, every row's digits came round for each pair: 4 MB for Llama-3.2-1B's down
+// projection at 256 rows, which ran in 26.1 ms against 23.2). Each pair is unpacked into the
+// same buffer, where the last one ran: unpacked side by side in a buffer of their own, the
+// second pair ran at half the rate at 16 rows (gate+up 4.27 against 2.22 ms), cause unknown.
 template <int BITS, int DIGITS, bool KQUANT, int HALVES>
 void amx_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile_begin,
               int64_t tile_end, const Output& out) {
@@ -320,8 +297,10 @@ void amx_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile
     thread_local ThreadBuffer tile_buffer, scale_buffer;
     uint8_t* b_tiles = tile_buffer.at_least(w.blocks * kAmxBlockStride + kAmxBlockAt);
     float* scales = reinterpret_cast<float*>(scale_buffer.at_least(w.blocks * kAmxScaleFloats * 4));
-    if constexpr (HALVES == 1) configure_block_tiles<DIGITS>();
-    else configure_half_tiles();
+    // Whole blocks: a row's digits (32 bytes a digit) against the block (one digit) or
+    // [W; 0] and [0; W] (two); Q6_K's halves: 16 bytes of a digit against 4 rows of it.
+    if constexpr (HALVES == 1) configure_tiles(DIGITS * kBlock, DIGITS * 8);
+    else configure_tiles(kBlock / 2, 4);
     for (int64_t row = 0; row < tile_rows; row += kAmxChunkGroups * kAmxRows) {
       const int64_t groups = std::min(kAmxChunkGroups, (tile_rows - row) / kAmxRows);
       for (int64_t t = tile_begin; t < tile_begin + 2 * pairs; t += 2) {
