@@ -104,8 +104,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
   }
 }
 
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
-
 // Blocks [begin, end) for every row of x, on the calling thread: for each block the rows
 // 32 at a time, so a block read once serves them all from L1/L2. Each B tile serves two A
 // tiles: passes of 16 rows (double-buffered B tiles, the block re-read from L2 for each
@@ -136,7 +134,7 @@ void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& p
                  os + m * out.stride(0) + j * kBlockN, out.stride(0));
     }
   }
-  if (configured0 >= 0) release_tiles();
+  if (configured0 >= 0) pagedllm_amx::release_tiles();
 }
 
 // Columns [blocks * 32) per thread: a grain of blocks that keeps both cores busy on the

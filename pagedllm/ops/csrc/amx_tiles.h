@@ -1,5 +1,5 @@
-// What every AMX kernel needs (amx_linear.cpp, attention_amx.h): Linux's grant of the tile
-// data, and the tile configuration (palette 1) and its loading.
+// What every AMX kernel needs (amx_linear.cpp, attention_amx.h, gguf_tile_amx.h): Linux's
+// grant of the tile data, the tile configuration (palette 1), its loading and release.
 #pragma once
 
 #include <immintrin.h>
@@ -38,5 +38,8 @@ __attribute__((target("amx-tile"))) inline void load_config(const TileConfig& co
   asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
+
+// Hands the tiles back (their state need not be saved at the next context switch).
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
 
 }  // namespace pagedllm_amx

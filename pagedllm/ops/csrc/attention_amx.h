@@ -329,7 +329,7 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
       tile_values<D>(r0, std::min(kRowTile, rows - r0), s);
     }
   }
-  _tile_release();
+  pagedllm_amx::release_tiles();
   for (int r = 0; r < rows; ++r) {
     const __m512 inverse = _mm512_set1_ps(1.0f / s.l[r]);
     const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;

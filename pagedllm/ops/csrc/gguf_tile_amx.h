@@ -33,12 +33,10 @@ constexpr int64_t kAmxScaleFloats = 64;
 // their digits (1 MB at a K of 8,192) in L2 beside the unpacked pair.
 constexpr int64_t kAmxChunkGroups = 4;
 
-PAGEDLLM_AMX_INT8_TARGET inline void release_amx_tiles() { _tile_release(); }
-
-// A buffer of the calling thread's, zeroed when made and grown to the widest layer's blocks
-// (an 8B model's down projection: 448 blocks, 448 KB of tiles, which stay in L2 while the
-// pair's rows run). 64-byte aligned: with a std::vector's 16-byte alignment every tile row
-// straddled two cache lines, and Q4_K ran 15-20% slower.
+// A buffer zeroed when made and grown to the widest layer's blocks (an 8B model's down
+// projection: 448 blocks, 448 KB of tiles, which stay in L2 while the pair's rows run).
+// 64-byte aligned: with a std::vector's 16-byte alignment every tile row straddled two cache
+// lines, and Q4_K ran 15-20% slower.
 struct ThreadBuffer {
   uint8_t* data = nullptr;
   size_t size = 0;
@@ -56,6 +54,18 @@ struct ThreadBuffer {
     return data;
   }
 };
+
+// The calling thread's buffers for an unpacked pair and its scales, one pair of them for
+// every type and digit count.
+inline ThreadBuffer& pair_tile_buffer() {
+  thread_local ThreadBuffer buffer;
+  return buffer;
+}
+
+inline ThreadBuffer& pair_scale_buffer() {
+  thread_local ThreadBuffer buffer;
+  return buffer;
+}
 
 // Every block of the pair at `tile`, unpacked to bytes, and its scales, into `b_tiles`.
 template <int BITS, bool KQUANT, int HALVES>
@@ -294,9 +304,9 @@ void amx_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile
   const int64_t pairs = tile_rows > 0 ? (tile_end - tile_begin) / 2 : 0;
   if (pairs > 0) {
     // The zeros go on past the last block: its B tile for hi digits is [W; 0].
-    thread_local ThreadBuffer tile_buffer, scale_buffer;
-    uint8_t* b_tiles = tile_buffer.at_least(w.blocks * kAmxBlockStride + kAmxBlockAt);
-    float* scales = reinterpret_cast<float*>(scale_buffer.at_least(w.blocks * kAmxScaleFloats * 4));
+    uint8_t* b_tiles = pair_tile_buffer().at_least(w.blocks * kAmxBlockStride + kAmxBlockAt);
+    float* scales =
+        reinterpret_cast<float*>(pair_scale_buffer().at_least(w.blocks * kAmxScaleFloats * 4));
     // Whole blocks: a row's digits (32 bytes a digit) against the block (one digit) or
     // [W; 0] and [0; W] (two); Q6_K's halves: 16 bytes of a digit against 4 rows of it.
     if constexpr (HALVES == 1) configure_tiles(DIGITS * kBlock, DIGITS * 8);
@@ -309,7 +319,7 @@ void amx_item(const Activations& a, const Weights& w, int64_t rows, int64_t tile
         else amx_pair_halves<DIGITS>(a, w.blocks, row, groups, t, b_tiles, scales, out);
       }
     }
-    release_amx_tiles();
+    pagedllm_amx::release_tiles();
   }
   const int64_t t = tile_begin + 2 * pairs;  // the odd tile left, if any
   if (t < tile_end) vector_item<BITS, DIGITS, KQUANT, HALVES>(a, w, 0, tile_rows, t, tile_end, out);
