@@ -15,6 +15,9 @@ os.environ["PAGEDLLM_DEBUG"] = "1"
 # Engines compile their decode step only where a test asks (compile=True): compiled by
 # default, every engine the suite starts would add 10-60 s (runner/compile_choice.py).
 os.environ.setdefault("PAGEDLLM_COMPILE", "0")
+# Nor do they fault their KV pools in ahead: each would spend ~0.5-1.5 s of its start on the
+# first 512 MB (runner/kv_prefault.py); tests/worker/test_kv_prefault.py turns it on.
+os.environ.setdefault("PAGEDLLM_KV_PREFAULT", "0")
 
 import process_guard
 from model_utils import make_tiny_model

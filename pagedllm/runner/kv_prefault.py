@@ -1,29 +1,33 @@
-"""Faulting the CPU KV pool's pages in ahead of use, on CPU time nothing else wants.
+"""Faulting the CPU KV pool's pages in ahead of use: the first blocks at start-up, more on
+CPU time nothing else wants.
 
 The pool is an anonymous mapping, so its pages are mapped lazily: the first write to a block
 faults them in inside a step. On a VM that fault is the host's first touch of guest
-memory, ~0.4-0.75 GB/s here, and W1 (64 prompts x 384 tokens) touches ~1.1 GB of fresh
-blocks: 2-3 s of its ~40 (docs/performance.md, "The KV pool faulted in while the engine
-idles"). Touching a whole 4 GiB pool up front would cost ~9 s of start-up instead.
+memory, ~0.4-0.75 GB/s here: W1-lite (32 prompts x 320 tokens) touches ~235 MB of fresh
+blocks, W1 (64 x 384) ~565 MB, and faulting them inside its steps cost W1-lite 3.72 against
+4.47 s (docs/performance.md, "The KV pool's first blocks at start-up"). Touching a whole 11 GB
+pool up front would cost ~20 s of start-up instead.
 
-So a background thread at SCHED_IDLE priority faults the pool in with MADV_POPULATE_WRITE,
-in the order a fresh pool hands out its blocks (ascending ids): 256 KB of every layer's K
-and V before the next 256 KB of any. It runs only on a core that is otherwise idle, as
-while a server waits for requests. MADV_POPULATE_WRITE never changes a page's contents, so
-it is safe against the steps' own writes to the same blocks. It faults in at most
-`AHEAD_BYTES` (what a busy first minute touches: W1's ~1.1 GB); the rest of a larger pool
-is faulted in by the steps that first use it, so an idle server holds its model and that
-much of the pool, not the whole pool (5.9 GB resident for the 135M default model when it
-faulted everything). It starts once the model is loaded (`ModelRunner.load_model`), so it
-never competes with start-up: beside the load it slowed the load by 0.4-1.1 s, and on a
-loaded machine a thread at idle priority may be left off the CPU inside madvise while it
-holds the mmap lock that the load's own allocations wait for (a risk, not measured). Where
-the kernel lacks it (Linux < 5.14) or the thread cannot be put at idle priority, nothing is
-faulted in ahead and the steps fault as before. It stops short where the machine's
-available memory would fall below a quarter of its RAM (at least 1 GiB): several engines in
-one machine (a test suite holds a few) or a pool sized beyond the RAM that is left then
-cost only what their steps use, and the page cache keeps room.
-PAGEDLLM_KV_PREFAULT=0 turns it off.
+So the pages are faulted in with MADV_POPULATE_WRITE, in the order a fresh pool hands out
+its blocks (ascending ids): 256 KB of every layer's K and V before the next 256 KB of any.
+- At start-up, once the model is loaded, the first `AT_START_BYTES` on the loading thread
+  (about a second on a VM), as vLLM zeroes its whole cache before it reports ready: the first
+  requests after a start then write to mapped pages.
+- Then a background thread at SCHED_IDLE priority goes on to `AHEAD_BYTES` (what a busy
+  first minute touches), but only while no step runs (`step_started` / `step_finished`, and
+  `QUIET_S` after a step): a thread at idle priority that a step's threads preempt inside
+  madvise holds the mmap lock that the step's own page faults and heap growth wait for, and
+  OpenMP's spinning threads then keep it off the CPU. Beside W1-lite's steps that stalled
+  single decode steps for 100-180 ms (four in one run).
+The rest of a larger pool is faulted in by the steps that first use it, so an idle server
+holds its model and that much of the pool, not the whole pool (5.9 GB resident for the 135M
+default model when it faulted everything). MADV_POPULATE_WRITE never changes a page's
+contents, so it is safe against the steps' own writes to the same blocks. Where the kernel
+lacks it (Linux < 5.14) nothing is faulted in ahead and the steps fault as before; without
+idle priority the thread does not run. Both parts stop short where the machine's available
+memory would fall below a quarter of its RAM (at least 1 GiB): several engines in one machine
+(a test suite holds a few) or a pool sized beyond the RAM that is left then cost only what
+their steps use, and the page cache keeps room. PAGEDLLM_KV_PREFAULT=0 turns both off.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 CHUNK_BYTES = 256 * 1024
 MIN_AVAILABLE_SHARE, MIN_AVAILABLE_BYTES = 0.25, 2**30  # left to the rest of the machine
 AHEAD_BYTES = 2**30  # faulted in ahead at most; the steps fault in the rest as they use it
+AT_START_BYTES = 2**29  # of those, faulted in at start-up, before the engine takes requests
+QUIET_S = 0.05  # the background thread waits this long after a step before it goes on
 _CHECK_MEMORY_EVERY_BYTES = 64 * 2**20  # /proc/meminfo is read once per this many bytes
 
 
@@ -83,24 +89,43 @@ def _page_up(address: int) -> int:
 
 
 class KVCachePrefaulter:
-    """Owns the background thread; `stop()` ends it within one madvise call.
+    """Faults in `at_start_bytes` on `start()`'s thread, then owns the background thread
+    that goes on to `limit_bytes` between steps; `stop()` ends it within one madvise call.
     `populated_bytes` counts the bytes of the ranges populated so far."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], limit_bytes: int = AHEAD_BYTES) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        limit_bytes: int = AHEAD_BYTES,
+        at_start_bytes: int = AT_START_BYTES,
+    ) -> None:
         if not tensors or any(t.shape[0] != tensors[0].shape[0] for t in tensors):
             raise ValueError("KV tensors must be non-empty and share their number of blocks")
         block_bytes = max(t.nbytes // t.shape[0] for t in tensors)
         self.chunk_blocks = max(1, CHUNK_BYTES // block_bytes)
         self.limit_bytes = limit_bytes
+        self.at_start_bytes = min(at_start_bytes, limit_bytes)
         self.populated_bytes = 0
         self.finished = threading.Event()  # set when the thread ends, for any reason
         self._stopping = threading.Event()
+        self._ranges = block_major_ranges(list(tensors), self.chunk_blocks)
+        self._floor = _memory_floor_bytes()
+        self._next_check = 0
+        self._steps_running = 0
+        self._quiet_from = 0.0  # time.monotonic() after which no step has run for QUIET_S
         # The thread holds the tensors, so their memory outlives any call it makes.
         self._thread = threading.Thread(
             target=self._run, args=(list(tensors),), name="kv-prefault", daemon=True
         )
 
     def start(self) -> KVCachePrefaulter:
+        started = time.perf_counter()
+        if self._populate(self.at_start_bytes) and self.at_start_bytes > 0:
+            logger.info(
+                "KV pool: first %.2f GB faulted in at start-up in %.1f s",
+                self.populated_bytes / 1e9,
+                time.perf_counter() - started,
+            )
         self._thread.start()
         return self
 
@@ -109,37 +134,60 @@ class KVCachePrefaulter:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
+    def step_started(self) -> None:
+        self._steps_running += 1
+
+    def step_finished(self) -> None:
+        self._steps_running -= 1
+        self._quiet_from = time.monotonic() + QUIET_S
+
     def _run(self, tensors: list[torch.Tensor]) -> None:
         try:
-            if not _lower_own_priority():
-                return
-            started, next_check, floor = time.perf_counter(), 0, _memory_floor_bytes()
-            for address, length in block_major_ranges(tensors, self.chunk_blocks):
-                if self._stopping.is_set():
-                    return
-                if self.populated_bytes >= self.limit_bytes:
-                    break
-                if self.populated_bytes >= next_check:
-                    if available_memory_bytes() < floor + length:
-                        logger.info(
-                            "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
-                            "that use it (available memory is low)",
-                            self.populated_bytes / 1e9,
-                        )
-                        return
-                    next_check = self.populated_bytes + _CHECK_MEMORY_EVERY_BYTES
-                error = madvise(address, length, MADV_POPULATE_WRITE)
-                if error:
-                    logger.debug("KV pool not faulted in ahead (madvise errno %d)", error)
-                    return
-                self.populated_bytes += length
-            logger.debug(
-                "KV pool faulted in: %.2f GB in %.1f s",
-                self.populated_bytes / 1e9,
-                time.perf_counter() - started,
-            )
+            if self.populated_bytes < self.limit_bytes and _lower_own_priority():
+                started = time.perf_counter()
+                self._populate(self.limit_bytes, between_steps=True)
+                logger.debug(
+                    "KV pool faulted in: %.2f GB (%.1f s in the background)",
+                    self.populated_bytes / 1e9,
+                    time.perf_counter() - started,
+                )
         finally:
             self.finished.set()
+
+    def _populate(self, until_bytes: int, between_steps: bool = False) -> bool:
+        """Faults the next ranges in until `until_bytes` are; False where it stopped for
+        good (stopped, the pool done, memory low, madvise refused)."""
+        while self.populated_bytes < until_bytes:
+            if between_steps and not self._wait_for_quiet():
+                return False
+            address_length = next(self._ranges, None)
+            if address_length is None or self._stopping.is_set():
+                return False
+            address, length = address_length
+            if self.populated_bytes >= self._next_check:
+                if available_memory_bytes() < self._floor + length:
+                    logger.info(
+                        "KV pool: %.2f GB faulted in ahead; the rest is left to the steps "
+                        "that use it (available memory is low)",
+                        self.populated_bytes / 1e9,
+                    )
+                    self._ranges = iter(())
+                    return False
+                self._next_check = self.populated_bytes + _CHECK_MEMORY_EVERY_BYTES
+            error = madvise(address, length, MADV_POPULATE_WRITE)
+            if error:
+                logger.debug("KV pool not faulted in ahead (madvise errno %d)", error)
+                self._ranges = iter(())
+                return False
+            self.populated_bytes += length
+        return True
+
+    def _wait_for_quiet(self) -> bool:
+        """Returns once no step has run for QUIET_S; False if stopped meanwhile."""
+        while self._steps_running or time.monotonic() < self._quiet_from:
+            if self._stopping.wait(QUIET_S):
+                return False
+        return not self._stopping.is_set()
 
 
 def _memory_floor_bytes() -> int:

@@ -136,8 +136,9 @@ class ModelBuilder:
     def start_prefault(
         self, owner: object, tensors: list[torch.Tensor]
     ) -> KVCachePrefaulter | None:
-        """Fault `tensors` in on idle CPU time, stopping when `owner` is collected (a dropped
-        engine's pool must be neither kept alive nor faulted in)."""
+        """Fault the first of `tensors`' blocks in now and more between steps, stopping when
+        `owner` is collected (a dropped engine's pool must be neither kept alive nor faulted
+        in)."""
         if self.device.type != "cpu" or not prefault_enabled():
             return None
         prefaulter = KVCachePrefaulter(tensors).start()

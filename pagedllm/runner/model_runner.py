@@ -207,7 +207,8 @@ class ModelRunner:
             self.kv_tiers = KVTierWorker(tiers, self.kv_block_tensors(), get_world_group())
         host_tier = self.kv_tiers.host if self.kv_tiers is not None else []
         publish_kv_pool_ranges([*self.kv_block_tensors(), *host_tier])  # only where a soak asks
-        # Only now: faulting the pool in beside the load slowed it (kv_prefault.py).
+        # Only now: faulting the pool in beside the load slowed it (kv_prefault.py). The
+        # first blocks are faulted in here, before the engine takes requests.
         self._prefaulter = self.builder.start_prefault(self, self.kv_block_tensors())
 
     def _compiles_decode(self) -> bool:
@@ -318,7 +319,14 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self._execute_model(scheduler_output)
+        prefaulter = self._prefaulter  # faults the pool in ahead only between steps
+        if prefaulter is not None:
+            prefaulter.step_started()
+        try:
+            output = self._execute_model(scheduler_output)
+        finally:
+            if prefaulter is not None:
+                prefaulter.step_finished()
         if self.kv_tiers is not None:
             if not scheduler_output.num_scheduled_tokens:  # nothing else to do: not a spin
                 self.kv_tiers.wait_for_fetches(timeout_s=0.01)

@@ -1,6 +1,7 @@
-"""The KV pool's pages are faulted in by a background thread, in the order blocks are handed
-out, without touching their contents, once the model is loaded and at most `AHEAD_BYTES` of
-them; it stops on request and with its runner."""
+"""The KV pool's pages are faulted in, in the order blocks are handed out, without touching
+their contents, once the model is loaded: the first `AT_START_BYTES` before the engine takes
+requests, then by a background thread between steps, at most `AHEAD_BYTES` in all; it stops
+on request and with its runner."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import SamplingParams
 from pagedllm.runner import kv_prefault
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, block_major_ranges
 from pagedllm.utils import round_up
@@ -22,6 +24,12 @@ from tests.model_utils import model_runner, small_engine
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+
+
+@pytest.fixture(autouse=True)
+def prefault_on(monkeypatch):
+    """The suite leaves it off (conftest.py); the engines here fault their pools in."""
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT", "1")
 
 
 def _pool_tensor(num_blocks: int, block_floats: int) -> torch.Tensor:
@@ -121,7 +129,52 @@ def test_faults_in_no_more_than_its_limit():
 
 
 def test_the_default_limit_leaves_a_large_pool_to_its_steps():
-    assert KVCachePrefaulter([_pool_tensor(4, 16)]).limit_bytes == kv_prefault.AHEAD_BYTES
+    prefaulter = KVCachePrefaulter([_pool_tensor(4, 16)])
+    assert prefaulter.limit_bytes == kv_prefault.AHEAD_BYTES
+    assert prefaulter.at_start_bytes == kv_prefault.AT_START_BYTES < kv_prefault.AHEAD_BYTES
+
+
+@linux_only
+def test_faults_the_first_part_in_at_start_and_the_rest_only_between_steps(monkeypatch):
+    monkeypatch.setattr(kv_prefault, "QUIET_S", 0.02)
+    tensor = _pool_tensor(64, 2**15)  # 8 MiB, in chunks of 256 KiB
+    prefaulter = KVCachePrefaulter([tensor], limit_bytes=6 * 2**20, at_start_bytes=2 * 2**20)
+    prefaulter.step_started()  # a step runs from before the start until below
+    prefaulter.start()
+    # start() returned with the first part faulted in, on its own thread.
+    assert 2 * 2**20 <= prefaulter.populated_bytes <= 2 * 2**20 + PAGE
+    at_start = _resident_pages(tensor)[0]
+    assert at_start * PAGE >= 2 * 2**20
+    # Nothing more while the step runs, however long it takes.
+    assert not prefaulter.finished.wait(0.3)
+    assert prefaulter.populated_bytes <= 2 * 2**20 + PAGE
+    assert _resident_pages(tensor)[0] == at_start
+    prefaulter.step_finished()
+    assert prefaulter.finished.wait(60)
+    assert 6 * 2**20 <= prefaulter.populated_bytes <= 6 * 2**20 + PAGE
+    resident, pages = _resident_pages(tensor)
+    assert at_start < resident < pages
+
+
+def test_a_stop_during_a_step_ends_the_waiting_thread():
+    prefaulter = KVCachePrefaulter([_pool_tensor(64, 2**15)], at_start_bytes=0)
+    prefaulter.step_started()
+    prefaulter.start()
+    assert not prefaulter.finished.wait(0.1)
+    prefaulter.stop(timeout_s=10)
+    assert prefaulter.finished.is_set()
+    assert prefaulter.populated_bytes == 0
+
+
+def test_the_runner_marks_each_step_for_the_prefaulter(tiny_llama, monkeypatch):
+    llm = small_engine(tiny_llama)
+    prefaulter = model_runner(llm)._prefaulter
+    marks = []
+    monkeypatch.setattr(prefaulter, "step_started", lambda: marks.append("started"))
+    monkeypatch.setattr(prefaulter, "step_finished", lambda: marks.append("finished"))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0))
+    assert len(marks) >= 6
+    assert marks == ["started", "finished"] * (len(marks) // 2)
 
 
 def test_the_runner_starts_faulting_in_once_its_model_is_loaded(tiny_llama, monkeypatch):
