@@ -319,7 +319,9 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        prefaulter = self._prefaulter  # faults the pool in ahead only between steps
+        # The prefaulter faults the pool in ahead only between steps that run the model (an
+        # empty step, while grammars compile, runs nothing it could hold up).
+        prefaulter = self._prefaulter if scheduler_output.num_scheduled_tokens else None
         if prefaulter is not None:
             prefaulter.step_started()
         try:

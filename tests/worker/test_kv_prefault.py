@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.core.scheduler_output import SchedulerOutput
 from pagedllm.runner import kv_prefault
 from pagedllm.runner.kv_prefault import KVCachePrefaulter, block_major_ranges
 from pagedllm.utils import round_up
@@ -175,6 +176,10 @@ def test_the_runner_marks_each_step_for_the_prefaulter(tiny_llama, monkeypatch):
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0))
     assert len(marks) >= 6
     assert marks == ["started", "finished"] * (len(marks) // 2)
+    # A step that schedules no tokens runs no model: it leaves the prefaulter alone.
+    marks.clear()
+    model_runner(llm).execute_model(SchedulerOutput())
+    assert marks == []
 
 
 def test_the_runner_starts_faulting_in_once_its_model_is_loaded(tiny_llama, monkeypatch):
