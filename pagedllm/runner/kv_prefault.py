@@ -187,7 +187,7 @@ class KVCachePrefaulter:
         while self._steps_running or time.monotonic() < self._quiet_from:
             if self._stopping.wait(QUIET_S):
                 return False
-        return not self._stopping.is_set()
+        return True
 
 
 def _memory_floor_bytes() -> int:
