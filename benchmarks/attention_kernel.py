@@ -8,7 +8,7 @@ breakdown's prefill chunk). Prints ms per call, median and minimum of the repeat
 shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
 scattered over the cache as after a while of serving. A bf16 cache comes with a bf16 model's
 bf16 queries, and where the CPU has AMX-BF16 a third column times the kernel with its
-prefill tiles on AMX ("cpu amx", `KernelSelection.bf16_amx_attention`) and cpu/amx.
+prefill tiles and decodes on AMX ("cpu amx", `KernelSelection.bf16_amx_attention`) and cpu/amx.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16|int8|float8_e4m3fn|...]

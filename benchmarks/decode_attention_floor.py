@@ -3,10 +3,13 @@ the kernel's arithmetic alone, and a plain read of the same bytes.
 
 Decode attention reads every running sequence's K and V once per layer and does little
 arithmetic per byte, so its time is bounded below by those bytes over the machine's read
-bandwidth. Four timings per case (SmolLM2-135M shapes, `benchmarks.attention_kernel`'s
+bandwidth. Five timings per case (SmolLM2-135M shapes, `benchmarks.attention_kernel`'s
 step builder, blocks scattered over the cache):
 
-- served: the CPU kernel on the scattered blocks;
+- served, N layers: the CPU kernel on N layers' caches in turn (`--layers`, each its own
+  mapping like the engine's KV pool), ms a layer: the blocks come from memory, as in a
+  decode step;
+- served: the CPU kernel on the scattered blocks of one layer, again and again (from cache);
 - blocks in order: the same call with each sequence's blocks adjacent and in order in the
   cache (what a fresh pool hands a prompt's blocks), to show what the scattering costs;
 - arithmetic alone: the same call with every block-table entry pointing at one block, so
@@ -16,7 +19,10 @@ step builder, blocks scattered over the cache):
   hardware prefetchers serve at their best.
 
     .venv/bin/python -m benchmarks.decode_attention_floor [--kv-cache-dtype float16]
-        [--batch 256] [--context 320] [--repeats 30] [--threads 1]
+        [--batch 256] [--context 320] [--repeats 30] [--threads 1] [--amx-tiles]
+
+`--amx-tiles` (a bfloat16 cache on a CPU with AMX-BF16) times the kernel as a bf16 model
+runs it there: its decodes on AMX tiles.
 
 `--threads 1` against the default (all cores) shows whether the call is bound by the
 memory bus (it would barely slow down) or by each core's own misses (it would take up to
@@ -35,6 +41,18 @@ from benchmarks.attention_kernel import HEAD_DIM, NUM_KV_HEADS, make_step
 from benchmarks.timing import median_seconds
 from pagedllm.ops import extension
 from pagedllm.ops.attention_registry import get_attention_backend
+from pagedllm.runner.huge_pages import mapped_zeros
+
+
+def on_pool_mapping(step):
+    """The step with its caches copied onto a mapping like the engine's KV pool (huge pages
+    where the kernel gives them): scattered blocks on small pages would time the TLB."""
+    q, k, v, kv_cache, layout = step
+    moved = []
+    for cache in kv_cache:
+        mapped = torch.from_numpy(mapped_zeros(cache.numel() * cache.element_size()))
+        moved.append(mapped.view(cache.dtype).view(cache.shape).copy_(cache))
+    return q, k, v, tuple(moved), layout
 
 
 def main() -> None:
@@ -46,13 +64,26 @@ def main() -> None:
         "--kv-cache-dtype", default="float32", choices=["float32", "float16", "bfloat16"]
     )
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
+    parser.add_argument(
+        "--amx-tiles",
+        action="store_true",
+        help="the bf16 cache's AMX tile path, as the engine runs it on CPUs with AMX-BF16",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=30,
+        help="layers of the 'served, N layers' row (each its own cache on a mapping like the "
+        "engine's KV pool), so the blocks come from memory rather than cache",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.kv_cache_dtype)
     extension.build()
-    backend = get_attention_backend("cpu")
-    q, k, v, kv_cache, layout = make_step([(args.context - 1, 1)] * args.batch, dtype=dtype)
+    backend = get_attention_backend("cpu", amx_tiles=args.amx_tiles)
+    shape = [(args.context - 1, 1)] * args.batch
+    q, k, v, kv_cache, layout = make_step(shape, dtype=dtype)
     scale = HEAD_DIM**-0.5
 
     def metadata_for(block_tables):
@@ -70,7 +101,17 @@ def main() -> None:
     in_order = metadata_for(np.arange(1, 1 + batch * width).reshape(batch, width))
     bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     stream = torch.ones(bytes_read // 4)
+    layers = [on_pool_mapping(make_step(shape, seed=i, dtype=dtype)) for i in range(args.layers)]
+    layer_metadata = [backend.build_metadata(step[4], torch.device("cpu")) for step in layers]
+
+    def served_layers():
+        for (lq, lk, lv, cache, _), meta in zip(layers, layer_metadata, strict=True):
+            backend.forward(lq, lk, lv, cache, meta, scale)
+
     results = {
+        f"served, {args.layers} layers": 1e3
+        * median_seconds(served_layers, max(3, args.repeats // args.layers))
+        / args.layers,
         "served": 1e3 * median_seconds(served, args.repeats),
         "blocks in order": 1e3 * median_seconds(lambda: served(in_order), args.repeats),
         "arithmetic alone": 1e3 * median_seconds(lambda: served(one_block), args.repeats),

@@ -32,7 +32,7 @@ def check_attention_backend(name: str) -> None:
 def get_attention_backend(name: str, *, amx_tiles: bool = False) -> AttentionBackend:
     """A new backend of that name. Which name serves a model is `kernel_selection`'s to
     decide, and so is `amx_tiles` (`KernelSelection.bf16_amx_attention`: the "cpu"
-    backend's bf16 prefill tiles on AMX; the torch backend has none). "cpu" here needs the
-    extension and raises RuntimeError without it."""
+    backend's bf16 prefill tiles and decodes on AMX; the torch backend has none). "cpu"
+    here needs the extension and raises RuntimeError without it."""
     check_attention_backend(name)
     return _BACKENDS[name](amx_tiles)

@@ -64,10 +64,11 @@ class CpuAttentionBackend(AttentionBackend):
     traceable = True
 
     def __init__(self, amx_tiles: bool = False) -> None:
-        """`amx_tiles`: a bf16 cache's prefill tiles run on AMX (ops/csrc/attention_amx.h:
-        bf16 weights as Transformers' bf16 attention multiplies them, not the fp32 ones of the
-        vector tiles), where the kernel covers the head and block sizes and Linux grants
-        the tile data; the caller checks that the CPU has AMX-BF16."""
+        """`amx_tiles`: a bf16 cache's prefill tiles and decodes run on AMX
+        (ops/csrc/attention_amx.h: bf16 weights as Transformers' bf16 attention multiplies
+        them, not the fp32 ones of the vector kernel), where the kernel covers the head and
+        block sizes (and a decode's group of query heads fits a tile) and Linux grants the
+        tile data; the caller checks that the CPU has AMX-BF16."""
         self._ops = load()
         self.amx_tiles = amx_tiles
 

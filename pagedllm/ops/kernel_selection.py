@@ -48,8 +48,8 @@ class KernelSelection:
     # A bf16 model's linear layers multiply the few rows of decode steps on AMX tiles
     # (`fused.AMX_MAX_ROWS`), where the CPU has AMX-BF16 and the kernel grants its tile data.
     bf16_amx_linear: bool = False
-    # A bf16 KV cache's prefill tiles run on AMX tiles (ops/csrc/attention_amx.h), under the
-    # same condition.
+    # A bf16 KV cache's attention (prefill tiles and decodes) runs on AMX tiles
+    # (ops/csrc/attention_amx.h), under the same condition.
     bf16_amx_attention: bool = False
 
     def describe(self) -> str:
@@ -58,7 +58,7 @@ class KernelSelection:
 
         matmul = ", bf16 matmuls in fp32" if self.bf16_matmul_in_fp32 else ""
         amx = ", bf16 decode matmuls on AMX" if self.bf16_amx_linear else ""
-        amx += ", bf16 prefill attention on AMX" if self.bf16_amx_attention else ""
+        amx += ", bf16 attention on AMX" if self.bf16_amx_attention else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
             f"sampler draw={which(self.sampler_draw)}{matmul}{amx}"

@@ -363,12 +363,16 @@ def test_the_extension_takes_16_lanes_exactly_where_the_cpu_has_avx512(lanes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [16, 40, 67, 576])
 def test_16_lanes_give_the_8_lane_bits(lanes, dtype, width):
-    """The AVX-512 passes (SiLU·up, RMSNorm's scaling, the residual add) do each element's
-    operations in the 8-lane order: the same bits, tails included."""
+    """The AVX-512 passes (SiLU·up, RMSNorm's scaling, the residual add, RoPE with `width`
+    pairs) do each element's operations in the 8-lane order: the same bits, tails included."""
     torch.manual_seed(width)
     x = (torch.randn(21, width) * 3).to(dtype)
     gate_up = (torch.randn(21, 2 * width) * 6).to(dtype)
     weight, residual = torch.randn(width).to(dtype), torch.randn(21, width).to(dtype)
+    qk = (torch.randn(21, 5, 2 * width) * 3).to(dtype)
+    positions = torch.randint(0, 50, (21,))
+    angles = torch.randn(50, width) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     results = {}
     for count in (8, 16):
         lanes(count)
@@ -377,7 +381,10 @@ def test_16_lanes_give_the_8_lane_bits(lanes, dtype, width):
             x_in, residual_in = x.clone(), residual.clone()
             extension.load().fused_add_rms_norm(x_in, residual_in, weight, 1e-5, offset)
             normed += [x_in, residual_in]
-        results[count] = [fused.silu_and_mul(gate_up, kernels=KERNELS), *normed]
+        rotated = fused.rotary_embedding(
+            positions, qk[:, :4].clone(), qk[:, 4:].clone(), cos, sin, kernels=KERNELS
+        )
+        results[count] = [fused.silu_and_mul(gate_up, kernels=KERNELS), *normed, *rotated]
     for eight, sixteen in zip(results[8], results[16], strict=True):
         assert torch.equal(
             eight.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

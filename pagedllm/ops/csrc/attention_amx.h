@@ -1,5 +1,6 @@
-// A prefill tile's attention on AMX tiles (bf16 caches and queries, CPUs with AMX-BF16):
-// paged_attention.cpp routes its tile items here when asked (`amx_tiles`).
+// Attention on AMX tiles (bf16 caches and queries, CPUs with AMX-BF16): paged_attention.cpp
+// routes its prefill tile items (attend_rows) and its decodes (attend_decode, at the end)
+// here when asked (`amx_tiles`).
 //
 // The 16- and 8-lane tiles spend 128 fused multiply-adds a score on q . k and p . v, which
 // set their pace; here those products are tile dot products (tdpbf16ps, fp32 sums) and the
@@ -70,6 +71,8 @@ struct Scratch {
   std::vector<uint32_t> query_t;  // per row tile and 32 of d: Q^T as a B tile
   std::vector<uint32_t> values;   // per 16 of d: V's 32 keys as a B tile
   std::vector<float> acc, partial, m, l;
+  std::vector<float> row_scores;         // a decode's rows' scores over its context
+  std::vector<uint16_t> row_weights;     // their bf16 weights, 16 rows (an A tile's)
   alignas(64) float scores[kStepKeys * kRowTile];
   alignas(64) uint32_t weights[kTileDwords];  // row k: keys 2k, 2k + 1 of each row (lanes)
   alignas(64) uint32_t weights_t[kTileDwords];
@@ -131,6 +134,16 @@ PAGEDLLM_AMX inline void configure_tiles() {
   pagedllm_amx::load_config(config);
 }
 
+// The tiles configured for attend_rows and attend_decode while it lives, on the thread that
+// made it: once per thread and call, since loading a configuration costs as much as a short
+// decode's attention (ldtilecfg clears every tile).
+struct TileSession {
+  TileSession() { configure_tiles(); }
+  ~TileSession() { pagedllm_amx::release_tiles(); }
+  TileSession(const TileSession&) = delete;
+  TileSession& operator=(const TileSession&) = delete;
+};
+
 // Q^T of each row tile, per 32 of d: B[k][i] = (q_i[32 s + 2 k], q_i[32 s + 2 k + 1]).
 template <int D>
 PAGEDLLM_AMX void load_queries(int rows, Scratch& s) {
@@ -149,20 +162,20 @@ PAGEDLLM_AMX void load_queries(int rows, Scratch& s) {
   }
 }
 
-// V's keys 2k and 2k + 1 side by side per d, one B tile per 16 of d; keys past `count`
-// (past the context) are zeros.
-template <int D>
-PAGEDLLM_AMX void load_values(const at::BFloat16* const (&rows)[kStepKeys], int count,
+// V's keys 2k and 2k + 1 side by side per d, one B tile per 16 of d (G tiles from column
+// col0); keys past `count` (past the context) are zeros.
+template <int G>
+PAGEDLLM_AMX void load_values(const at::BFloat16* const (&rows)[kStepKeys], int count, int col0,
                               Scratch& s) {
   const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                        32, 0);
   const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
   for (int k = 0; k < kStepKeys / 2; ++k) {
-    for (int c = 0; c < D / 32; ++c) {
-      const __m512i a = 2 * k < count ? _mm512_loadu_si512(rows[2 * k] + 32 * c)
+    for (int c = 0; c < G / 2; ++c) {
+      const __m512i a = 2 * k < count ? _mm512_loadu_si512(rows[2 * k] + col0 + 32 * c)
                                       : _mm512_setzero_si512();
-      const __m512i b = 2 * k + 1 < count ? _mm512_loadu_si512(rows[2 * k + 1] + 32 * c)
+      const __m512i b = 2 * k + 1 < count ? _mm512_loadu_si512(rows[2 * k + 1] + col0 + 32 * c)
                                           : _mm512_setzero_si512();
       uint32_t* tile = s.values.data() + 2 * c * kTileDwords + 16 * k;
       _mm512_storeu_si512(tile, _mm512_permutex2var_epi16(a, low, b));
@@ -302,7 +315,6 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     const auto limits = s.limit.begin() + t * kRowTile;
     s.tile_limit[t] = *std::max_element(limits, limits + end);
   }
-  configure_tiles();
   load_queries<D>(rows, s);
   for (int position = kv_begin / kSliceKeys * kSliceKeys; position < kv_end;
        position += kStepKeys) {
@@ -319,7 +331,7 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
       value_rows[j] = j < kSliceKeys ? values0 + j * c.token_stride
                                      : values1 + (j - kSliceKeys) * c.token_stride;
     }
-    load_values<D>(value_rows, count, s);
+    load_values<D / 16>(value_rows, count, 0, s);
     for (int t = 0; t < tiles; ++t) {
       if (position >= s.tile_limit[t] || position + count <= s.tile_first[t]) continue;
       const int r0 = t * kRowTile;
@@ -329,9 +341,166 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
       tile_values<D>(r0, std::min(kRowTile, rows - r0), s);
     }
   }
-  pagedllm_amx::release_tiles();
   for (int r = 0; r < rows; ++r) {
     const __m512 inverse = _mm512_set1_ps(1.0f / s.l[r]);
+    const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
+    for (int d = 0; d < D; d += 16) {
+      pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));
+    }
+  }
+}
+
+// ---- a decode: one token's rows over its whole context, in two passes ---------------------
+//
+// A decode's rows are one token's query heads of a kv head (its GQA group: a few rows), all
+// seeing the same keys. attend_rows would run its softmax with those few rows in 16 lanes,
+// an exp of 16 lanes for every key. Here the context's scores come first (S^T = K Q^T per
+// 16 keys, transposed back so each row's scores lie in the lanes), then each row's softmax
+// over them with its final max, then O = P V summed in C tiles over the whole context, with
+// no running max to rescale by. The weights are rounded to bf16 as attend_rows rounds them.
+
+// Where the rows of keys position .. position + count - 1 start in `cache` (count <=
+// kStepKeys; a 16-key slice never crosses a block).
+inline void key_rows(const Context& c, int position, int count,
+                     const at::BFloat16* (&rows)[kStepKeys], const at::BFloat16* cache) {
+  for (int j0 = 0; j0 < count; j0 += kSliceKeys) {
+    const at::BFloat16* first = cache + key_offset(c, position + j0);
+    for (int j = j0; j < std::min(count, j0 + kSliceKeys); ++j) {
+      rows[j] = first + (j - j0) * c.token_stride;
+    }
+  }
+}
+
+// A slice's 16 rows of D elements, into the cache level `Hint` names.
+template <int D, int Hint>
+PAGEDLLM_AMX inline void prefetch_slice(const at::BFloat16* first, int64_t stride) {
+  for (int j = 0; j < kSliceKeys; ++j) {
+    const char* row = reinterpret_cast<const char*>(first + j * stride);
+    for (int b = 0; b < D * 2; b += 64) _mm_prefetch(row + b, static_cast<_mm_hint>(Hint));
+  }
+}
+
+// Pass one: row r's scores for keys [begin, begin + 16 * slices) into
+// s.row_scores[r * width ..], -inf outside [first, limit); returns each row's max in `max`.
+template <int D>
+PAGEDLLM_AMX void decode_scores(const Context& c, int rows, int first, int limit, int begin,
+                                int width, float scale, Scratch& s, float* max) {
+  __m512 row_max[kRowTile];
+  for (int r = 0; r < rows; ++r) row_max[r] = _mm512_set1_ps(pagedllm_vec::kNegInf);
+  const __m512 neg_inf = _mm512_set1_ps(pagedllm_vec::kNegInf);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int position = begin; position < limit; position += kSliceKeys) {
+    const at::BFloat16* keys = c.key_cache + key_offset(c, position);
+    // The next slice's keys into L1 while this one multiplies, and this slice's values
+    // into L2 for the second pass.
+    if (position + kSliceKeys < limit) {
+      prefetch_slice<D, _MM_HINT_T0>(c.key_cache + key_offset(c, position + kSliceKeys),
+                                     c.token_stride);
+    }
+    prefetch_slice<D, _MM_HINT_T1>(c.value_cache + key_offset(c, position), c.token_stride);
+    _tile_zero(0);
+    for (int step = 0; step < D / 32; ++step) {
+      _tile_loadd(3, s.query_t.data() + step * kTileDwords, 64);
+      _tile_loadd(2, keys + 32 * step, c.token_stride * 2);
+      _tile_dpbf16ps(0, 2, 3);
+    }
+    _tile_stored(0, s.scores, 64);
+    __m512i t[16];
+    for (int k = 0; k < 16; ++k) t[k] = _mm512_load_si512(s.scores + 16 * k);
+    transpose16(t);
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(position), lane);
+    const __mmask16 visible = _mm512_cmplt_epi32_mask(at, _mm512_set1_epi32(limit)) &
+                              _mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(first));
+    for (int r = 0; r < rows; ++r) {
+      const __m512 score =
+          _mm512_mask_blend_ps(visible, neg_inf, _mm512_mul_ps(_mm512_castsi512_ps(t[r]), scale16));
+      _mm512_storeu_ps(s.row_scores.data() + static_cast<int64_t>(r) * width + position - begin,
+                       score);
+      row_max[r] = _mm512_max_ps(row_max[r], score);
+    }
+  }
+  for (int r = 0; r < rows; ++r) max[r] = _mm512_reduce_max_ps(row_max[r]);
+}
+
+// Row r's weights exp(score - max) over the `keys` scores written (0 where a score is -inf
+// and past them, to width), rounded to bf16 into s.row_weights; returns their fp32 sum.
+PAGEDLLM_AMX inline float decode_weights(int r, int keys, int width, float max, Scratch& s) {
+  const float* scores = s.row_scores.data() + static_cast<int64_t>(r) * width;
+  uint16_t* weights = s.row_weights.data() + static_cast<int64_t>(r) * width;
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < width; j += 16) {
+    __m512 p = _mm512_setzero_ps();
+    if (j < keys) {
+      const __m512 score = _mm512_loadu_ps(scores + j);
+      const __mmask16 seen = _mm512_cmp_ps_mask(score, _mm512_set1_ps(pagedllm_vec::kNegInf),
+                                                _CMP_NEQ_OQ);
+      p = _mm512_maskz_mov_ps(seen, pagedllm_vec512::exp512(_mm512_sub_ps(score, m)));
+    }
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Pass two: O = P V for columns [col0, col0 + 16 * G) into s.acc (rows 16, stride D).
+template <int D, int G>
+PAGEDLLM_AMX void decode_values(const Context& c, int limit, int begin, int width, int col0,
+                                Scratch& s) {
+  _tile_zero(0);
+  if (G > 1) _tile_zero(1);
+  if (G > 2) _tile_zero(2);
+  if (G > 3) _tile_zero(3);
+  const at::BFloat16* rows[kStepKeys];
+  for (int position = begin; position < limit; position += kStepKeys) {
+    const int count = std::min(kStepKeys, limit - position);
+    key_rows(c, position, count, rows, c.value_cache);
+    load_values<G>(rows, count, col0, s);
+    _tile_loadd(4, s.row_weights.data() + (position - begin), width * 2);
+    for (int i = 0; i < G; ++i) {
+      _tile_loadd(5, s.values.data() + i * kTileDwords, 64);
+      // Tile numbers must be constants: G <= 4 accumulators.
+      switch (i) {
+        case 0: _tile_dpbf16ps(0, 4, 5); break;
+        case 1: _tile_dpbf16ps(1, 4, 5); break;
+        case 2: _tile_dpbf16ps(2, 4, 5); break;
+        default: _tile_dpbf16ps(3, 4, 5); break;
+      }
+    }
+  }
+  float* acc = s.acc.data() + col0;
+  _tile_stored(0, acc, D * 4);
+  if (G > 1) _tile_stored(1, acc + 16, D * 4);
+  if (G > 2) _tile_stored(2, acc + 32, D * 4);
+  if (G > 3) _tile_stored(3, acc + 48, D * 4);
+}
+
+// Attention of a decode's `rows` rows (s.query, s.out filled; rows <= 16) over keys
+// [first, limit) of the context, each row's output rounded once to bf16 into s.out.
+template <int D>
+PAGEDLLM_AMX void attend_decode(const Context& c, int rows, int first, int limit, float scale,
+                                Scratch& s) {
+  const int begin = first / kSliceKeys * kSliceKeys;
+  const int keys = (limit - begin + kSliceKeys - 1) / kSliceKeys * kSliceKeys;
+  const int width = (limit - begin + kStepKeys - 1) / kStepKeys * kStepKeys;
+  if (s.row_scores.size() < static_cast<size_t>(rows) * width) {
+    s.row_scores.resize(static_cast<size_t>(rows) * width);
+  }
+  if (s.row_weights.size() < static_cast<size_t>(kRowTile) * width) {
+    s.row_weights.resize(static_cast<size_t>(kRowTile) * width);
+  }
+  load_queries<D>(rows, s);
+  float max[kRowTile], sum[kRowTile];
+  decode_scores<D>(c, rows, first, limit, begin, width, scale, s, max);
+  for (int r = 0; r < rows; ++r) sum[r] = decode_weights(r, keys, width, max[r], s);
+  constexpr int G = D / 16 < 4 ? D / 16 : 4;
+  for (int col0 = 0; col0 < D; col0 += 16 * G) {
+    decode_values<D, G>(c, limit, begin, width, col0, s);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / sum[r]);
     const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
     for (int d = 0; d < D; d += 16) {
       pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));

@@ -252,30 +252,65 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
-// Rotate-half RoPE of one head in place: x' = x * cos + rotate_half(x) * sin. In bf16 cos
-// and sin are rounded first and each product on its own, as the eager bf16 ops round.
+// cos/sin as the eager bf16 ops see them: rounded to T once per token, for all its heads.
 template <typename T>
-inline void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
+inline void round_angles(const float* cos, const float* sin, int64_t half, float* c, float* s) {
   int64_t j = 0;
   for (; j + 8 <= half; j += 8) {
-    const __m256 a = load8(x + j), b = load8(x + half + j);
-    const __m256 c = round_to<T>(_mm256_loadu_ps(cos + j));
-    const __m256 s = round_to<T>(_mm256_loadu_ps(sin + j));
+    _mm256_storeu_ps(c + j, round_to<T>(_mm256_loadu_ps(cos + j)));
+    _mm256_storeu_ps(s + j, round_to<T>(_mm256_loadu_ps(sin + j)));
+  }
+  for (; j < half; ++j) {
+    c[j] = round_to<T>(cos[j]);
+    s[j] = round_to<T>(sin[j]);
+  }
+}
+
+// x' = x * cos + rotate_half(x) * sin for the first 16-lane multiple of `half` pairs (c, s
+// rounded already); returns how many it did. Each element's operations in rotate_head's order.
+template <typename T>
+PAGEDLLM_AVX512 int64_t rotate_span16(T* x, const float* c, const float* s, int64_t half) {
+  namespace v = pagedllm_vec512;
+  int64_t j = 0;
+  for (; j + 16 <= half; j += 16) {
+    const __m512 a = v::load16(x + j), b = v::load16(x + half + j);
+    const __m512 cj = _mm512_loadu_ps(c + j), sj = _mm512_loadu_ps(s + j);
     if constexpr (std::is_same_v<T, float>) {
-      store8(x + j, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
-      store8(x + half + j, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+      v::store16(x + j, _mm512_fmsub_ps(a, cj, _mm512_mul_ps(b, sj)));
+      v::store16(x + half + j, _mm512_fmadd_ps(b, cj, _mm512_mul_ps(a, sj)));
     } else {
-      store8(x + j, _mm256_sub_ps(round_to<T>(_mm256_mul_ps(a, c)),
-                                  round_to<T>(_mm256_mul_ps(b, s))));
-      store8(x + half + j, _mm256_add_ps(round_to<T>(_mm256_mul_ps(b, c)),
-                                         round_to<T>(_mm256_mul_ps(a, s))));
+      v::store16(x + j, _mm512_sub_ps(v::round_to<T>(_mm512_mul_ps(a, cj)),
+                                      v::round_to<T>(_mm512_mul_ps(b, sj))));
+      v::store16(x + half + j, _mm512_add_ps(v::round_to<T>(_mm512_mul_ps(b, cj)),
+                                             v::round_to<T>(_mm512_mul_ps(a, sj))));
+    }
+  }
+  return j;
+}
+
+// Rotate-half RoPE of one head in place: x' = x * cos + rotate_half(x) * sin. In bf16 cos
+// and sin come rounded (round_angles) and each product is rounded on its own, as the eager
+// bf16 ops round.
+template <typename T>
+inline void rotate_head(T* x, const float* c, const float* s, int64_t half) {
+  int64_t j = vector_lanes == 16 ? rotate_span16(x, c, s, half) : 0;
+  for (; j + 8 <= half; j += 8) {
+    const __m256 a = load8(x + j), b = load8(x + half + j);
+    const __m256 cj = _mm256_loadu_ps(c + j), sj = _mm256_loadu_ps(s + j);
+    if constexpr (std::is_same_v<T, float>) {
+      store8(x + j, _mm256_fmsub_ps(a, cj, _mm256_mul_ps(b, sj)));
+      store8(x + half + j, _mm256_fmadd_ps(b, cj, _mm256_mul_ps(a, sj)));
+    } else {
+      store8(x + j, _mm256_sub_ps(round_to<T>(_mm256_mul_ps(a, cj)),
+                                  round_to<T>(_mm256_mul_ps(b, sj))));
+      store8(x + half + j, _mm256_add_ps(round_to<T>(_mm256_mul_ps(b, cj)),
+                                         round_to<T>(_mm256_mul_ps(a, sj))));
     }
   }
   for (; j < half; ++j) {
     const float a = to_float(x[j]), b = to_float(x[half + j]);
-    const float c = round_to<T>(cos[j]), s = round_to<T>(sin[j]);
-    x[j] = static_cast<T>(round_to<T>(a * c) - round_to<T>(b * s));
-    x[half + j] = static_cast<T>(round_to<T>(b * c) + round_to<T>(a * s));
+    x[j] = static_cast<T>(round_to<T>(a * c[j]) - round_to<T>(b * s[j]));
+    x[half + j] = static_cast<T>(round_to<T>(b * c[j]) + round_to<T>(a * s[j]));
   }
 }
 
@@ -310,9 +345,12 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& positions,
     check_heads<T>(q, tokens, head_dim, "rotary_embedding q");
     check_heads<T>(k, tokens, head_dim, "rotary_embedding k");
     at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> angles(2 * half);
+      float* c = angles.data();
+      float* s = c + half;
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cos_cache.data_ptr<float>() + pos[t] * head_dim;
-        const float* s = sin_cache.data_ptr<float>() + pos[t] * head_dim;
+        round_angles<T>(cos_cache.data_ptr<float>() + pos[t] * head_dim,
+                        sin_cache.data_ptr<float>() + pos[t] * head_dim, half, c, s);
         for (int64_t h = 0; h < q.size(1); ++h) {
           rotate_head(q.data_ptr<T>() + t * q.stride(0) + h * q.stride(1), c, s, half);
         }

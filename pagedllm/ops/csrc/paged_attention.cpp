@@ -20,8 +20,9 @@
 // each key vector loaded serves six rows. Softmax is online over the blocks
 // (running max and sum per row, fp32), so nothing is materialized per context. Items are
 // spread over OpenMP threads costliest first with dynamic scheduling, because their costs
-// (context lengths) differ widely. Asked for `amx_tiles`, a bf16 cache's prefill tiles run on
-// AMX tiles instead (attention_amx.h; its weights rounded to bf16 before P V).
+// (context lengths) differ widely. Asked for `amx_tiles`, a bf16 cache's prefill tiles and
+// decodes (of up to 16 query heads a kv head) run on AMX tiles instead (attention_amx.h; the
+// weights rounded to bf16 before P V), the tiles configured once per thread and call.
 
 // Registered as torch.ops.pagedllm.* through TORCH_LIBRARY rather than a pybind11 module:
 // it compiles in a third of the time (~15 s here: no torch/extension.h, no pybind11) and
@@ -791,6 +792,32 @@ void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scrat
                                          p.scale, a);
 }
 
+// A decode item on AMX: each of its kv heads' query rows over the whole context in two
+// passes (attention_amx.h's attend_decode).
+template <int NV, typename T>
+void attend_amx_decode(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
+  constexpr int D = NV * 8;
+  pagedllm_amx_attention::Scratch& a = *s.amx;
+  const int token = p.query_start_loc[w.req] + w.q_begin;
+  const int limit = context_start + w.q_begin + 1;
+  const int first = p.window > 0 ? std::max(0, limit - p.window) : 0;
+  for (int kv_head = w.kv_head; kv_head < w.kv_head_end; ++kv_head) {
+    for (int h = 0; h < p.group; ++h) {
+      const int head = kv_head * p.group + h;
+      a.query[h] = static_cast<const at::BFloat16*>(p.query) +
+                   static_cast<int64_t>(token) * p.query_token_stride +
+                   static_cast<int64_t>(head) * p.query_head_stride;
+      a.out[h] = static_cast<at::BFloat16*>(p.out) +
+                 (static_cast<int64_t>(token) * p.num_heads + head) * D;
+    }
+    const pagedllm_amx_attention::Context context{
+        p.key_cache, p.value_cache, p.block_stride, p.token_stride,
+        static_cast<int64_t>(kv_head) * D, p.block_tables + w.req * p.table_stride,
+        p.block_size};
+    pagedllm_amx_attention::attend_decode<D>(context, p.group, first, limit, p.scale, a);
+  }
+}
+
 // Attention of one work item, written to out. Blocks are visited in order; every row of
 // the item uses a block while it is in L1, and the next block is prefetched meanwhile.
 template <int NV, typename T>
@@ -801,6 +828,9 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
     // p.amx_tiles holds only where attention_amx.h covers the head and block sizes.
     if (p.amx_tiles && w.q_end - w.q_begin > 1 && w.kv_head_end - w.kv_head == 1) {
       return attend_amx<NV>(p, w, context_start, s);
+    }
+    if (p.amx_tiles && w.q_end - w.q_begin == 1 && p.group <= pagedllm_amx_attention::kRowTile) {
+      return attend_amx_decode<NV>(p, w, context_start, s);
     }
   }
   load_rows<NV>(p, w, context_start, s);
@@ -860,6 +890,8 @@ void run_items(const Problem<T>& p, const std::vector<WorkItem>& items, int max_
 #pragma omp parallel num_threads(threads)
   {
     Scratch scratch(max_rows, p.head_dim, p.block_size, p.amx_tiles);
+    std::optional<pagedllm_amx_attention::TileSession> tiles;
+    if (p.amx_tiles) tiles.emplace();
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < num_items; ++i) attend<NV>(p, items[i], scratch);
   }
