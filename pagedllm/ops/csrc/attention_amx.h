@@ -297,6 +297,30 @@ inline int64_t key_offset(const Context& c, int position) {
          static_cast<int64_t>(position % c.block_size) * c.token_stride + c.head_offset;
 }
 
+// Where the rows of keys position .. position + count - 1 start in `cache` (count <=
+// kStepKeys; a 16-key slice never crosses a block).
+inline void key_rows(const Context& c, int position, int count,
+                     const at::BFloat16* (&rows)[kStepKeys], const at::BFloat16* cache) {
+  for (int j0 = 0; j0 < count; j0 += kSliceKeys) {
+    const at::BFloat16* first = cache + key_offset(c, position + j0);
+    for (int j = j0; j < std::min(count, j0 + kSliceKeys); ++j) {
+      rows[j] = first + (j - j0) * c.token_stride;
+    }
+  }
+}
+
+// Row r's output acc[r] / sums[r], rounded once to bf16 into s.out[r].
+template <int D>
+PAGEDLLM_AMX void store_outputs(int rows, const float* sums, Scratch& s) {
+  for (int r = 0; r < rows; ++r) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / sums[r]);
+    const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
+    for (int d = 0; d < D; d += 16) {
+      pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));
+    }
+  }
+}
+
 // Attention of `rows` rows (s.query, s.first, s.limit filled) over keys [kv_begin, kv_end)
 // of the context, each row's output rounded once to bf16 into s.out.
 template <int D>
@@ -320,17 +344,9 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
        position += kStepKeys) {
     const int count = std::min(kStepKeys, kv_end - position);
     const at::BFloat16* keys[2] = {c.key_cache + key_offset(c, position), nullptr};
+    if (count > kSliceKeys) keys[1] = c.key_cache + key_offset(c, position + kSliceKeys);
     const at::BFloat16* value_rows[kStepKeys];
-    const at::BFloat16* values1 = nullptr;
-    if (count > kSliceKeys) {
-      keys[1] = c.key_cache + key_offset(c, position + kSliceKeys);
-      values1 = c.value_cache + key_offset(c, position + kSliceKeys);
-    }
-    const at::BFloat16* values0 = c.value_cache + key_offset(c, position);
-    for (int j = 0; j < count; ++j) {
-      value_rows[j] = j < kSliceKeys ? values0 + j * c.token_stride
-                                     : values1 + (j - kSliceKeys) * c.token_stride;
-    }
+    key_rows(c, position, count, value_rows, c.value_cache);
     load_values<D / 16>(value_rows, count, 0, s);
     for (int t = 0; t < tiles; ++t) {
       if (position >= s.tile_limit[t] || position + count <= s.tile_first[t]) continue;
@@ -341,13 +357,7 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
       tile_values<D>(r0, std::min(kRowTile, rows - r0), s);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / s.l[r]);
-    const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
-    for (int d = 0; d < D; d += 16) {
-      pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));
-    }
-  }
+  store_outputs<D>(rows, s.l.data(), s);
 }
 
 // ---- a decode: one token's rows over its whole context, in two passes ---------------------
@@ -358,18 +368,6 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
 // 16 keys, transposed back so each row's scores lie in the lanes), then each row's softmax
 // over them with its final max, then O = P V summed in C tiles over the whole context, with
 // no running max to rescale by. The weights are rounded to bf16 as attend_rows rounds them.
-
-// Where the rows of keys position .. position + count - 1 start in `cache` (count <=
-// kStepKeys; a 16-key slice never crosses a block).
-inline void key_rows(const Context& c, int position, int count,
-                     const at::BFloat16* (&rows)[kStepKeys], const at::BFloat16* cache) {
-  for (int j0 = 0; j0 < count; j0 += kSliceKeys) {
-    const at::BFloat16* first = cache + key_offset(c, position + j0);
-    for (int j = j0; j < std::min(count, j0 + kSliceKeys); ++j) {
-      rows[j] = first + (j - j0) * c.token_stride;
-    }
-  }
-}
 
 // A slice's 16 rows of D elements, into the cache level `Hint` names.
 template <int D, int Hint>
@@ -492,20 +490,14 @@ PAGEDLLM_AMX void attend_decode(const Context& c, int rows, int first, int limit
     s.row_weights.resize(static_cast<size_t>(kRowTile) * width);
   }
   load_queries<D>(rows, s);
-  float max[kRowTile], sum[kRowTile];
-  decode_scores<D>(c, rows, first, limit, begin, width, scale, s, max);
-  for (int r = 0; r < rows; ++r) sum[r] = decode_weights(r, keys, width, max[r], s);
+  float maxima[kRowTile], sum[kRowTile];
+  decode_scores<D>(c, rows, first, limit, begin, width, scale, s, maxima);
+  for (int r = 0; r < rows; ++r) sum[r] = decode_weights(r, keys, width, maxima[r], s);
   constexpr int G = D / 16 < 4 ? D / 16 : 4;
   for (int col0 = 0; col0 < D; col0 += 16 * G) {
     decode_values<D, G>(c, limit, begin, width, col0, s);
   }
-  for (int r = 0; r < rows; ++r) {
-    const __m512 inverse = _mm512_set1_ps(1.0f / sum[r]);
-    const float* acc = s.acc.data() + static_cast<int64_t>(r) * D;
-    for (int d = 0; d < D; d += 16) {
-      pagedllm_vec512::store16(s.out[r] + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), inverse));
-    }
-  }
+  store_outputs<D>(rows, sum, s);
 }
 
 }  // namespace pagedllm_amx_attention

@@ -765,56 +765,56 @@ void attend_tile(const Problem<T>& p, const WorkItem& w, Scratch& s, int rows, i
   });
 }
 
+// Row `row` of attention_amx.h's scratch: query head `head` of token `token` and its output.
+template <int NV, typename T>
+void point_row(const Problem<T>& p, int row, int token, int head,
+               pagedllm_amx_attention::Scratch& a) {
+  constexpr int D = NV * 8;
+  a.query[row] = static_cast<const at::BFloat16*>(p.query) +
+                 static_cast<int64_t>(token) * p.query_token_stride +
+                 static_cast<int64_t>(head) * p.query_head_stride;
+  a.out[row] = static_cast<at::BFloat16*>(p.out) +
+               (static_cast<int64_t>(token) * p.num_heads + head) * D;
+}
+
+// Request w.req's keys and values of kv head `kv_head`, for attention_amx.h.
+template <int NV, typename T>
+pagedllm_amx_attention::Context amx_context(const Problem<T>& p, const WorkItem& w,
+                                            int kv_head) {
+  return {p.key_cache, p.value_cache, p.block_stride, p.token_stride,
+          static_cast<int64_t>(kv_head) * NV * 8, p.block_tables + w.req * p.table_stride,
+          p.block_size};
+}
+
 // A tile item on AMX: its rows' queries, outputs and visible keys for attention_amx.h.
 template <int NV, typename T>
 void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
-  constexpr int D = NV * 8;
   pagedllm_amx_attention::Scratch& a = *s.amx;
   const int q0 = p.query_start_loc[w.req];
   int rows = 0;
   for (int t = w.q_begin; t < w.q_end; ++t) {
     for (int h = 0; h < p.group; ++h, ++rows) {
-      const int head = w.kv_head * p.group + h;
-      a.query[rows] = static_cast<const at::BFloat16*>(p.query) +
-                      static_cast<int64_t>(q0 + t) * p.query_token_stride +
-                      static_cast<int64_t>(head) * p.query_head_stride;
-      a.out[rows] = static_cast<at::BFloat16*>(p.out) +
-                    (static_cast<int64_t>(q0 + t) * p.num_heads + head) * D;
+      point_row<NV>(p, rows, q0 + t, w.kv_head * p.group + h, a);
       a.limit[rows] = context_start + t + 1;
       a.first[rows] = p.window > 0 ? std::max(0, a.limit[rows] - p.window) : 0;
     }
   }
-  const pagedllm_amx_attention::Context context{
-      p.key_cache, p.value_cache, p.block_stride, p.token_stride,
-      static_cast<int64_t>(w.kv_head) * D, p.block_tables + w.req * p.table_stride,
-      p.block_size};
-  pagedllm_amx_attention::attend_rows<D>(context, rows, a.first[0], context_start + w.q_end,
-                                         p.scale, a);
+  pagedllm_amx_attention::attend_rows<NV * 8>(amx_context<NV>(p, w, w.kv_head), rows,
+                                              a.first[0], context_start + w.q_end, p.scale, a);
 }
 
 // A decode item on AMX: each of its kv heads' query rows over the whole context in two
 // passes (attention_amx.h's attend_decode).
 template <int NV, typename T>
 void attend_amx_decode(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
-  constexpr int D = NV * 8;
   pagedllm_amx_attention::Scratch& a = *s.amx;
   const int token = p.query_start_loc[w.req] + w.q_begin;
   const int limit = context_start + w.q_begin + 1;
   const int first = p.window > 0 ? std::max(0, limit - p.window) : 0;
   for (int kv_head = w.kv_head; kv_head < w.kv_head_end; ++kv_head) {
-    for (int h = 0; h < p.group; ++h) {
-      const int head = kv_head * p.group + h;
-      a.query[h] = static_cast<const at::BFloat16*>(p.query) +
-                   static_cast<int64_t>(token) * p.query_token_stride +
-                   static_cast<int64_t>(head) * p.query_head_stride;
-      a.out[h] = static_cast<at::BFloat16*>(p.out) +
-                 (static_cast<int64_t>(token) * p.num_heads + head) * D;
-    }
-    const pagedllm_amx_attention::Context context{
-        p.key_cache, p.value_cache, p.block_stride, p.token_stride,
-        static_cast<int64_t>(kv_head) * D, p.block_tables + w.req * p.table_stride,
-        p.block_size};
-    pagedllm_amx_attention::attend_decode<D>(context, p.group, first, limit, p.scale, a);
+    for (int h = 0; h < p.group; ++h) point_row<NV>(p, h, token, kv_head * p.group + h, a);
+    pagedllm_amx_attention::attend_decode<NV * 8>(amx_context<NV>(p, w, kv_head), p.group,
+                                                  first, limit, p.scale, a);
   }
 }
 
