@@ -3,7 +3,8 @@
 #
 #   rates   the cores' fp32 FMA and bf16 dot-product peaks (benchmarks.arithmetic_peak),
 #           bf16 layers on their bf16 packed weight vs an fp32 copy (benchmarks.bf16_matmul),
-#           and with AMX the tile kernel against oneDNN (benchmarks.amx_linear)
+#           and with AMX the tile kernel (without it, AVX512-BF16's dot-product kernel)
+#           against oneDNN (benchmarks.amx_linear)
 #   w1lite  W1-lite (32 random prompts x 256 tokens, 64 out, EOS ignored) on the default
 #           model's fp32 weights at --dtype bfloat16 and float32, each engine in its own
 #           process, ROUNDS rounds alternating
@@ -61,7 +62,11 @@ if want rates; then
   "$py" -m benchmarks.arithmetic_peak --json "$out/peak.json" | tee "$out/peak.txt"
   "$py" -m benchmarks.bf16_matmul --json "$out/bf16_matmul.json" | tee "$out/bf16_matmul.txt"
   if grep -qw amx_bf16 "$out/cpu_flags.txt"; then
-    "$py" -m benchmarks.amx_linear --json "$out/amx_linear.json" | tee "$out/amx_linear.txt"
+    "$py" -m benchmarks.amx_linear --kernels amx_tiles --json "$out/amx_linear.json" \
+      | tee "$out/amx_linear.txt"
+  elif grep -qw avx512_bf16 "$out/cpu_flags.txt"; then
+    "$py" -m benchmarks.amx_linear --kernels bf16_dots --json "$out/amx_linear.json" \
+      | tee "$out/amx_linear.txt"
   fi
 fi
 

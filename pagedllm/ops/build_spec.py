@@ -24,6 +24,7 @@ SOURCE_NAMES = (
     "lora.cpp",
     "cpu_probe.cpp",
     "amx_linear.cpp",
+    "bf16_dot_linear.cpp",
 )
 # Explicit ISA flags rather than -march=native: the JIT cache may be shared by machines of
 # different generations, and a wheel runs on machines it was not built on. AVX2 + FMA + F16C

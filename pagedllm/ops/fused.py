@@ -12,6 +12,8 @@ use the return values only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -113,6 +115,12 @@ BF16_IN_FP32_MIN_ROWS = 16
 AMX_MAX_ROWS = 64
 
 
+# Up to this many rows a bf16 layer whose kernels choose AVX512-BF16 dot products
+# (`KernelSelection.bf16_dot_linear`) multiplies on the tile-layout copy in one pass,
+# without oneDNN's host work a call.
+BF16_DOT_MAX_ROWS = 64
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -122,19 +130,23 @@ def linear(
     packed_fp32: torch.Tensor | None = None,
     packed_amx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b), W shaped [out, in]. With `packed_amx` (a bf16 W in AMX tiles,
+    """x W^T (+ b), W shaped [out, in]. With `packed_amx` (a bf16 W in AMX tiles' layout,
     `model/layers/amx_tiles.py`) bf16 batches of up to AMX_MAX_ROWS rows run in the AMX
-    kernel. With `packed` (W prepacked for oneDNN, `model/layers/onednn.py`) batches of
-    PACKED_MIN_ROWS rows or more run on oneDNN (and every bf16 batch the AMX kernel does not
-    take: the skinny kernel takes fp32 only), and with `packed_fp32` (a bf16 W's fp32 copy)
-    bf16 batches of BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest rows go to the
-    skinny kernel, and the rest to torch's sgemm."""
+    kernel, or of up to BF16_DOT_MAX_ROWS in the AVX512-BF16 one where the kernels say so.
+    With `packed` (W prepacked for oneDNN, `model/layers/onednn.py`) batches of
+    PACKED_MIN_ROWS rows or more run on oneDNN (and every bf16 batch the tile-layout kernels
+    do not take: the skinny kernel takes fp32 only), and with `packed_fp32` (a bf16 W's fp32
+    copy) bf16 batches of BF16_IN_FP32_MIN_ROWS or more multiply in fp32; the fewest rows go
+    to the skinny kernel, and the rest to torch's sgemm."""
     # Compiled graphs keep the skinny kernel: the tracer does not take oneDNN's opaque
     # packed tensors (and checked first, the row count adds no guard to the graph).
     if not torch.compiler.is_compiling() and x.dim() == 2:
         rows = x.shape[0]
-        if packed_amx is not None and rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16:
-            return amx_linear(x, packed_amx, bias)
+        if packed_amx is not None and x.dtype == torch.bfloat16:
+            if kernels.bf16_dot_linear and rows <= BF16_DOT_MAX_ROWS:
+                return bf16_dot_linear(x, packed_amx, bias)
+            if not kernels.bf16_dot_linear and rows <= AMX_MAX_ROWS:
+                return amx_linear(x, packed_amx, bias)
         if packed_fp32 is not None and rows >= BF16_IN_FP32_MIN_ROWS:
             fp32_bias = None if bias is None else bias.float()
             return onednn_linear(x.float(), packed_fp32, fp32_bias).to(x.dtype)
@@ -158,10 +170,24 @@ def amx_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x W^T (+ b) in bf16 on AMX tiles, W packed by `model/layers/amx_tiles.py`."""
-    if x.stride(-1) != 1:  # the kernel reads rows in place, at any row stride
+    return _tile_layout_linear(load().amx_linear, x, packed, bias)
+
+
+def bf16_dot_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x W^T (+ b) in bf16 on AVX512-BF16 dot products, W packed by
+    `model/layers/amx_tiles.py`."""
+    return _tile_layout_linear(load().bf16_dot_linear, x, packed, bias)
+
+
+def _tile_layout_linear(
+    kernel: Callable[..., None], x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if x.stride(-1) != 1:  # the kernels read rows in place, at any row stride
         x = x.contiguous()
     out = torch.empty((x.shape[0], packed.shape[0] * packed.shape[3]), dtype=x.dtype)
-    load().amx_linear(out, x, packed, None if bias is None else bias.float())
+    kernel(out, x, packed, None if bias is None else bias.float())
     return out
 
 

@@ -48,6 +48,10 @@ class KernelSelection:
     # A bf16 model's linear layers multiply the few rows of decode steps on AMX tiles
     # (`fused.AMX_MAX_ROWS`), where the CPU has AMX-BF16 and the kernel grants its tile data.
     bf16_amx_linear: bool = False
+    # Without AMX, where AVX512-BF16 dot products run at least at the fp32 FMA rate (AMD Zen
+    # 4/5), those rows run in one pass of `vdpbf16ps` over the same tile-layout copy
+    # (`fused.BF16_DOT_MAX_ROWS`, ops/csrc/bf16_dot_linear.cpp).
+    bf16_dot_linear: bool = False
     # A bf16 KV cache's attention (prefill tiles and decodes) runs on AMX tiles
     # (ops/csrc/attention_amx.h), under the same condition.
     bf16_amx_attention: bool = False
@@ -58,6 +62,7 @@ class KernelSelection:
 
         matmul = ", bf16 matmuls in fp32" if self.bf16_matmul_in_fp32 else ""
         amx = ", bf16 decode matmuls on AMX" if self.bf16_amx_linear else ""
+        amx += ", bf16 decode matmuls on AVX512-BF16 dot products" if self.bf16_dot_linear else ""
         amx += ", bf16 attention on AMX" if self.bf16_amx_attention else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
@@ -104,6 +109,7 @@ def select_kernels(
         sampler_draw=True,
         bf16_matmul_in_fp32=dtype == torch.bfloat16 and not bf16_matmul_native(),
         bf16_amx_linear=dtype == torch.bfloat16 and amx_tiles_granted(),
+        bf16_dot_linear=dtype == torch.bfloat16 and _bf16_dots_win(),
         bf16_amx_attention=dtype == cache_dtype == torch.bfloat16 and amx_tiles_granted(),
     )
 
@@ -127,6 +133,18 @@ def bf16_matmul_native() -> bool:
     ratio = float(extension.load().bf16_dot_speed_ratio())
     logger.info("bf16 dot products run at %.2fx the fp32 FMA rate on this CPU", ratio)
     return ratio >= BF16_DOT_MIN_SPEED_RATIO
+
+
+def _bf16_dots_win() -> bool:
+    """The dot-product kernel where it is meant to beat oneDNN's few-row calls: no AMX
+    tiles (they win), and dot products at least as fast as fp32 FMAs (AMD Zen 4/5)."""
+    return not amx_tiles_granted() and bf16_dot_granted() and bf16_matmul_native()
+
+
+def bf16_dot_granted() -> bool:
+    """Whether the CPU has AVX512-BF16 and AVX-512 BW, neither hidden."""
+    features = cpu_features()
+    return features.avx512_bf16 and features.avx512bw
 
 
 @functools.cache

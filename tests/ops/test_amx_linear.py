@@ -1,7 +1,8 @@
-"""bf16 linear layers on AMX tiles (ops/csrc/amx_linear.cpp): the tile layout, the fp32 sums
-rounded once, which rows `fused.linear` sends there, and which layers get a tile copy. The
-kernel's arithmetic runs where the CPU has AMX-BF16; the layout, the routing and the choice
-of layers are checked on every CPU."""
+"""bf16 linear layers on AMX tiles (ops/csrc/amx_linear.cpp) and, over the same tile-layout
+copy, on AVX512-BF16 dot products (ops/csrc/bf16_dot_linear.cpp): the tile layout, the fp32
+sums rounded once, which rows `fused.linear` sends there, and which layers get a tile copy.
+Each kernel's arithmetic runs where the CPU has its instructions; the layout, the routing and
+the choice of layers are checked on every CPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from model_utils import model_runner, small_engine
 from pagedllm.model.layers import amx_tiles
 from pagedllm.model.layers.linear import Linear
 from pagedllm.ops import extension, fused
+from pagedllm.ops.cpu_features import cpu_features
 from pagedllm.ops.kernel_selection import KernelSelection, amx_tiles_granted
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="no AVX2 compiler here")
@@ -69,8 +71,9 @@ def test_few_bf16_rows_go_to_the_tiles_and_more_to_onednn(monkeypatch):
     assert calls == [1, fused.AMX_MAX_ROWS, -1]
 
 
-def test_a_cpu_without_amx_gets_no_tile_copies(tiny_model_factory, monkeypatch):
+def test_a_cpu_without_amx_or_bf16_dots_gets_no_tile_copies(tiny_model_factory, monkeypatch):
     monkeypatch.setattr("pagedllm.ops.kernel_selection.amx_tiles_granted", lambda: False)
+    monkeypatch.setattr("pagedllm.ops.kernel_selection.bf16_dot_granted", lambda: False)
     directory = tiny_model_factory("LlamaForCausalLM")
     model = model_runner(small_engine(directory, dtype="bfloat16")).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -78,38 +81,53 @@ def test_a_cpu_without_amx_gets_no_tile_copies(tiny_model_factory, monkeypatch):
     assert not linears[0].kernels.bf16_amx_linear
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 33, 64, 100, 1000])  # 1000: three panels
+needs_bf16_dot = pytest.mark.skipif(
+    not (extension.available() and cpu_features().avx512_bf16 and cpu_features().avx512bw),
+    reason="the CPU has no AVX512-BF16",
+)
+# The kernels on the tile-layout copy: AMX tiles, and AVX512-BF16 dot products
+# (ops/csrc/bf16_dot_linear.cpp, which AMX machines run too when asked).
+TILE_KERNELS = [
+    pytest.param("amx_linear", marks=needs_amx, id="amx"),
+    pytest.param("bf16_dot_linear", marks=needs_bf16_dot, id="bf16_dots"),
+]
+
+
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 17, 32, 33, 64, 100, 1000])  # 1000: panels
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_sums_are_the_fp32_sums_rounded_once(rows, with_bias):
+def test_sums_are_the_fp32_sums_rounded_once(kernel, rows, with_bias):
     torch.manual_seed(rows)
     weight, x = torch.randn(960, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
     bias = torch.randn(960).bfloat16() if with_bias else None
-    out = fused.amx_linear(x, amx_tiles.pack(weight), bias)
+    out = getattr(fused, kernel)(x, amx_tiles.pack(weight), bias)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 960)
     assert_one_rounding_apart(out, x, weight, bias)
 
 
-@needs_amx
-def test_rows_are_read_in_place_from_a_strided_input():
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+def test_rows_are_read_in_place_from_a_strided_input(kernel):
     torch.manual_seed(0)
     weight, wide = torch.randn(64, 96).bfloat16(), torch.randn(20, 160).bfloat16()
     x = wide[:, 32:128]  # rows 160 apart
     out = torch.empty(20, 64, dtype=torch.bfloat16)
-    fused.load().amx_linear(out, x, amx_tiles.pack(weight), None)
-    torch.testing.assert_close(out, fused.amx_linear(x.contiguous(), amx_tiles.pack(weight)))
+    getattr(fused.load(), kernel)(out, x, amx_tiles.pack(weight), None)
+    expected = getattr(fused, kernel)(x.contiguous(), amx_tiles.pack(weight))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@needs_amx
-def test_mismatched_operands_are_refused_by_name():
-    ops, weight = fused.load(), torch.randn(64, 96).bfloat16()
-    out = torch.empty(2, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+def test_mismatched_operands_are_refused_by_name(kernel):
+    run, weight = getattr(fused.load(), kernel), torch.randn(64, 96).bfloat16()
+    out, x = torch.empty(2, 64, dtype=torch.bfloat16), torch.randn(2, 96).bfloat16()
     with pytest.raises(RuntimeError, match="packed by amx_pack_weight"):
-        ops.amx_linear(out, torch.randn(2, 96).bfloat16(), weight[:32].contiguous(), None)
+        run(out, x, weight[:32].contiguous(), None)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        ops.amx_linear(out, torch.randn(2, 80).bfloat16(), amx_tiles.pack(weight), None)
+        run(out, torch.randn(2, 80).bfloat16(), amx_tiles.pack(weight), None)
     with pytest.raises(RuntimeError, match="bf16"):
-        ops.amx_linear(out, torch.randn(2, 96), amx_tiles.pack(weight), None)
+        run(out, torch.randn(2, 96), amx_tiles.pack(weight), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        run(out, x, amx_tiles.pack(weight), torch.zeros(63))
 
 
 @needs_amx

@@ -2,7 +2,9 @@
 
 A bf16 layer keeps its oneDNN packed weight for prefill chunks and gains this copy where
 the kernels choose AMX (`KernelSelection.bf16_amx_linear`): `fused.linear` multiplies up to
-`fused.AMX_MAX_ROWS` rows on it (`ops/csrc/amx_linear.cpp`). The kernel takes layers whose
+`fused.AMX_MAX_ROWS` rows on it (`ops/csrc/amx_linear.cpp`). Where they choose AVX512-BF16
+dot products instead (`bf16_dot_linear`, CPUs without AMX) the same copy serves
+`ops/csrc/bf16_dot_linear.cpp`. The kernel takes layers whose
 input and output sizes are multiples of 32; others keep oneDNN alone.
 """
 

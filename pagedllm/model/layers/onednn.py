@@ -14,9 +14,10 @@ AVX512-BF16 at half the FMA rate or absent: `KernelSelection.bf16_matmul_in_fp32
 gets an fp32 packed copy too: batches of `fused.BF16_IN_FP32_MIN_ROWS` rows or more
 multiply on it at the fp32 rate, with the same products, while fewer rows, bound by
 reading the weights, keep the bf16 copy's half-size reads. The fp32 copy is dropped first
-when memory is short. Where the CPU has AMX (`KernelSelection.bf16_amx_linear`) a bf16 weight
-gets a copy in AMX tiles instead (`amx_tiles.py`) for decode steps' few rows, which oneDNN
-serves with more host work than kernel time; it is dropped before the oneDNN copy.
+when memory is short. Where the CPU has AMX (`KernelSelection.bf16_amx_linear`), or fast
+AVX512-BF16 dot products and no AMX (`bf16_dot_linear`), a bf16 weight gets a copy in AMX
+tiles' layout instead (`amx_tiles.py`) for decode steps' few rows, which oneDNN serves with
+more host work than kernel time; it is dropped before the oneDNN copy.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     budget = packing_budget_bytes()
     if packed_bytes + fp32_bytes + tile_bytes > budget and in_tiles:
         logger.warning(
-            "bf16 layers keep no AMX tile copies: with them the packed weights (%.1f GB) "
+            "bf16 layers keep no tile-layout copies: with them the packed weights (%.1f GB) "
             "would exceed %.1f GB (PAGEDLLM_PACKED_WEIGHTS_SHARE); decode steps use oneDNN",
             (packed_bytes + fp32_bytes + tile_bytes) / 1e9,
             budget / 1e9,
@@ -122,7 +123,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
         num_packed,
         (packed_bytes + fp32_bytes + tile_bytes) / 1e6,
         f", {len(in_fp32)} with fp32 copies for bf16 batches" if in_fp32 else "",
-        f", {len(in_tiles)} with AMX tile copies for decode steps" if in_tiles else "",
+        f", {len(in_tiles)} with tile-layout copies for decode steps" if in_tiles else "",
     )
     return num_packed
 
@@ -158,4 +159,5 @@ def _wants_fp32_copy(linear: Linear) -> bool:
 
 
 def _wants_amx_copy(linear: Linear) -> bool:
-    return linear.kernels.bf16_amx_linear and amx_tiles.fits(linear.weight)
+    kernels = linear.kernels
+    return (kernels.bf16_amx_linear or kernels.bf16_dot_linear) and amx_tiles.fits(linear.weight)

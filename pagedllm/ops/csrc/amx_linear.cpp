@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "tile_layout_checks.h"
 
 namespace {
 
@@ -68,10 +69,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void store_rows(
   }
 }
 
+// How far ahead of its tile loads a k-step prefetches the weight into L1: tile loads do
+// not overlap (no tile renaming, each B tile waits for the products that read it), so where
+// memory's latency is long the stream stalls on every k-step. On an Emerald Rapids VM
+// (2.6 GHz; benchmarks/results/bf16.md, 2026-12-02) a pass over the default model's
+// projections ran 1.30x / 1.48x / 1.52x / 1.33x faster with it at 1 / 8 / 32 / 64 rows, and
+// Llama-3.2-1B's 1.53x at 1 and 32 (medians of 15 paired passes); on a Sapphire Rapids VM
+// prefetching 1-4 k-steps ahead changed nothing beyond the run-to-run spread (the hardware
+// prefetchers kept up there), and the next whole block was slower (17.0 against 19.4 GB/s).
+constexpr int64_t kPrefetchSteps = 2;
+
 // Rows [m, m + rows) of x (rows <= 32) against one weight block. A thread's blocks lie
-// back to back, one sequential stream that the hardware prefetchers follow: prefetching the
-// next block in software as well drew 17.0 against 19.4 GB/s through Llama-3.2-1B's
-// projections at 32 rows, 20.8 against 22.8 at one.
+// back to back, one sequential stream; the prefetches run past a block's end into the next.
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
     const at::BFloat16* x, int64_t x_stride, const at::BFloat16* block, int64_t k_steps,
     int rows, float* acc) {
@@ -85,6 +94,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
   const int64_t x_bytes = x_stride * 2;
   for (int64_t s = 0; s < k_steps; ++s) {
     const char* b = reinterpret_cast<const char*>(block) + s * kBlockStepBytes;
+    const char* ahead = b + kPrefetchSteps * kBlockStepBytes;
+    for (int64_t line = 0; line < kBlockStepBytes; line += 64) {
+      _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
     _tile_loadd(6, b, 128);
     _tile_loadd(7, b + 64, 128);
     _tile_loadd(4, x + s * kStepK, x_bytes);
@@ -108,8 +121,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void block_chunk(
 // 32 at a time, so a block read once serves them all from L1/L2. Each B tile serves two A
 // tiles: passes of 16 rows (double-buffered B tiles, the block re-read from L2 for each
 // pass) ran 64 rows at 46.6 against 24.4 ms, and 32 at 18.6 against 17.6, through the
-// default model's projections; prefetching 1-4 k-steps ahead into L1 changed nothing
-// beyond the run-to-run spread.
+// default model's projections (the weight's prefetch: kPrefetchSteps).
 void block_range(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                  const float* bias, int64_t begin, int64_t end) {
   const int64_t rows = x.size(0), k_steps = x.size(1) / kStepK;
@@ -149,24 +161,9 @@ void amx_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                 const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(pagedllm_amx::request_tiles(),
               "amx_linear: the kernel did not grant AMX tile data");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1,
-              "amx_linear: x must be a 2-D bf16 CPU tensor with unit stride in its rows");
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1 &&
-                  out.size(0) == x.size(0),
-              "amx_linear: out must be [M, N] bf16 with unit stride in its rows");
+  const float* bias_data =
+      pagedllm_tile_layout::check_operands("amx_linear", out, x, packed, bias);
   const int64_t k = x.size(1), n = out.size(1);
-  TORCH_CHECK(k % kStepK == 0 && n % kBlockN == 0, "amx_linear: K and N must be multiples of 32");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.numel() == n * k,
-              "amx_linear: the weight must be packed by amx_pack_weight for [", n, ", ", k,
-              "]");
-  const float* bias_data = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n,
-                "amx_linear: bias must be [N] fp32");
-    bias_data = bias->data_ptr<float>();
-  }
   // Rows a panel at a time, so the panel's rows stay in L2 while every weight block passes
   // them (2,048 rows of 576 at once ran at half oneDNN's rate).
   const int64_t panel = std::max(kChunkRows, kPanelBytes / (2 * k) / kChunkRows * kChunkRows);
