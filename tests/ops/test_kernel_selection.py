@@ -55,16 +55,20 @@ def test_bf16_model_runs_every_kernel(native, amx, monkeypatch):
     # The element-wise kernels take bf16; the sampler upcasts logits, so its draw stays.
     monkeypatch.setattr(kernel_selection, "bf16_matmul_native", lambda: native)
     monkeypatch.setattr(kernel_selection, "amx_tiles_granted", lambda: amx)
+    monkeypatch.setattr(kernel_selection, "bf16_dot_granted", lambda: True)
     assert select(dtype=torch.bfloat16) == KernelSelection(
         "cpu",
         fused_ops=True,
         sampler_draw=True,
         bf16_matmul_in_fp32=not native,
         bf16_amx_linear=amx,
+        # Fast dot products without tiles: the decode rows' own AVX512-BF16 kernel.
+        bf16_dot_linear=native and not amx,
         bf16_amx_attention=amx,
     )
     fp32 = select(dtype=torch.float32)
     assert not fp32.bf16_matmul_in_fp32 and not fp32.bf16_amx_linear
+    assert not fp32.bf16_dot_linear
     assert not fp32.bf16_amx_attention
     # The attention tiles read a bf16 cache only.
     assert not select(dtype=torch.bfloat16, cache=torch.float32).bf16_amx_attention
