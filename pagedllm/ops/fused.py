@@ -143,10 +143,13 @@ def linear(
     if not torch.compiler.is_compiling() and x.dim() == 2:
         rows = x.shape[0]
         if packed_amx is not None and x.dtype == torch.bfloat16:
-            if kernels.bf16_dot_linear and rows <= BF16_DOT_MAX_ROWS:
-                return bf16_dot_linear(x, packed_amx, bias)
-            if not kernels.bf16_dot_linear and rows <= AMX_MAX_ROWS:
-                return amx_linear(x, packed_amx, bias)
+            tile_kernel, max_rows = (
+                (bf16_dot_linear, BF16_DOT_MAX_ROWS)
+                if kernels.bf16_dot_linear
+                else (amx_linear, AMX_MAX_ROWS)
+            )
+            if rows <= max_rows:
+                return tile_kernel(x, packed_amx, bias)
         if packed_fp32 is not None and rows >= BF16_IN_FP32_MIN_ROWS:
             fp32_bias = None if bias is None else bias.float()
             return onednn_linear(x.float(), packed_fp32, fp32_bias).to(x.dtype)

@@ -81,7 +81,7 @@ def pack_linear_weights(model: torch.nn.Module) -> int:
     ]
     linears = [linear for linear in candidates if _packs_in_own_dtype(linear.weight.dtype)]
     in_fp32 = [linear for linear in candidates if _wants_fp32_copy(linear)]
-    in_tiles = [linear for linear in candidates if _wants_amx_copy(linear)]
+    in_tiles = [linear for linear in candidates if _wants_tile_copy(linear)]
     packed_bytes = sum(linear.weight.nbytes for linear in linears)
     fp32_bytes = sum(linear.weight.numel() * 4 for linear in in_fp32)
     tile_bytes = sum(linear.weight.nbytes for linear in in_tiles)
@@ -158,6 +158,6 @@ def _wants_fp32_copy(linear: Linear) -> bool:
     return linear.weight.dtype == torch.bfloat16 and linear.kernels.bf16_matmul_in_fp32
 
 
-def _wants_amx_copy(linear: Linear) -> bool:
+def _wants_tile_copy(linear: Linear) -> bool:
     kernels = linear.kernels
     return (kernels.bf16_amx_linear or kernels.bf16_dot_linear) and amx_tiles.fits(linear.weight)
