@@ -7,8 +7,9 @@ prompt's first two 2048-token chunks and one of eight 256-token prompts (the ste
 breakdown's prefill chunk). Prints ms per call, median and minimum of the repeats (on a
 shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
 scattered over the cache as after a while of serving. A bf16 cache comes with a bf16 model's
-bf16 queries, and where the CPU has AMX-BF16 a third column times the kernel with its
-prefill tiles and decodes on AMX ("cpu amx", `KernelSelection.bf16_amx_attention`) and cpu/amx.
+bf16 queries, and where the CPU has AMX-BF16 or AVX512-BF16 a third column times the kernel
+with its prefill tiles and decodes on tiles ("cpu tiles": AMX, else the dot products doing
+their work; `KernelSelection.attention_tiles`) and cpu/tiles.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16|int8|float8_e4m3fn|...]
@@ -29,7 +30,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention import AttentionBackend, AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
-from pagedllm.ops.kernel_selection import amx_tiles_granted
+from pagedllm.ops.kernel_selection import amx_tiles_granted, bf16_dot_granted
 from pagedllm.ops.kv_quant import is_quantized, quantize
 from pagedllm.utils import cdiv
 
@@ -129,16 +130,18 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     extension.build()
     backends = {name: get_attention_backend(name) for name in ("torch", "cpu")}
-    if dtype == torch.bfloat16 and amx_tiles_granted():
-        backends["cpu amx"] = get_attention_backend("cpu", amx_tiles=True)
+    engine = "amx" if amx_tiles_granted() else "bf16_dots" if bf16_dot_granted() else None
+    if dtype == torch.bfloat16 and engine is not None:
+        backends["cpu tiles"] = get_attention_backend("cpu", tiles=engine)
     print(
         f"threads={torch.get_num_threads()}  repeats={args.repeats}  "
         f"cache {args.kv_cache_dtype}  window {args.sliding_window}  (one layer, ms/call)"
     )
-    amx_header = f" {'cpu amx median/min':>20} {'cpu/amx':>8}" if "cpu amx" in backends else ""
+    tiles_header = f" {'cpu tiles median/min':>20} {'cpu/tiles':>9}"
+    tiles_header = tiles_header if "cpu tiles" in backends else ""
     print(
         f"{'case':30} {'torch median/min':>18} {'cpu median/min':>18} {'torch/cpu':>10}"
-        + amx_header
+        + tiles_header
     )
     wanted = None if args.cases is None else set(args.cases.split(","))
     for name, requests in cases().items():
@@ -151,11 +154,11 @@ def main() -> None:
         }
         ratio = ms["torch"][0] / ms["cpu"][0]
         torch_ms, cpu_ms = (f"{m[0]:8.2f} /{m[1]:8.2f}" for m in (ms["torch"], ms["cpu"]))
-        amx = ""
-        if "cpu amx" in ms:
-            amx_ms = ms["cpu amx"]
-            amx = f" {amx_ms[0]:10.2f} /{amx_ms[1]:8.2f} {ms['cpu'][0] / amx_ms[0]:7.2f}x"
-        print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x{amx}")
+        tiles = ""
+        if "cpu tiles" in ms:
+            tiles_ms = ms["cpu tiles"]
+            tiles = f" {tiles_ms[0]:10.2f} /{tiles_ms[1]:8.2f} {ms['cpu'][0] / tiles_ms[0]:8.2f}x"
+        print(f"{name:30} {torch_ms:>18} {cpu_ms:>18} {ratio:9.2f}x{tiles}")
 
 
 if __name__ == "__main__":

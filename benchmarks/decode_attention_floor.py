@@ -19,10 +19,11 @@ step builder, blocks scattered over the cache):
   hardware prefetchers serve at their best.
 
     .venv/bin/python -m benchmarks.decode_attention_floor [--kv-cache-dtype float16]
-        [--batch 256] [--context 320] [--repeats 30] [--threads 1] [--amx-tiles]
+        [--batch 256] [--context 320] [--repeats 30] [--threads 1] [--tiles amx]
 
-`--amx-tiles` (a bfloat16 cache on a CPU with AMX-BF16) times the kernel as a bf16 model
-runs it there: its decodes on AMX tiles.
+`--tiles amx` (a bfloat16 cache on a CPU with AMX-BF16) or `--tiles bf16_dots` (AVX512-BF16)
+times the kernel with its decodes on tiles, as a bf16 model runs it where the engine picks
+that engine (`KernelSelection.attention_tiles`); `--amx-tiles` is `--tiles amx`.
 
 `--threads 1` against the default (all cores) shows whether the call is bound by the
 memory bus (it would barely slow down) or by each core's own misses (it would take up to
@@ -65,10 +66,12 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="default: torch's")
     parser.add_argument(
-        "--amx-tiles",
-        action="store_true",
-        help="the bf16 cache's AMX tile path, as the engine runs it on CPUs with AMX-BF16",
+        "--tiles",
+        choices=["amx", "bf16_dots"],
+        default=None,
+        help="the bf16 cache's tile path on this engine, as a bf16 model runs it",
     )
+    parser.add_argument("--amx-tiles", action="store_const", const="amx", dest="tiles")
     parser.add_argument(
         "--layers",
         type=int,
@@ -81,7 +84,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.kv_cache_dtype)
     extension.build()
-    backend = get_attention_backend("cpu", amx_tiles=args.amx_tiles)
+    backend = get_attention_backend("cpu", tiles=args.tiles)
     shape = [(args.context - 1, 1)] * args.batch
     q, k, v, kv_cache, layout = make_step(shape, dtype=dtype)
     scale = HEAD_DIM**-0.5

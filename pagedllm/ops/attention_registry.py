@@ -13,10 +13,10 @@ from pagedllm.ops.cpu_attention import CpuAttentionBackend
 from pagedllm.ops.torch_attention import TorchAttentionBackend
 
 # Building a "cpu" backend loads (or first builds) the C++ extension; naming it does not.
-# Each is built from the one option a kernel selection gives backends: `amx_tiles`.
-_BACKENDS: dict[str, Callable[[bool], AttentionBackend]] = {
-    "torch": lambda amx_tiles: TorchAttentionBackend(),
-    "cpu": lambda amx_tiles: CpuAttentionBackend(amx_tiles=amx_tiles),
+# Each is built from the one option a kernel selection gives backends: `tiles`.
+_BACKENDS: dict[str, Callable[[str | None], AttentionBackend]] = {
+    "torch": lambda tiles: TorchAttentionBackend(),
+    "cpu": lambda tiles: CpuAttentionBackend(tiles=tiles),
 }
 
 
@@ -29,10 +29,10 @@ def check_attention_backend(name: str) -> None:
         )
 
 
-def get_attention_backend(name: str, *, amx_tiles: bool = False) -> AttentionBackend:
+def get_attention_backend(name: str, *, tiles: str | None = None) -> AttentionBackend:
     """A new backend of that name. Which name serves a model is `kernel_selection`'s to
-    decide, and so is `amx_tiles` (`KernelSelection.bf16_amx_attention`: the "cpu"
-    backend's bf16 prefill tiles and decodes on AMX; the torch backend has none). "cpu"
-    here needs the extension and raises RuntimeError without it."""
+    decide, and so is `tiles` (`KernelSelection.attention_tiles`: the engine of the "cpu"
+    backend's bf16 prefill tiles and decodes, "amx" or "bf16_dots"; the torch backend has
+    none). "cpu" here needs the extension and raises RuntimeError without it."""
     check_attention_backend(name)
-    return _BACKENDS[name](amx_tiles)
+    return _BACKENDS[name](tiles)

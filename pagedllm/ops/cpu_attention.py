@@ -33,6 +33,9 @@ SUPPORTED_CACHE_DTYPES = (
     torch.float8_e5m2,
 )
 
+# The engines a bf16 cache's tiles may run on (None: the vector kernel's own loops).
+TILE_ENGINES = (None, "amx", "bf16_dots")
+
 
 def kernel_covers(head_dim: int, cache_dtype: torch.dtype) -> bool:
     """Whether the kernel serves a model of this head size and KV cache dtype (loads the
@@ -63,14 +66,17 @@ class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
     traceable = True
 
-    def __init__(self, amx_tiles: bool = False) -> None:
-        """`amx_tiles`: a bf16 cache's prefill tiles and decodes run on AMX
+    def __init__(self, tiles: str | None = None) -> None:
+        """`tiles`: a bf16 cache's prefill tiles and decodes run on tiles
         (ops/csrc/attention_amx.h: bf16 weights as Transformers' bf16 attention multiplies
         them, not the fp32 ones of the vector kernel), where the kernel covers the head and
-        block sizes (and a decode's group of query heads fits a tile) and Linux grants the
-        tile data; the caller checks that the CPU has AMX-BF16."""
+        block sizes (and a decode's group of query heads fits a tile): "amx" on AMX where
+        Linux grants the tile data, "bf16_dots" on AVX512-BF16 dot products doing the
+        tiles' work (ops/csrc/tile_ops.h); the caller checks that the CPU has them."""
+        if tiles not in TILE_ENGINES:
+            raise ValueError(f"tiles must be one of {TILE_ENGINES}, not {tiles!r}")
         self._ops = load()
-        self.amx_tiles = amx_tiles
+        self.tiles = tiles
 
     def build_metadata(self, layout: AttentionLayout, device: torch.device) -> CpuAttentionMetadata:
         tables = to_device(layout.block_tables, device, torch.int32)
@@ -107,7 +113,7 @@ class CpuAttentionBackend(AttentionBackend):
             scale,
             sliding_window or 0,
             *kv_cache[2:],  # a quantized cache's key and value scales
-            amx_tiles=self.amx_tiles,
+            tiles=self.tiles or "none",
         )
         return out.to(q.dtype)
 

@@ -55,6 +55,16 @@ class KernelSelection:
     # A bf16 KV cache's attention (prefill tiles and decodes) runs on AMX tiles
     # (ops/csrc/attention_amx.h), under the same condition.
     bf16_amx_attention: bool = False
+    # Or, under bf16_dot_linear's condition, on AVX512-BF16 dot products doing the tiles'
+    # work (ops/csrc/tile_ops.h).
+    bf16_dot_attention: bool = False
+
+    @property
+    def attention_tiles(self) -> str | None:
+        """The engine the attention backend's tiles run on (`CpuAttentionBackend`)."""
+        if self.bf16_amx_attention:
+            return "amx"
+        return "bf16_dots" if self.bf16_dot_attention else None
 
     def describe(self) -> str:
         def which(kernel: bool) -> str:
@@ -64,6 +74,7 @@ class KernelSelection:
         amx = ", bf16 decode matmuls on AMX" if self.bf16_amx_linear else ""
         amx += ", bf16 decode matmuls on AVX512-BF16 dot products" if self.bf16_dot_linear else ""
         amx += ", bf16 attention on AMX" if self.bf16_amx_attention else ""
+        amx += ", bf16 attention on AVX512-BF16 dot products" if self.bf16_dot_attention else ""
         return (
             f"attention={self.attention}, fused ops={which(self.fused_ops)}, "
             f"sampler draw={which(self.sampler_draw)}{matmul}{amx}"
@@ -111,6 +122,7 @@ def select_kernels(
         bf16_amx_linear=dtype == torch.bfloat16 and amx_tiles_granted(),
         bf16_dot_linear=dtype == torch.bfloat16 and _bf16_dots_win(),
         bf16_amx_attention=dtype == cache_dtype == torch.bfloat16 and amx_tiles_granted(),
+        bf16_dot_attention=dtype == cache_dtype == torch.bfloat16 and _bf16_dots_win(),
     )
 
 

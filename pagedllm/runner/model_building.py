@@ -181,9 +181,7 @@ class ModelBuilder:
             cache_dtype=self.config.cache_config.cache_dtype,
         )
         logger.debug("kernels: %s", kernels.describe())
-        attention_backend = get_attention_backend(
-            kernels.attention, amx_tiles=kernels.bf16_amx_attention
-        )
+        attention_backend = get_attention_backend(kernels.attention, tiles=kernels.attention_tiles)
         with torch.device(self.device):
             model = model_class(
                 model_config.hf_config,

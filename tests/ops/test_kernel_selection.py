@@ -62,16 +62,21 @@ def test_bf16_model_runs_every_kernel(native, amx, monkeypatch):
         sampler_draw=True,
         bf16_matmul_in_fp32=not native,
         bf16_amx_linear=amx,
-        # Fast dot products without tiles: the decode rows' own AVX512-BF16 kernel.
+        # Fast dot products without tiles: the decode rows' own AVX512-BF16 kernel, and the
+        # attention's prefill tiles on them.
         bf16_dot_linear=native and not amx,
         bf16_amx_attention=amx,
+        bf16_dot_attention=native and not amx,
     )
+    expected_tiles = "amx" if amx else "bf16_dots" if native else None
+    assert select(dtype=torch.bfloat16).attention_tiles == expected_tiles
     fp32 = select(dtype=torch.float32)
     assert not fp32.bf16_matmul_in_fp32 and not fp32.bf16_amx_linear
     assert not fp32.bf16_dot_linear
-    assert not fp32.bf16_amx_attention
+    assert not fp32.bf16_amx_attention and fp32.attention_tiles is None
     # The attention tiles read a bf16 cache only.
-    assert not select(dtype=torch.bfloat16, cache=torch.float32).bf16_amx_attention
+    fp32_cache = select(dtype=torch.bfloat16, cache=torch.float32)
+    assert fp32_cache.attention_tiles is None
 
 
 @pytest.fixture

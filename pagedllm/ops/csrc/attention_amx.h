@@ -1,6 +1,8 @@
-// Attention on AMX tiles (bf16 caches and queries, CPUs with AMX-BF16): paged_attention.cpp
-// routes its prefill tile items (attend_rows) and its decodes (attend_decode, at the end)
-// here when asked (`amx_tiles`).
+// Attention on tiles (bf16 caches and queries): paged_attention.cpp routes its prefill tile
+// items (attend_rows) here when asked (`tiles`), on AMX (CPUs with AMX-BF16) or on
+// AVX512-BF16 dot products doing the tiles' work (tile_ops.h: AMD Zen 4/5), and on AMX its
+// decodes too (attend_decode, at the end). The functions take the engine as a template
+// argument.
 //
 // The 16- and 8-lane tiles spend 128 fused multiply-adds a score on q . k and p . v, which
 // set their pace; here those products are tile dot products (tdpbf16ps, fp32 sums) and the
@@ -33,18 +35,21 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "tile_ops.h"
 #include "vec_avx2.h"
 #include "vec_avx512.h"
 
-#define PAGEDLLM_AMX \
-  __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
-
 namespace pagedllm_amx_attention {
+
+using pagedllm_tiles::dot;
+using pagedllm_tiles::load;
+using pagedllm_tiles::store;
+using pagedllm_tiles::zero;
 
 constexpr int kRowTile = 16;    // rows of a row tile: the lanes of S^T
 constexpr int kSliceKeys = 16;  // keys of an A tile of K
 constexpr int kStepKeys = 32;   // keys a step takes: the k of one P V product
-constexpr int kTileDwords = 16 * 16;
+using pagedllm_tiles::kTileDwords;
 
 // The head sizes and block sizes taken here: a multiple of 32 of d for each q . k tile,
 // at most four of them (Q^T's B tiles sit beside S^T's and K's), and slices aligned in
@@ -77,6 +82,7 @@ struct Scratch {
   alignas(64) uint32_t weights[kTileDwords];  // row k: keys 2k, 2k + 1 of each row (lanes)
   alignas(64) uint32_t weights_t[kTileDwords];
   alignas(64) float rescale[kRowTile];
+  pagedllm_tiles::DotTiles dots;  // the dot-product engine's tiles (tile_ops.h)
 
   Scratch(int max_rows, int head_dim) {
     const int tiles = (max_rows + kRowTile - 1) / kRowTile, padded = tiles * kRowTile;
@@ -94,6 +100,20 @@ struct Scratch {
     l.resize(padded);
   }
 };
+
+// The engine a call's tiles run on; kNone: the vector kernel (paged_attention.cpp's own).
+enum class Engine { kNone, kAmx, kBf16Dots };
+
+// f(tiles) with the engine's tiles: AMX's, or the scratch's dot-product ones.
+template <typename F>
+inline void on_tiles(Engine engine, Scratch& s, F&& f) {
+  if (engine == Engine::kAmx) {
+    pagedllm_tiles::AmxTiles amx;
+    f(amx);
+  } else {
+    f(s.dots);
+  }
+}
 
 // Rows i of r become columns: r[k][i] = r_in[i][k], 16 x 16 dwords.
 PAGEDLLM_AMX inline void transpose16(__m512i (&r)[16]) {
@@ -186,22 +206,22 @@ PAGEDLLM_AMX void load_values(const at::BFloat16* const (&rows)[kStepKeys], int 
 
 // s.scores[j * 16 + i] = k_j . q_i for the step's keys (slices at k0 and k1, k1 null when
 // the step holds one slice) and the row tile's rows.
-template <int D>
+template <int D, typename Tiles>
 PAGEDLLM_AMX void tile_scores(const at::BFloat16* k0, const at::BFloat16* k1, int64_t stride,
-                              const uint32_t* query_t, Scratch& s) {
-  _tile_zero(0);
-  _tile_zero(1);
+                              const uint32_t* query_t, Scratch& s, Tiles& t) {
+  zero<0>(t);
+  zero<1>(t);
   for (int step = 0; step < D / 32; ++step) {
-    _tile_loadd(3, query_t + step * kTileDwords, 64);
-    _tile_loadd(2, k0 + 32 * step, stride * 2);
-    _tile_dpbf16ps(0, 2, 3);
+    load<3>(t, query_t + step * kTileDwords, 64);
+    load<2>(t, k0 + 32 * step, stride * 2);
+    dot<0, 2, 3>(t);
     if (k1 != nullptr) {
-      _tile_loadd(4, k1 + 32 * step, stride * 2);
-      _tile_dpbf16ps(1, 4, 3);
+      load<4>(t, k1 + 32 * step, stride * 2);
+      dot<1, 4, 3>(t);
     }
   }
-  _tile_stored(0, s.scores, 64);
-  if (k1 != nullptr) _tile_stored(1, s.scores + kSliceKeys * kRowTile, 64);
+  store<0>(t, s.scores, 64);
+  if (k1 != nullptr) store<1>(t, s.scores + kSliceKeys * kRowTile, 64);
 }
 
 // The online-softmax update of a row tile (rows r0 ..) over the step's `count` keys from
@@ -251,34 +271,34 @@ PAGEDLLM_AMX inline void tile_softmax(int r0, int position, int count, float sca
 }
 
 // acc[r0 + i] <- acc[r0 + i] * rescale[i] + (P V)[i] for the row tile's `rows` rows.
-template <int D>
-PAGEDLLM_AMX void tile_values(int r0, int rows, Scratch& s) {
+template <int D, typename Tiles>
+PAGEDLLM_AMX void tile_values(int r0, int rows, Scratch& s, Tiles& t) {
   __m512i w[16];
   for (int k = 0; k < 16; ++k) w[k] = _mm512_load_si512(s.weights + 16 * k);
   transpose16(w);
   for (int i = 0; i < 16; ++i) _mm512_store_si512(s.weights_t + 16 * i, w[i]);
-  _tile_loadd(5, s.weights_t, 64);
+  load<5>(t, s.weights_t, 64);
   float* partial = s.partial.data();
   for (int g = 0; g < D / 16; g += 4) {
     // Up to four 16-column tiles of the product at a time (tiles 0-3).
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero<0>(t);
+    zero<1>(t);
+    zero<2>(t);
+    zero<3>(t);
     const uint32_t* v = s.values.data() + g * kTileDwords;
-    _tile_loadd(6, v, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(7, v + kTileDwords, 64);
-    _tile_dpbf16ps(1, 5, 7);
-    _tile_stored(0, partial + 16 * g, D * 4);
-    _tile_stored(1, partial + 16 * (g + 1), D * 4);
+    load<6>(t, v, 64);
+    dot<0, 5, 6>(t);
+    load<7>(t, v + kTileDwords, 64);
+    dot<1, 5, 7>(t);
+    store<0>(t, partial + 16 * g, D * 4);
+    store<1>(t, partial + 16 * (g + 1), D * 4);
     if (g + 2 < D / 16) {
-      _tile_loadd(6, v + 2 * kTileDwords, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_loadd(7, v + 3 * kTileDwords, 64);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_stored(2, partial + 16 * (g + 2), D * 4);
-      _tile_stored(3, partial + 16 * (g + 3), D * 4);
+      load<6>(t, v + 2 * kTileDwords, 64);
+      dot<2, 5, 6>(t);
+      load<7>(t, v + 3 * kTileDwords, 64);
+      dot<3, 5, 7>(t);
+      store<2>(t, partial + 16 * (g + 2), D * 4);
+      store<3>(t, partial + 16 * (g + 3), D * 4);
     }
   }
   for (int i = 0; i < rows; ++i) {
@@ -323,21 +343,21 @@ PAGEDLLM_AMX void store_outputs(int rows, const float* sums, Scratch& s) {
 
 // Attention of `rows` rows (s.query, s.first, s.limit filled) over keys [kv_begin, kv_end)
 // of the context, each row's output rounded once to bf16 into s.out.
-template <int D>
+template <int D, typename Tiles>
 PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_end, float scale,
-                              Scratch& s) {
+                              Scratch& s, Tiles& t) {
   const int tiles = (rows + kRowTile - 1) / kRowTile;
   for (int r = rows; r < tiles * kRowTile; ++r) s.first[r] = s.limit[r] = 0;
   std::fill_n(s.acc.begin(), static_cast<int64_t>(tiles) * kRowTile * D, 0.0f);
   std::fill_n(s.m.begin(), tiles * kRowTile, pagedllm_vec::kNegInf);
   std::fill_n(s.l.begin(), tiles * kRowTile, 0.0f);
   // Keys each row tile may see, to skip the steps wholly outside them.
-  for (int t = 0; t < tiles; ++t) {
-    const auto begin = s.first.begin() + t * kRowTile;
-    const int end = std::min(rows, (t + 1) * kRowTile) - t * kRowTile;
-    s.tile_first[t] = *std::min_element(begin, begin + end);
-    const auto limits = s.limit.begin() + t * kRowTile;
-    s.tile_limit[t] = *std::max_element(limits, limits + end);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const auto begin = s.first.begin() + tile * kRowTile;
+    const int end = std::min(rows, (tile + 1) * kRowTile) - tile * kRowTile;
+    s.tile_first[tile] = *std::min_element(begin, begin + end);
+    const auto limits = s.limit.begin() + tile * kRowTile;
+    s.tile_limit[tile] = *std::max_element(limits, limits + end);
   }
   load_queries<D>(rows, s);
   for (int position = kv_begin / kSliceKeys * kSliceKeys; position < kv_end;
@@ -348,13 +368,13 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     const at::BFloat16* value_rows[kStepKeys];
     key_rows(c, position, count, value_rows, c.value_cache);
     load_values<D / 16>(value_rows, count, 0, s);
-    for (int t = 0; t < tiles; ++t) {
-      if (position >= s.tile_limit[t] || position + count <= s.tile_first[t]) continue;
-      const int r0 = t * kRowTile;
+    for (int tile = 0; tile < tiles; ++tile) {
+      if (position >= s.tile_limit[tile] || position + count <= s.tile_first[tile]) continue;
+      const int r0 = tile * kRowTile;
       tile_scores<D>(keys[0], keys[1], c.token_stride,
-                     s.query_t.data() + t * (D / 32) * kTileDwords, s);
+                     s.query_t.data() + tile * (D / 32) * kTileDwords, s, t);
       tile_softmax(r0, position, count, scale, s);
-      tile_values<D>(r0, std::min(kRowTile, rows - r0), s);
+      tile_values<D>(r0, std::min(kRowTile, rows - r0), s, t);
     }
   }
   store_outputs<D>(rows, s.l.data(), s);
@@ -380,9 +400,9 @@ PAGEDLLM_AMX inline void prefetch_slice(const at::BFloat16* first, int64_t strid
 
 // Pass one: row r's scores for keys [begin, begin + 16 * slices) into
 // s.row_scores[r * width ..], -inf outside [first, limit); returns each row's max in `max`.
-template <int D>
+template <int D, typename Tiles>
 PAGEDLLM_AMX void decode_scores(const Context& c, int rows, int first, int limit, int begin,
-                                int width, float scale, Scratch& s, float* max) {
+                                int width, float scale, Scratch& s, float* max, Tiles& tiles) {
   __m512 row_max[kRowTile];
   for (int r = 0; r < rows; ++r) row_max[r] = _mm512_set1_ps(pagedllm_vec::kNegInf);
   const __m512 neg_inf = _mm512_set1_ps(pagedllm_vec::kNegInf);
@@ -397,13 +417,13 @@ PAGEDLLM_AMX void decode_scores(const Context& c, int rows, int first, int limit
                                      c.token_stride);
     }
     prefetch_slice<D, _MM_HINT_T1>(c.value_cache + key_offset(c, position), c.token_stride);
-    _tile_zero(0);
+    zero<0>(tiles);
     for (int step = 0; step < D / 32; ++step) {
-      _tile_loadd(3, s.query_t.data() + step * kTileDwords, 64);
-      _tile_loadd(2, keys + 32 * step, c.token_stride * 2);
-      _tile_dpbf16ps(0, 2, 3);
+      load<3>(tiles, s.query_t.data() + step * kTileDwords, 64);
+      load<2>(tiles, keys + 32 * step, c.token_stride * 2);
+      dot<0, 2, 3>(tiles);
     }
-    _tile_stored(0, s.scores, 64);
+    store<0>(tiles, s.scores, 64);
     __m512i t[16];
     for (int k = 0; k < 16; ++k) t[k] = _mm512_load_si512(s.scores + 16 * k);
     transpose16(t);
@@ -444,42 +464,42 @@ PAGEDLLM_AMX inline float decode_weights(int r, int keys, int width, float max, 
 }
 
 // Pass two: O = P V for columns [col0, col0 + 16 * G) into s.acc (rows 16, stride D).
-template <int D, int G>
+template <int D, int G, typename Tiles>
 PAGEDLLM_AMX void decode_values(const Context& c, int limit, int begin, int width, int col0,
-                                Scratch& s) {
-  _tile_zero(0);
-  if (G > 1) _tile_zero(1);
-  if (G > 2) _tile_zero(2);
-  if (G > 3) _tile_zero(3);
+                                Scratch& s, Tiles& t) {
+  zero<0>(t);
+  if (G > 1) zero<1>(t);
+  if (G > 2) zero<2>(t);
+  if (G > 3) zero<3>(t);
   const at::BFloat16* rows[kStepKeys];
   for (int position = begin; position < limit; position += kStepKeys) {
     const int count = std::min(kStepKeys, limit - position);
     key_rows(c, position, count, rows, c.value_cache);
     load_values<G>(rows, count, col0, s);
-    _tile_loadd(4, s.row_weights.data() + (position - begin), width * 2);
+    load<4>(t, s.row_weights.data() + (position - begin), width * 2);
     for (int i = 0; i < G; ++i) {
-      _tile_loadd(5, s.values.data() + i * kTileDwords, 64);
+      load<5>(t, s.values.data() + i * kTileDwords, 64);
       // Tile numbers must be constants: G <= 4 accumulators.
       switch (i) {
-        case 0: _tile_dpbf16ps(0, 4, 5); break;
-        case 1: _tile_dpbf16ps(1, 4, 5); break;
-        case 2: _tile_dpbf16ps(2, 4, 5); break;
-        default: _tile_dpbf16ps(3, 4, 5); break;
+        case 0: dot<0, 4, 5>(t); break;
+        case 1: dot<1, 4, 5>(t); break;
+        case 2: dot<2, 4, 5>(t); break;
+        default: dot<3, 4, 5>(t); break;
       }
     }
   }
   float* acc = s.acc.data() + col0;
-  _tile_stored(0, acc, D * 4);
-  if (G > 1) _tile_stored(1, acc + 16, D * 4);
-  if (G > 2) _tile_stored(2, acc + 32, D * 4);
-  if (G > 3) _tile_stored(3, acc + 48, D * 4);
+  store<0>(t, acc, D * 4);
+  if (G > 1) store<1>(t, acc + 16, D * 4);
+  if (G > 2) store<2>(t, acc + 32, D * 4);
+  if (G > 3) store<3>(t, acc + 48, D * 4);
 }
 
 // Attention of a decode's `rows` rows (s.query, s.out filled; rows <= 16) over keys
 // [first, limit) of the context, each row's output rounded once to bf16 into s.out.
-template <int D>
+template <int D, typename Tiles>
 PAGEDLLM_AMX void attend_decode(const Context& c, int rows, int first, int limit, float scale,
-                                Scratch& s) {
+                                Scratch& s, Tiles& t) {
   const int begin = first / kSliceKeys * kSliceKeys;
   const int keys = (limit - begin + kSliceKeys - 1) / kSliceKeys * kSliceKeys;
   const int width = (limit - begin + kStepKeys - 1) / kStepKeys * kStepKeys;
@@ -491,11 +511,11 @@ PAGEDLLM_AMX void attend_decode(const Context& c, int rows, int first, int limit
   }
   load_queries<D>(rows, s);
   float maxima[kRowTile], sum[kRowTile];
-  decode_scores<D>(c, rows, first, limit, begin, width, scale, s, maxima);
+  decode_scores<D>(c, rows, first, limit, begin, width, scale, s, maxima, t);
   for (int r = 0; r < rows; ++r) sum[r] = decode_weights(r, keys, width, maxima[r], s);
   constexpr int G = D / 16 < 4 ? D / 16 : 4;
   for (int col0 = 0; col0 < D; col0 += 16 * G) {
-    decode_values<D, G>(c, limit, begin, width, col0, s);
+    decode_values<D, G>(c, limit, begin, width, col0, s, t);
   }
   store_outputs<D>(rows, sum, s);
 }

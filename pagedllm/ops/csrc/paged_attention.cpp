@@ -20,9 +20,10 @@
 // each key vector loaded serves six rows. Softmax is online over the blocks
 // (running max and sum per row, fp32), so nothing is materialized per context. Items are
 // spread over OpenMP threads costliest first with dynamic scheduling, because their costs
-// (context lengths) differ widely. Asked for `amx_tiles`, a bf16 cache's prefill tiles and
-// decodes (of up to 16 query heads a kv head) run on AMX tiles instead (attention_amx.h; the
-// weights rounded to bf16 before P V), the tiles configured once per thread and call.
+// (context lengths) differ widely. Asked for `tiles`, a bf16 cache's prefill tiles run on
+// tiles instead (attention_amx.h: "amx", or "bf16_dots", AVX512-BF16 dot products doing
+// their work; the weights rounded to bf16 before P V), and on AMX its decodes too (of up to
+// 16 query heads a kv head), AMX's tiles configured once per thread and call.
 
 // Registered as torch.ops.pagedllm.* through TORCH_LIBRARY rather than a pybind11 module:
 // it compiles in a third of the time (~15 s here: no torch/extension.h, no pybind11) and
@@ -46,6 +47,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -183,7 +185,9 @@ struct Problem {
   int num_heads, group, head_dim, block_size;
   float scale;
   int window;  // sliding window in tokens; 0: none
-  bool amx_tiles;  // prefill tiles on AMX (attention_amx.h): bf16 caches and queries only
+  // Where prefill tiles and decodes run on tiles (attention_amx.h): bf16 caches and queries
+  // only, head and block sizes it covers.
+  pagedllm_amx_attention::Engine tiles;
 };
 
 // Query tokens [q_begin, q_end) of a request (indices within its chunk) against kv heads
@@ -214,12 +218,12 @@ struct Scratch {
   std::vector<float> key_t;          // a slice's keys transposed: head_dim x kSliceKeys
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
   std::unique_ptr<pagedllm_amx_attention::Scratch> amx;  // where the tiles run
-  Scratch(int max_rows, int head_dim, int block_size, bool amx_tiles)
+  Scratch(int max_rows, int head_dim, int block_size, bool tiles)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
         scores((block_size + 15) / 16 * 16), limit(max_rows), first(max_rows),
         head_offset(max_rows),
         key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys),
-        amx(amx_tiles ? std::make_unique<pagedllm_amx_attention::Scratch>(max_rows, head_dim)
+        amx(tiles ? std::make_unique<pagedllm_amx_attention::Scratch>(max_rows, head_dim)
                       : nullptr) {}
 };
 
@@ -786,7 +790,7 @@ pagedllm_amx_attention::Context amx_context(const Problem<T>& p, const WorkItem&
           p.block_size};
 }
 
-// A tile item on AMX: its rows' queries, outputs and visible keys for attention_amx.h.
+// A tile item on tiles: its rows' queries, outputs and visible keys for attention_amx.h.
 template <int NV, typename T>
 void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
   pagedllm_amx_attention::Scratch& a = *s.amx;
@@ -799,8 +803,11 @@ void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scrat
       a.first[rows] = p.window > 0 ? std::max(0, a.limit[rows] - p.window) : 0;
     }
   }
-  pagedllm_amx_attention::attend_rows<NV * 8>(amx_context<NV>(p, w, w.kv_head), rows,
-                                              a.first[0], context_start + w.q_end, p.scale, a);
+  pagedllm_amx_attention::on_tiles(p.tiles, a, [&](auto& tiles) {
+    pagedllm_amx_attention::attend_rows<NV * 8>(amx_context<NV>(p, w, w.kv_head), rows,
+                                                a.first[0], context_start + w.q_end, p.scale,
+                                                a, tiles);
+  });
 }
 
 // A decode item on AMX: each of its kv heads' query rows over the whole context in two
@@ -813,8 +820,9 @@ void attend_amx_decode(const Problem<T>& p, const WorkItem& w, int context_start
   const int first = p.window > 0 ? std::max(0, limit - p.window) : 0;
   for (int kv_head = w.kv_head; kv_head < w.kv_head_end; ++kv_head) {
     for (int h = 0; h < p.group; ++h) point_row<NV>(p, h, token, kv_head * p.group + h, a);
+    pagedllm_tiles::AmxTiles tiles;
     pagedllm_amx_attention::attend_decode<NV * 8>(amx_context<NV>(p, w, kv_head), p.group,
-                                                  first, limit, p.scale, a);
+                                                  first, limit, p.scale, a, tiles);
   }
 }
 
@@ -825,11 +833,16 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int query_len = p.query_start_loc[w.req + 1] - p.query_start_loc[w.req];
   const int context_start = p.seq_lens[w.req] - query_len;
   if constexpr (std::is_same_v<T, at::BFloat16> && (NV == 4 || NV == 8 || NV == 16)) {
-    // p.amx_tiles holds only where attention_amx.h covers the head and block sizes.
-    if (p.amx_tiles && w.q_end - w.q_begin > 1 && w.kv_head_end - w.kv_head == 1) {
+    // p.tiles is set only where attention_amx.h covers the head and block sizes. Decodes
+    // go on AMX alone: on dot products their two passes ran at 0.43-0.88x the vector
+    // kernel's speed (AMD Zen 5, benchmarks/results/bf16.md, 2026-12-02), prefill tiles
+    // at 1.5-1.85x.
+    using pagedllm_amx_attention::Engine;
+    if (p.tiles != Engine::kNone && w.q_end - w.q_begin > 1 && w.kv_head_end - w.kv_head == 1) {
       return attend_amx<NV>(p, w, context_start, s);
     }
-    if (p.amx_tiles && w.q_end - w.q_begin == 1 && p.group <= pagedllm_amx_attention::kRowTile) {
+    if (p.tiles == Engine::kAmx && w.q_end - w.q_begin == 1 &&
+        p.group <= pagedllm_amx_attention::kRowTile) {
       return attend_amx_decode<NV>(p, w, context_start, s);
     }
   }
@@ -889,9 +902,10 @@ void run_items(const Problem<T>& p, const std::vector<WorkItem>& items, int max_
   const int threads = std::max(1, std::min(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch(max_rows, p.head_dim, p.block_size, p.amx_tiles);
+    Scratch scratch(max_rows, p.head_dim, p.block_size,
+                    p.tiles != pagedllm_amx_attention::Engine::kNone);
     std::optional<pagedllm_amx_attention::TileSession> tiles;
-    if (p.amx_tiles) tiles.emplace();
+    if (p.tiles == pagedllm_amx_attention::Engine::kAmx) tiles.emplace();
 #pragma omp for schedule(dynamic, 1)
     for (int i = 0; i < num_items; ++i) attend<NV>(p, items[i], scratch);
   }
@@ -989,6 +1003,24 @@ const float* scale_data(const std::optional<at::Tensor>& scale) {
   return scale.has_value() ? scale->data_ptr<float>() : nullptr;
 }
 
+// The engine `tiles` names where it can run (else the vector kernel): a bf16 cache and
+// queries, head and block sizes attention_amx.h covers, and AMX's tile data granted by Linux
+// or the CPU's AVX512-BF16.
+pagedllm_amx_attention::Engine tile_engine(c10::string_view tiles, bool bf16, int head_dim,
+                                           int block_size) {
+  using pagedllm_amx_attention::Engine;
+  TORCH_CHECK(tiles == "none" || tiles == "amx" || tiles == "bf16_dots",
+              "paged_attention: tiles must be \"none\", \"amx\" or \"bf16_dots\", not \"",
+              std::string(tiles), "\"");
+  if (tiles == "none" || !bf16 || !pagedllm_amx_attention::covers(head_dim, block_size)) {
+    return Engine::kNone;
+  }
+  if (tiles == "amx") return pagedllm_amx::request_tiles() ? Engine::kAmx : Engine::kNone;
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+             ? Engine::kBf16Dots
+             : Engine::kNone;
+}
+
 }  // namespace
 
 // out[t] = causal attention of query[t] over its request's cached keys and values.
@@ -997,7 +1029,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      double scale, int64_t sliding_window,
                      const std::optional<at::Tensor>& key_scale,
-                     const std::optional<at::Tensor>& value_scale, bool amx_tiles) {
+                     const std::optional<at::Tensor>& value_scale, c10::string_view tiles) {
   TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0");
   check_layout(out, query, key_cache, value_cache, {&block_tables, &query_start_loc, &seq_lens});
   check_scales("paged_attention", key_cache, key_scale, value_scale);
@@ -1021,6 +1053,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     max_rows = std::max(max_rows, (w.q_end - w.q_begin) * (w.kv_head_end - w.kv_head) * group);
   }
 
+  const auto engine = tile_engine(
+      tiles,
+      key_cache.scalar_type() == at::kBFloat16 && query.scalar_type() == at::kBFloat16,
+      head_dim, block_size);
   const auto run = [&](auto element) {
     using T = decltype(element);
     const Problem<T> problem{
@@ -1031,9 +1067,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
         block_tables.stride(0), qsl, lens, num_heads, group, head_dim, block_size,
         static_cast<float>(scale),
         static_cast<int>(std::min<int64_t>(sliding_window, std::numeric_limits<int>::max())),
-        std::is_same_v<T, at::BFloat16> && amx_tiles && query.scalar_type() == at::kBFloat16 &&
-            pagedllm_amx_attention::covers(head_dim, block_size) &&
-            pagedllm_amx::request_tiles()};
+        engine};
     dispatch_head_dim(problem, items, max_rows);
   };
   switch (key_cache.scalar_type()) {
@@ -1245,7 +1279,7 @@ TORCH_LIBRARY(pagedllm, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
       "int sliding_window=0, Tensor? key_scale=None, Tensor? value_scale=None, "
-      "bool amx_tiles=False) -> ()");
+      "str tiles=\"none\") -> ()");
   m.def(
       "write_kv_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
       "Tensor slots, Tensor(c!)? key_scale=None, Tensor(d!)? value_scale=None) -> ()");
