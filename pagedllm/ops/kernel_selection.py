@@ -55,8 +55,8 @@ class KernelSelection:
     # A bf16 KV cache's attention (prefill tiles and decodes) runs on AMX tiles
     # (ops/csrc/attention_amx.h), under the same condition.
     bf16_amx_attention: bool = False
-    # Or, under bf16_dot_linear's condition, on AVX512-BF16 dot products doing the tiles'
-    # work (ops/csrc/tile_ops.h).
+    # Or, under bf16_dot_linear's condition, its prefill tiles on AVX512-BF16 dot products
+    # doing the tiles' work (ops/csrc/tile_ops.h); decodes keep the vector kernel there.
     bf16_dot_attention: bool = False
 
     @property

@@ -185,8 +185,8 @@ struct Problem {
   int num_heads, group, head_dim, block_size;
   float scale;
   int window;  // sliding window in tokens; 0: none
-  // Where prefill tiles and decodes run on tiles (attention_amx.h): bf16 caches and queries
-  // only, head and block sizes it covers.
+  // The engine prefill tiles (and, on AMX, decodes) run on (attention_amx.h): kNone but for
+  // bf16 caches and queries at head and block sizes it covers.
   pagedllm_amx_attention::Engine tiles;
 };
 
@@ -224,7 +224,7 @@ struct Scratch {
         head_offset(max_rows),
         key_t(head_dim * kSliceKeys), group_scores(kMaxGroupRows * kSliceKeys),
         amx(tiles ? std::make_unique<pagedllm_amx_attention::Scratch>(max_rows, head_dim)
-                      : nullptr) {}
+                  : nullptr) {}
 };
 
 // Scaled queries into scratch; a row sees keys [first, limit) (causal, and windowed).
