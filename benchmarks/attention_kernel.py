@@ -7,9 +7,9 @@ prompt's first two 2048-token chunks and one of eight 256-token prompts (the ste
 breakdown's prefill chunk). Prints ms per call, median and minimum of the repeats (on a
 shared machine the minimum is the better guide), and torch/cpu of the medians. Blocks are
 scattered over the cache as after a while of serving. A bf16 cache comes with a bf16 model's
-bf16 queries, and where the CPU has AMX-BF16 or AVX512-BF16 a third column times the kernel
-with its prefill tiles and decodes on tiles ("cpu tiles": AMX, else the dot products doing
-their work; `KernelSelection.attention_tiles`) and cpu/tiles.
+bf16 queries, and where the kernel selection gives a bf16 model tiles (AMX-BF16, or
+AVX512-BF16 dot products at least at the FMA rate) a third column times the kernel on them
+as that model runs it ("cpu tiles", `KernelSelection.attention_tiles`) and cpu/tiles.
 
     .venv/bin/python -m benchmarks.attention_kernel [--repeats 20] [--threads N]
         [--kv-cache-dtype float16|int8|float8_e4m3fn|...]
@@ -30,7 +30,7 @@ import torch
 from pagedllm.ops import extension
 from pagedllm.ops.attention import AttentionBackend, AttentionLayout
 from pagedllm.ops.attention_registry import get_attention_backend
-from pagedllm.ops.kernel_selection import amx_tiles_granted, bf16_dot_granted
+from pagedllm.ops.kernel_selection import select_kernels
 from pagedllm.ops.kv_quant import is_quantized, quantize
 from pagedllm.utils import cdiv
 
@@ -130,7 +130,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     extension.build()
     backends = {name: get_attention_backend(name) for name in ("torch", "cpu")}
-    engine = "amx" if amx_tiles_granted() else "bf16_dots" if bf16_dot_granted() else None
+    # The engine a bf16 model of these shapes gets on this CPU, if any.
+    engine = select_kernels(
+        "cpu", torch.bfloat16, "cpu", head_dim=HEAD_DIM, cache_dtype=torch.bfloat16
+    ).attention_tiles
     if dtype == torch.bfloat16 and engine is not None:
         backends["cpu tiles"] = get_attention_backend("cpu", tiles=engine)
     print(
