@@ -14,7 +14,11 @@ from moe_inputs import TOP_K, hidden_states, routing
 
 from pagedllm.model.layers.fused_moe import GroupedExperts, MoESpec, grouped_experts
 from pagedllm.model.layers.gguf_experts import GGUFGroupedExperts, gguf_grouped_experts
-from pagedllm.model.layers.gguf_linear import GGUFConcatLinear, GGUFMergedLinear
+from pagedllm.model.layers.gguf_linear import (
+    GGUFConcatLinear,
+    GGUFMergedLinear,
+    kernel_type_of_run,
+)
 
 EXPERTS = 4
 # Offsets of the fp16 super-block scales in a K-quant block: d (and dmin).
@@ -58,7 +62,8 @@ def _experts(types: tuple[Q, Q, Q], hidden: int, intermediate: int):
     ("types", "hidden", "intermediate"),
     [
         ((Q.Q8_0, Q.Q8_0, Q.Q4_0), 64, 96),  # gate/up in one kernel call
-        ((Q.Q4_1, Q.Q8_0, Q.Q5_0), 64, 96),  # gate and up apart; Q5_0 repacked as Q8_0
+        ((Q.Q4_1, Q.Q8_0, Q.Q5_0), 64, 96),  # gate and up apart; Q5_0 down
+        ((Q.Q5_0, Q.Q8_0, Q.Q8_0), 64, 96),  # gate's Q5_0 held as Q8_0: one call
         ((Q.Q4_K, Q.Q4_K, Q.Q6_K), 256, 256),  # Q4_K_M's experts
     ],
 )
@@ -68,7 +73,7 @@ def test_experts_on_blocks_equal_the_dequantized_stacked_experts(
 ):
     layer, gate_up, down, _ = _experts(types, hidden, intermediate)
     assert isinstance(layer, GGUFGroupedExperts)
-    kind = GGUFMergedLinear if types[0] == types[1] else GGUFConcatLinear
+    kind = GGUFMergedLinear if kernel_type_of_run(types[:2]) else GGUFConcatLinear
     assert all(isinstance(expert, kind) for expert in layer.gate_up)
     x = hidden_states(num_tokens, hidden)
     ids, weights = routing(num_tokens, [0, 2, 3])  # expert 1 gets no token

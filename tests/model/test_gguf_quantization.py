@@ -28,6 +28,7 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFLinear,
     GGUFMergedLinear,
     as_kernel_type,
+    kernel_type_of_run,
     pack_gguf,
     reference_pack_gguf,
     unpack_blocks,
@@ -45,7 +46,7 @@ from pagedllm.ops.cpu_features import (
     gguf_kernel_isa,
 )
 
-KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+KERNEL_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0]
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 # Offsets of the fp16 super-block scales in a K-quant block: d (and dmin).
 K_SCALE_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -95,7 +96,7 @@ def _activations(rows: int, cols: int) -> torch.Tensor:
 def test_unpacked_blocks_are_the_dequantized_weights(qtype):
     raw, dequantized = _raw(12, 96, qtype)
     q, d, m = unpack_blocks(raw, qtype)
-    assert q.max() <= (15 if qtype != Q.Q8_0 else 255)
+    assert q.max() <= {Q.Q8_0: 255, Q.Q5_0: 31}.get(qtype, 15)
     weights = q.reshape(12, 3, 32) * d[..., None] + m[..., None]
     np.testing.assert_allclose(weights.reshape(12, 96), dequantized.numpy(), rtol=0, atol=1e-6)
 
@@ -184,13 +185,17 @@ def test_amx_tiles_are_the_path_only_with_amx_int8_and_vnni():
     assert "AMX-INT8" in describe_cpu(CpuFeatures.from_flags(amx))
 
 
-@pytest.mark.parametrize(("qtype", "bits_a_weight"), [(Q.Q4_0, 5), (Q.Q8_0, 9)])
-def test_symmetric_types_keep_no_min_table(qtype, bits_a_weight):
-    # m is -8 d (Q4_0) or -128 d (Q8_0): the kernel derives it, so only q and an fp32 d per
-    # 32 weights are held (the file: an fp16 d, 4.5 and 8.5 bits a weight).
+@pytest.mark.parametrize(
+    ("qtype", "bits_a_weight"), [(Q.Q4_0, 4.5), (Q.Q5_0, 5.5), (Q.Q8_0, 8.5), (Q.Q4_1, 5.5)]
+)
+def test_float_kinds_hold_the_files_bits(qtype, bits_a_weight):
+    # m is -8 d (Q4_0), -16 d (Q5_0) or -128 d (Q8_0): the kernel derives it, so only q and
+    # the file's fp16 d per 32 weights are held, the file's bits a weight. Q4_1 keeps its
+    # own m, in fp32.
     raw, _ = _raw(16, 256, qtype)
     layer = GGUFLinear(raw, qtype)
-    assert layer.mins.numel() == 0
+    assert layer.scales.dtype == torch.float16
+    assert (layer.mins.numel() == 0) == (qtype != Q.Q4_1)
     assert layer.weight_bytes() * 8 == bits_a_weight * 16 * 256
 
 
@@ -237,16 +242,22 @@ def test_in_features_must_be_whole_blocks():
         )  # fmt: skip
 
 
-def test_q5_0_repacks_exactly_as_q8_0():
-    """Q5_0 (which the kernel does not take) becomes Q8_0 blocks of the very same weights."""
+def test_q5_0_beside_q8_0_repacks_exactly_as_q8_0():
+    """A fused projection's Q5_0 part beside a Q8_0 one becomes Q8_0 blocks of the very same
+    weights, so the two share one kernel call."""
     weight = np.random.default_rng(2).standard_normal((6, 128)).astype(np.float32)
     weight[3] *= 30
     raw = gguf.quants.quantize(weight, Q.Q5_0)
-    repacked, kernel_type = as_kernel_type(raw, Q.Q5_0)
-    assert kernel_type == Q.Q8_0 and repacked.shape == (6, 4 * 34)
+    assert kernel_type_of_run([Q.Q5_0, Q.Q8_0]) == Q.Q8_0
+    assert kernel_type_of_run([Q.Q5_0, Q.Q5_0]) == Q.Q5_0
+    assert kernel_type_of_run([Q.Q5_0, Q.Q4_0]) is None
+    repacked = as_kernel_type(raw, Q.Q5_0, Q.Q8_0)
+    assert repacked.shape == (6, 4 * 34)
     np.testing.assert_array_equal(
         gguf.quants.dequantize(repacked, Q.Q8_0), gguf.quants.dequantize(raw, Q.Q5_0)
     )
+    with pytest.raises(ValueError, match="cannot be held as"):
+        as_kernel_type(raw, Q.Q5_0, Q.Q4_0)
 
 
 def test_unsupported_type_is_refused():
@@ -259,15 +270,15 @@ def test_unsupported_type_is_refused():
 
 
 def _qtype(gguf_name: str) -> Q:
-    """Layer 0 all Q4_1; layer 1 mixes types inside q/k/v (kept fp32) and has Q4_0, Q5_0
-    (repacked as Q8_0), Q8_0 and F16 elsewhere; the tied embedding is Q8_0, as in the default
+    """Layer 0 all Q4_1; layer 1 mixes types inside q/k/v (Q5_0 beside Q8_0, then Q4_0) and
+    has Q4_0, Q5_0, Q8_0 and F16 elsewhere; the tied embedding is Q8_0, as in the default
     model."""
     if gguf_name.startswith("token_embd"):
         return Q.Q8_0
     layer, part = gguf_name.split(".")[1:3]
     if layer == "0":
         return Q.Q4_1
-    types = {"attn_q": Q.Q4_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "ffn_down": Q.F16}
+    types = {"attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_0, "ffn_down": Q.F16}
     types.update(ffn_gate=Q.Q5_0, ffn_up=Q.Q5_0)
     return types.get(part, Q.Q4_0 if part == "attn_output" else Q.Q8_0)
 
@@ -303,11 +314,12 @@ def test_kernel_layers_replace_the_linear_layers_they_can(engines):
     # Only the F16 down projection stays fp32.
     assert kept == {"model.layers.1.mlp.down_proj"}
     assert isinstance(layers["model.layers.0.mlp.gate_up_proj"], GGUFMergedLinear)
-    assert layers["model.layers.1.mlp.gate_up_proj"].ggml_type == Q.Q8_0  # the file's Q5_0
-    # q/k/v of mixed types: one kernel layer per run of equal types.
+    assert layers["model.layers.1.mlp.gate_up_proj"].ggml_type == Q.Q5_0
+    # q/k/v of mixed types: one kernel layer per run of types that share one (q's Q5_0
+    # held as Q8_0 beside k's Q8_0).
     qkv = model.get_submodule("model.layers.1.self_attn.qkv_proj")
     assert isinstance(qkv, GGUFConcatLinear)
-    assert [p.ggml_type for p in qkv.parts] == [Q.Q4_0, Q.Q8_0, Q.Q4_0]
+    assert [p.ggml_type for p in qkv.parts] == [Q.Q8_0, Q.Q4_0]
     assert layers["lm_head"].ggml_type == Q.Q8_0
     # The tied embedding looks its rows up in the head's own blocks.
     embedding = model.model.embed_tokens

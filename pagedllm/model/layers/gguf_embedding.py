@@ -22,6 +22,8 @@ from pagedllm.model.layers.gguf_linear import (
 
 _T = GGMLQuantizationType
 _GROUP_BYTES = 32  # one group: 4 consecutive k for a tile's 8 columns
+# What the kernel's unsigned q of a symmetric type is above the file's signed one.
+_SYMMETRIC_OFFSETS = {_T.Q4_0: 8.0, _T.Q5_0: 16.0, _T.Q8_0: 128.0}
 
 
 def _gather_columns(table: torch.Tensor, tile: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -93,12 +95,12 @@ class GGUFEmbedding(nn.Module):
             else:  # gguf's d * q - dmin * m; M is -dmin
                 weights = d * q - (-m * _gather_columns(self.sub_mn, tile, col).float())[..., None]
         else:
-            d = _gather_columns(self.scales, tile, col)[..., None]
+            d = _gather_columns(self.scales, tile, col).float()[..., None]  # the file's fp16
             q = q.view(rows, -1, BLOCK)
             if self.ggml_type == _T.Q4_1:
                 weights = q * d + _gather_columns(self.mins, tile, col)[..., None]
-            else:  # gguf's d * signed q: Q8_0 is stored + 128, Q4_0 is q - 8
-                weights = d * (q - (128.0 if self.ggml_type == _T.Q8_0 else 8.0))
+            else:  # gguf's d * signed q: Q8_0 is stored + 128, Q5_0 is q - 16, Q4_0 q - 8
+                weights = d * (q - _SYMMETRIC_OFFSETS[self.ggml_type])
         return weights.reshape(*input_ids.shape, self.embedding_dim)
 
     def weight_bytes(self) -> int:

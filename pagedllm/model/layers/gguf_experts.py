@@ -22,6 +22,7 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFLinear,
     GGUFMergedLinear,
     as_kernel_type,
+    kernel_type_of_run,
 )
 from pagedllm.model.layers.kernel_experts import KernelGroupedExperts
 
@@ -46,19 +47,18 @@ def gguf_grouped_experts(
     gate_up_layers = [
         _gate_up_layer(gate_type, gate[e], up_type, up[e]) for e in range(experts.spec.num_experts)
     ]
-    down_layers = [
-        GGUFLinear(*as_kernel_type(down_raw[e], down_type)) for e in range(experts.spec.num_experts)
-    ]
+    down_layers = [GGUFLinear(down_raw[e], down_type) for e in range(experts.spec.num_experts)]
     return GGUFGroupedExperts(experts.spec, gate_up_layers, down_layers, experts.kernels)
 
 
 def _gate_up_layer(
     gate_type: GGMLQuantizationType, gate: np.ndarray, up_type: GGMLQuantizationType, up: np.ndarray
 ) -> nn.Module:
-    """One expert's gate rows then up rows: one kernel call when their types agree."""
-    gate, gate_type = as_kernel_type(gate, gate_type)
-    up, up_type = as_kernel_type(up, up_type)
+    """One expert's gate rows then up rows: one kernel call when their types share one
+    (`kernel_type_of_run`)."""
     sizes = [len(gate), len(up)]
-    if gate_type == up_type:
-        return GGUFMergedLinear([gate, up], gate_type, sizes)
+    shared = kernel_type_of_run([gate_type, up_type])
+    if shared is not None:
+        parts = [as_kernel_type(gate, gate_type, shared), as_kernel_type(up, up_type, shared)]
+        return GGUFMergedLinear(parts, shared, sizes)
     return GGUFConcatLinear([GGUFLinear(gate, gate_type), GGUFLinear(up, up_type)], sizes)

@@ -1,7 +1,7 @@
 """GGUF-quantized linear layers (`quantization="gguf"`): weights stay in the file's blocks.
 
-Owns reading a tensor's raw GGUF blocks as integers and scales — Q4_0 / Q4_1 / Q8_0 as
-(q, d, m) with w = d*q + m per 32; Q4_K / Q5_K / Q6_K as q with an int8 scale and min per
+Owns reading a tensor's raw GGUF blocks as integers and scales — Q4_0 / Q4_1 / Q5_0 / Q8_0
+as (q, d, m) with w = d*q + m per 32; Q4_K / Q5_K / Q6_K as q with an int8 scale and min per
 sub-block under a float per super-block of 256 — packing them into the tile layout of
 `torch.ops.pagedllm.gguf_linear` / `gguf_linear_k` (`ops/csrc/gguf_linear.cpp`), and
 `GGUFLinear` / `GGUFMergedLinear`. The weights are used exactly as the file stores them (the
@@ -47,22 +47,17 @@ class KernelType:
 KERNEL_TYPES: dict[GGMLQuantizationType, KernelType] = {
     _T.Q4_0: KernelType(18, 32, 4, False),
     _T.Q4_1: KernelType(20, 32, 4, False),
+    _T.Q5_0: KernelType(22, 32, 5, False),
     _T.Q8_0: KernelType(34, 32, 8, False),
     _T.Q4_K: KernelType(144, 256, 4, True),
     _T.Q5_K: KernelType(176, 256, 5, True),
     _T.Q6_K: KernelType(210, 256, 6, True, sub_block=16),
 }
-# Types the kernel takes after an exact repack at load: type -> the kernel type it becomes.
-# Q5_0's 5-bit q (w = d * (q - 16)) fits Q8_0's int8 q under the same d, at 8.5 bits a
-# weight instead of 5.5 (fp32 would be 32).
-REPACKED_TYPES: dict[GGMLQuantizationType, GGMLQuantizationType] = {_T.Q5_0: _T.Q8_0}
-Q5_0_BLOCK_BYTES = 22  # fp16 d, 32 high bits, 16 bytes of nibbles
 # Bytes of one block of 32 weights for a tile's 8 columns, by bits kept per weight.
 TILE_BLOCK_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}
-# Types whose min is a power of two times d (Q4_0: -8 d; Q8_0, kept as q + 128: -128 d): the
-# kernel derives m and the layer keeps no min table, 1 bit a weight less (Q8_0 9 bits
-# instead of 10, the file's 8.5; a 262k-row tied head is ~10% fewer bytes to read a token).
-SYMMETRIC = frozenset({_T.Q4_0, _T.Q8_0})
+# Types whose min is a power of two times d (Q4_0: -8 d; Q5_0: -16 d; Q8_0, kept as q + 128:
+# -128 d): the kernel derives m and the layer keeps no min table, 1 bit a weight less.
+SYMMETRIC = frozenset({_T.Q4_0, _T.Q5_0, _T.Q8_0})
 _NO_MINS = torch.empty(0)
 # Two int8 digits per activation; 1 is one digit (faster, and far from fp32's tokens).
 DEFAULT_DIGITS = 2
@@ -80,27 +75,42 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 def repack_q5_0_as_q8_0(raw: np.ndarray) -> np.ndarray:
     """A raw Q5_0 tensor [N, row bytes] as the Q8_0 blocks of the same weights, bit for bit:
     each block keeps its d, and its q - 16 (-16..15) becomes Q8_0's int8 q."""
-    rows, row_bytes = raw.shape
-    if row_bytes % Q5_0_BLOCK_BYTES:
-        raise ValueError(f"a Q5_0 row of {row_bytes} bytes is not whole blocks")
-    blocks = raw.reshape(rows, row_bytes // Q5_0_BLOCK_BYTES, Q5_0_BLOCK_BYTES)
-    high_bits = blocks[:, :, 2:6].copy().view("<u4")  # [N, blocks, 1]: bit j is element j's
-    fifth = (high_bits >> np.arange(BLOCK, dtype=np.uint32)) & 1
-    q = (_nibbles(blocks[:, :, 6:]) | (fifth << 4).astype(np.uint8)).astype(np.int16) - 16
-    out = np.empty((rows, blocks.shape[1], KERNEL_TYPES[_T.Q8_0].block_bytes), np.uint8)
+    blocks = _blocks(raw, _T.Q5_0)
+    q = _q5_0_values(blocks).astype(np.int16) - 16
+    out = np.empty((*blocks.shape[:2], KERNEL_TYPES[_T.Q8_0].block_bytes), np.uint8)
     out[:, :, :2] = blocks[:, :, :2]
     out[:, :, 2:] = q.astype(np.int8).view(np.uint8)
-    return out.reshape(rows, -1)
+    return out.reshape(len(raw), -1)
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0's q (0..31) of [N, blocks, 22] blocks: Q4_0's nibbles after 4 bytes of fifth
+    bits (bit j: element j)."""
+    high_bits = blocks[:, :, 2:6].copy().view("<u4")  # [N, blocks, 1]
+    fifth = (high_bits >> np.arange(BLOCK, dtype=np.uint32)) & 1
+    return _nibbles(blocks[:, :, 6:]) | (fifth << 4).astype(np.uint8)
+
+
+def kernel_type_of_run(types: Iterable[GGMLQuantizationType]) -> GGMLQuantizationType | None:
+    """The one kernel type a fused projection's consecutive parts of `types` can share: their
+    type when they agree, Q8_0 for Q5_0 beside Q8_0 (Gemma 3's q/k and v: Q5_0's q - 16 fits
+    Q8_0's int8 q under the same d, one call instead of two), else None."""
+    distinct = set(types)
+    if len(distinct) == 1:
+        return distinct.pop()
+    return _T.Q8_0 if distinct == {_T.Q5_0, _T.Q8_0} else None
 
 
 def as_kernel_type(
-    raw: np.ndarray, ggml_type: GGMLQuantizationType
-) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """(raw blocks, type) the kernel takes: a REPACKED_TYPES tensor repacked, others as
-    they are."""
-    if ggml_type == _T.Q5_0:
-        return repack_q5_0_as_q8_0(raw), REPACKED_TYPES[ggml_type]
-    return raw, ggml_type
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, target: GGMLQuantizationType
+) -> np.ndarray:
+    """Raw blocks of `ggml_type` as `target`'s (kernel_type_of_run's choice): as they are,
+    or Q5_0 repacked as Q8_0."""
+    if ggml_type == target:
+        return raw
+    if (ggml_type, target) == (_T.Q5_0, _T.Q8_0):
+        return repack_q5_0_as_q8_0(raw)
+    raise ValueError(f"{ggml_type.name} blocks cannot be held as {target.name}")
 
 
 def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
@@ -118,7 +128,7 @@ def unpack_blocks(
     raw: np.ndarray, ggml_type: GGMLQuantizationType
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32]) of a raw [N, row bytes]
-    Q4_0 / Q4_1 / Q8_0 tensor, with every weight equal to d*q + m of its block."""
+    Q4_0 / Q4_1 / Q5_0 / Q8_0 tensor, with every weight equal to d*q + m of its block."""
     blocks = _blocks(raw, ggml_type)
     if KERNEL_TYPES[ggml_type].kquant:
         raise ValueError(f"{ggml_type.name} has scales per super-block: use unpack_k_blocks")
@@ -129,6 +139,8 @@ def unpack_blocks(
         m = -128.0 * d
     elif ggml_type == _T.Q4_1:
         q, m = _nibbles(blocks[:, :, 4:]), _fp16(blocks, 2)
+    elif ggml_type == _T.Q5_0:
+        q, m = _q5_0_values(blocks), -16.0 * d
     else:  # Q4_0: w = d * (q - 8)
         q, m = _nibbles(blocks[:, :, 2:]), -8.0 * d
     return q.reshape(blocks.shape[0], -1), d, m.astype(np.float32)
@@ -242,7 +254,7 @@ def per_tile(values: torch.Tensor) -> torch.Tensor:
 def pack_weights(
     q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 / Q8_0 in the kernel's layout: (packed q, d and m per tile)."""
+    """Q4_0 / Q4_1 / Q5_0 / Q8_0 in the kernel's layout: (packed q, d and m per tile)."""
     return pack_q(q, bits), per_tile(d.float()), per_tile(m.float())
 
 
@@ -269,7 +281,14 @@ def reference_pack_gguf(
     )
     if ggml_type in SYMMETRIC:
         mins = _NO_MINS
-    return {"packed": packed, "scales": scales, "mins": mins}
+    return {"packed": packed, "scales": _held_scales(scales), "mins": mins}
+
+
+def _held_scales(scales: torch.Tensor) -> torch.Tensor:
+    """The d table as the layer holds it: the file's fp16 (every value came from one, so
+    exactly), half a bit a weight fewer to read than fp32 (Q8_0 at the file's 8.5 bits
+    instead of 9: a 262k-row tied head is 6% fewer bytes a token)."""
+    return scales.half()
 
 
 def pack_gguf(
@@ -316,6 +335,8 @@ def pack_gguf(
             raw_tensor = torch.from_numpy(part.reshape(len(part), -1))
         load().gguf_pack(raw_tensor, ggml_type.value, packed_tiles[part_tiles], *views)
         first_tile = part_tiles.stop
+    if not kind.kquant:
+        scales["scales"] = _held_scales(scales["scales"])
     return {"packed": packed, **scales}
 
 

@@ -1,7 +1,7 @@
 """`quantization="gguf"`: which of a model's layers compute on the GGUF file's blocks.
 
 `keep_gguf_blocks` replaces every `Linear` whose tensors have a block kernel (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K; Q5_0 repacked exactly as Q8_0) with a layer on the file's own
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) with a layer on the file's own
 blocks, and the token embedding with a `GGUFEmbedding` on them (a tied head and the
 embedding share one copy), and returns the checkpoint names it consumed. The runner calls
 it before any weight is read: the model's fp32 storage for those layers is allocated but
@@ -9,7 +9,8 @@ never written, so it never becomes resident, and the loader dequantizes only the
 (norms, biases, types without a kernel). An 8B Q4_K_M model therefore loads in about its
 file's size, not in fp32's 32 GB.
 A fused projection whose parts have different types (Q4_K_M's q/k in Q4_K, v in Q6_K) gets
-one kernel layer per run of equal types, its outputs concatenated.
+one kernel layer per run of types that share one (`kernel_type_of_run`: equal, or Q5_0
+beside Q8_0, held as Q8_0), its outputs concatenated.
 A mixture's experts (the file's stacked `ffn_*_exps` tensors) become `GGUFGroupedExperts`:
 one kernel layer per expert and projection, on that expert's slice of the blocks.
 With several tensor-parallel ranks each layer keeps only this rank's rows of the file's
@@ -29,12 +30,12 @@ from pagedllm.model.layers.gguf_embedding import GGUFEmbedding
 from pagedllm.model.layers.gguf_experts import gguf_grouped_experts
 from pagedllm.model.layers.gguf_linear import (
     KERNEL_TYPES,
-    REPACKED_TYPES,
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
     as_kernel_type,
     distinct_bytes,
+    kernel_type_of_run,
 )
 from pagedllm.model.layers.gguf_parallel import gguf_embedding, parallel_gguf_layer, rank_rows
 from pagedllm.model.layers.linear import Linear, MergedLinear
@@ -101,7 +102,7 @@ def _swap_experts(model: nn.Module, path: str) -> dict[str, set[str]]:
     experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     if not experts or any(m.tp_size != 1 for m in experts.values()):
         return {}
-    kernel_types = frozenset(KERNEL_TYPES) | frozenset(REPACKED_TYPES)
+    kernel_types = frozenset(KERNEL_TYPES)
     stacked: dict[str, dict[str, tuple]] = {}
     for hf_name, parts in iter_gguf_raw_experts(path, model.config, kernel_types):
         module, _, param = hf_name.rpartition(".")
@@ -129,9 +130,7 @@ def _gguf_shards(model: nn.Module, path: str) -> dict[str, dict[str | None, Shar
 
     tied = getattr(model, "tie_word_embeddings", False)
     shards: dict[str, dict[str | None, Shard]] = {}
-    kernel_types = frozenset(KERNEL_TYPES) | frozenset(REPACKED_TYPES)
-    for hf_name, file_type, file_raw in iter_gguf_raw_weights(path, model.config, kernel_types):
-        raw, ggml_type = as_kernel_type(file_raw, file_type)
+    for hf_name, ggml_type, raw in iter_gguf_raw_weights(path, model.config, KERNEL_TYPES):
         param_name, shard_id = fused_param_name(hf_name)
         module = param_name.removesuffix(".weight")
         shards.setdefault(module, {})[shard_id] = (hf_name, ggml_type, raw)
@@ -145,14 +144,8 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
     order = list(module.shard_slices) if isinstance(module, MergedLinear) else [None]
     if set(parts) != set(order):  # a part of a type without kernel (never yielded)
         return None
-    runs: list[tuple[Any, list[np.ndarray]]] = []
-    for shard in order:  # consecutive shards of one type share a kernel call
-        _, ggml_type, raw = parts[shard]
-        rows = rank_rows(module, shard, raw)  # all of them on one rank
-        if runs and runs[-1][0] == ggml_type:
-            runs[-1][1].extend(rows)
-        else:
-            runs.append((ggml_type, rows))
+    # all of a shard's rows on one rank
+    runs = _kernel_runs([(parts[s][1], rank_rows(module, s, parts[s][2])) for s in order])
     if len(runs) > 1:
         layers = [GGUFLinear(raws, ggml_type) for ggml_type, raws in runs]
         merged: nn.Module = GGUFConcatLinear(layers, module.output_sizes, module.bias)
@@ -162,6 +155,24 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
         return parallel_gguf_layer(module, runs[0][1], runs[0][0])
     merged.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
     return merged
+
+
+def _kernel_runs(
+    shards: list[tuple[Any, list[np.ndarray]]],
+) -> list[tuple[Any, list[np.ndarray]]]:
+    """(type, raw rows) of a fused projection's consecutive shards, in runs that share one
+    kernel call (`kernel_type_of_run`), each run's rows in its type's blocks."""
+    grouped: list[tuple[Any, list[tuple[Any, list[np.ndarray]]]]] = []
+    for ggml_type, rows in shards:
+        joined = kernel_type_of_run([grouped[-1][0], ggml_type]) if grouped else None
+        if joined is not None:
+            grouped[-1] = (joined, [*grouped[-1][1], (ggml_type, rows)])
+        else:
+            grouped.append((ggml_type, [(ggml_type, rows)]))
+    return [
+        (run, [as_kernel_type(raw, part, run) for part, rows in parts for raw in rows])
+        for run, parts in grouped
+    ]
 
 
 def _gguf_embedding(

@@ -1,8 +1,8 @@
 // y = x W^T with W kept in GGUF's blocks (CPU): the `quantization="gguf"` matmul.
 //
 // Every GGUF type the kernel takes is, per block of 32 weights (16 for Q6_K's halves),
-// w = d*q + m with q unsigned: Q4_0 is m = -8d, Q8_0 is stored as q + 128 with m = -128d,
-// Q4_1 keeps its own m; the K-quants (Q4_K, Q5_K, Q6_K) give each block an integer scale
+// w = d*q + m with q unsigned: Q4_0 is m = -8d, Q5_0 m = -16d, Q8_0 is stored as q + 128
+// with m = -128d, Q4_1 keeps its own m; the K-quants (Q4_K, Q5_K, Q6_K) give each block an integer scale
 // and min under a float per super-block of 256 (d = D*sc, m = M*mn; Q6_K: M = -32D, mn = sc).
 // The weights are used exactly as the file holds them. Each 32-wide block of an input row is
 // quantized to integers with its own scale: one int8 digit (8 bits), or two (hi + lo/256,
@@ -19,8 +19,8 @@
 // Packed layout (pagedllm/model/layers/gguf_linear.py builds it): columns in tiles of 8; per
 // tile and block, 8 groups of 4 consecutive k for the 8 columns, 32 bytes a group, stored
 // as gguf_tile.h's unpack_tile_block reads them. Float scales: d and m [tiles][groups][8]
-// (Q4_0 and Q8_0: d alone, m = d * gguf_layout::symmetric_min_factor); a packed
-// checkpoint's d may be fp16 or bf16 and its m uint8 zero points (gguf_scales.h).
+// (Q4_0, Q5_0 and Q8_0: d alone, m = d * gguf_layout::symmetric_min_factor); d may be fp16
+// (the file's own) or bf16 and m uint8 zero points (a packed checkpoint's; gguf_scales.h).
 // K-quants: D and M float [tiles][super-blocks][8], sc and mn int8 [tiles][sub-blocks][8].
 
 #include <ATen/Parallel.h>
@@ -193,9 +193,63 @@ void quantize_row(const float* x, const Activations& a, int64_t row, int digits)
 constexpr int kPrefetchRows = 2;
 constexpr int64_t kPrefetchBlocks = 16;
 
-inline void prefetch_block(const uint8_t* block, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64)
+// A block's lines. Its size a template argument, so the loop is unrolled before GCC's
+// vectorizer sees it: that pass drops prefetches from the loops it takes, and a loop of
+// nothing else goes with them (GCC 12 left none of a first version's, whose size was an
+// argument).
+template <int64_t BYTES>
+PAGEDLLM_ALWAYS_INLINE void prefetch_block(const uint8_t* block) {
+#pragma GCC unroll 4
+  for (int64_t line = 0; line < BYTES; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(block + line), _MM_HINT_T0);
+}
+
+// One line of the scale table `table` (`tile_bytes` a tile) for the TILES tiles from
+// `next_tile`: the one b / blocks of the way through them, so a pass's blocks sweep them all.
+template <int TILES>
+PAGEDLLM_ALWAYS_INLINE void sweep_table(const void* table, int64_t tile_bytes, int64_t next_tile,
+                                        int64_t b, int64_t blocks) {
+  if (table == nullptr) return;
+  const char* next = static_cast<const char*>(table) + next_tile * tile_bytes;
+  _mm_prefetch(next + TILES * tile_bytes * b / blocks, _MM_HINT_T0);
+}
+
+// The scale tables' lines for the TILES tiles from `next`, a line a block (sweep_table).
+template <int TILES>
+PAGEDLLM_ALWAYS_INLINE void prefetch_next_scales(const Weights& w, int64_t next, int64_t b) {
+  if (w.super_d != nullptr) {
+    const int64_t super_bytes = w.super_blocks * kTileCols * 4, sub_bytes = w.blocks * w.halves * kTileCols;
+    sweep_table<TILES>(w.super_d, super_bytes, next, b, w.blocks);
+    sweep_table<TILES>(w.super_m, super_bytes, next, b, w.blocks);
+    sweep_table<TILES>(w.sub_sc, sub_bytes, next, b, w.blocks);
+    if (w.sub_mn != w.sub_sc) sweep_table<TILES>(w.sub_mn, sub_bytes, next, b, w.blocks);
+    return;
+  }
+  const int64_t group_values = w.scale_groups * kTileCols;
+  sweep_table<TILES>(w.scales, group_values * (w.scale_type == kScaleF32 ? 4 : 2), next, b, w.blocks);
+  sweep_table<TILES>(w.mins, group_values * 4, next, b, w.blocks);
+  sweep_table<TILES>(w.zeros, group_values, next, b, w.blocks);
+}
+
+// What block b of a pass over TILES tiles from `tile` (1, or a pair side by side) fetches
+// ahead: each tile's block b + kPrefetchBlocks or, past their end, the next tiles' (tiles
+// lie in order), and for a pair a line of the next pair's scale tables. A pass over a pair
+// once fetched each tile's own bytes only, and the next pair started cold: at K = 640
+// (Gemma 3 270M, 5 KB a tile) its 262k-row head read 25.2 GB/s, 31-36 with the prefetch
+// running on across pairs; a Llama-3.2-1B shape's single-stream matmuls 24.9 GB/s, 27.0
+// running on and 31.2 with the scale tables too (AMD Zen 5; benchmarks/results/real_size.md).
+// A single tile's pass (the AVX2 path) ran 10-20% slower with the tables' lines: there the
+// hardware prefetcher keeps up with them alone.
+template <int TILES, int BITS>
+PAGEDLLM_ALWAYS_INLINE void prefetch_ahead(const Weights& w, int64_t tile, int64_t b) {
+  constexpr int64_t kBytes = block_bytes(BITS);
+  const int64_t ahead = b + kPrefetchBlocks;
+  // Past the pass's end, the next tiles: TILES - 1 tiles further on (a block fewer than
+  // kPrefetchBlocks tiles' worth reaches past them; prefetching never faults).
+  const int64_t wrap = ahead < w.blocks ? 0 : (TILES - 1) * w.tile_bytes;
+  const uint8_t* at = w.packed + tile * w.tile_bytes + ahead * kBytes + wrap;
+  for (int t = 0; t < TILES; ++t) prefetch_block<kBytes>(at + t * w.tile_bytes);
+  if constexpr (TILES > 1) prefetch_next_scales<TILES>(w, tile + TILES, b);
 }
 
 // ---- portable path --------------------------------------------------------------------
@@ -474,14 +528,15 @@ ScaleType scale_type_of(const at::Tensor& scales) {
   return kScaleF32;
 }
 
-// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4) or Q8_0 (bits 8) packed as above.
-// `scales` fp32, fp16 or bf16; `mins` fp32 m, uint8 zero points (m = d * -zero), or empty
-// (Q4_0, Q8_0 and symmetric groups: m is a power of two times d). 2^scale_shift consecutive
+// out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4), Q5_0 (5) or Q8_0 (8) packed as
+// above. `scales` fp32, fp16 or bf16; `mins` fp32 m, uint8 zero points (m = d * -zero), or
+// empty (Q4_0, Q5_0, Q8_0 and symmetric groups: m is a power of two times d). 2^scale_shift consecutive
 // blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t digits,
                  int64_t isa, int64_t scale_shift) {
-  TORCH_CHECK(bits == 4 || bits == 8, "gguf_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "gguf_linear: bits must be 4, 5 or 8, got ",
+              bits);
   TORCH_CHECK(scale_shift >= 0 && scale_shift < 63, "gguf_linear: scale_shift must be in [0, 63), got ",
               scale_shift);
   check_common(out, x, packed, bits, digits, kBlock);

@@ -31,7 +31,7 @@ using gguf_layout::kTileCols;
 constexpr int kSuper = gguf_layout::kSuperBlock;
 
 // GGML type ids (gguf's GGMLQuantizationType).
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct Layout {
   int64_t type;
@@ -45,6 +45,7 @@ Layout layout_of(int64_t type) {
   switch (type) {
     case kQ4_0: return {type, 4, 18, 32, 1};
     case kQ4_1: return {type, 4, 20, 32, 1};
+    case kQ5_0: return {type, 5, 22, 32, 1};
     case kQ8_0: return {type, 8, 34, 32, 1};
     case kQ4_K: return {type, 4, 144, 256, 1};
     case kQ5_K: return {type, 5, 176, 256, 1};
@@ -53,6 +54,12 @@ Layout layout_of(int64_t type) {
   TORCH_CHECK(false, "gguf_pack: GGUF type ", type, " has no kernel");
 }
 
+
+inline uint32_t load4(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
 float fp16_at(const uint8_t* p) {
   uint16_t h;
@@ -89,6 +96,16 @@ void decode(const uint8_t* b, const Layout& l, Decoded& out) {
       for (int j = 0; j < 16; ++j) {
         out.q[j] = b[offset + j] & 0x0F;
         out.q[j + 16] = b[offset + j] >> 4;
+      }
+      return;
+    }
+    case kQ5_0: {  // fp16 d, 32 fifth bits (bit j: element j), then Q4_0's nibbles
+      out.d[0] = fp16_at(b);
+      out.m[0] = -16.0f * out.d[0];
+      const uint32_t fifth = load4(b + 2);
+      for (int j = 0; j < 16; ++j) {
+        out.q[j] = (b[6 + j] & 0x0F) | (((fifth >> j) & 1) << 4);
+        out.q[j + 16] = (b[6 + j] >> 4) | (((fifth >> (j + 16)) & 1) << 4);
       }
       return;
     }
@@ -136,12 +153,6 @@ void decode(const uint8_t* b, const Layout& l, Decoded& out) {
   }
 }
 
-inline uint32_t load4(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // One tile-block (32 weights of 8 columns) in the kernel's bytes, from each column's q.
 // A group's 4 values of a column are one 32-bit word, so the layout is built a word at a
 // time: each shift is followed by a per-byte mask, which drops the bits a shift carries
@@ -177,7 +188,7 @@ void build_tile_block(const uint8_t* const (&q)[kTileCols], uint8_t* out) {
 struct Tables {
   uint8_t* packed;
   float* d;    // float kinds: d; K: super D
-  float* m;    // float kinds: m (null: Q4_0 / Q8_0 without a min table); K: super M
+  float* m;    // float kinds: m (null: Q4_0 / Q5_0 / Q8_0 without a min table); K: super M
   int8_t* sc;  // K only
   int8_t* mn;  // K only
 };
@@ -244,9 +255,9 @@ void gguf_pack(const at::Tensor& raw, int64_t type, at::Tensor packed, at::Tenso
   const int64_t sub_count = kquant ? tiles * blocks * l.halves * kTileCols : 0;
   check_table("gguf_pack", packed, at::kByte, tiles * blocks * gguf_layout::block_bytes(l.bits), "packed");
   check_table("gguf_pack", d, at::kFloat, scale_count, "d");
-  // Q4_0's and Q8_0's min is a power of two times d (gguf_layout::symmetric_min_factor):
-  // the caller may pass no m, and the kernel derives it.
-  const bool symmetric = l.type == kQ4_0 || l.type == kQ8_0;
+  // Q4_0's, Q5_0's and Q8_0's min is a power of two times d
+  // (gguf_layout::symmetric_min_factor): the caller may pass no m, and the kernel derives it.
+  const bool symmetric = l.type == kQ4_0 || l.type == kQ5_0 || l.type == kQ8_0;
   if (m.numel() != 0 || !symmetric) check_table("gguf_pack", m, at::kFloat, scale_count, "m");
   check_table("gguf_pack", sc, at::kChar, sub_count, "sc");
   // Q6_K's min is its scale: the caller may pass no mn and read sc for both.

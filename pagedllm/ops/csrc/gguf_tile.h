@@ -111,7 +111,7 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
   const uint8_t* tile_base = w.packed + tile * w.tile_bytes;
   const int64_t bytes = block_bytes(BITS);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    if constexpr (R <= kPrefetchRows) prefetch_block(tile_base + (b + kPrefetchBlocks) * bytes, bytes);
+    if constexpr (R <= kPrefetchRows) prefetch_ahead<1, BITS>(w, tile, b);
     __m256i wv[8];
     unpack_tile_block<BITS>(tile_base + b * bytes, wv);
     __m256 d[HALVES], m[HALVES];
@@ -172,12 +172,13 @@ void vector_digits(const Activations& a, const Weights& w, int64_t rows, int64_t
   return vector_item<BITS, 1, KQUANT, HALVES>(a, w, 0, rows, tile_begin, tile_end, out);
 }
 
-// The combinations the GGUF types use: Q4_0/Q4_1 (4, float), Q8_0 (8, float), Q4_K (4, K),
-// Q5_K (5, K), Q6_K (6, K, halves of 16).
+// The combinations the GGUF types use: Q4_0/Q4_1 (4, float), Q5_0 (5, float), Q8_0 (8,
+// float), Q4_K (4, K), Q5_K (5, K), Q6_K (6, K, halves of 16).
 inline void vector_dispatch(const Activations& a, const Weights& w, int64_t rows,
                             int64_t tile_begin, int64_t tile_end, int digits, const Output& out) {
   const bool kquant = w.super_d != nullptr;
   if (!kquant && w.bits == 4) return vector_digits<4, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
+  if (!kquant && w.bits == 5) return vector_digits<5, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (!kquant) return vector_digits<8, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (w.bits == 4) return vector_digits<4, true, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (w.bits == 5) return vector_digits<5, true, 1>(a, w, rows, tile_begin, tile_end, digits, out);

@@ -338,6 +338,7 @@ inline void amx_dispatch(const Activations& a, const Weights& w, int64_t rows, i
                          int64_t tile_end, int digits, const Output& out) {
   const bool kquant = w.super_d != nullptr;
   if (!kquant && w.bits == 4) return amx_digits<4, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
+  if (!kquant && w.bits == 5) return amx_digits<5, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (!kquant) return amx_digits<8, false, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (w.bits == 4) return amx_digits<4, true, 1>(a, w, rows, tile_begin, tile_end, digits, out);
   if (w.bits == 5) return amx_digits<5, true, 1>(a, w, rows, tile_begin, tile_end, digits, out);
