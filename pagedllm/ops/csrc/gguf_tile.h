@@ -111,7 +111,7 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
   const uint8_t* tile_base = w.packed + tile * w.tile_bytes;
   const int64_t bytes = block_bytes(BITS);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    if constexpr (R <= kPrefetchRows) prefetch_ahead<1, BITS>(w, tile, b);
+    if (streams<R>(row)) prefetch_ahead<1, BITS>(w, tile, b);
     __m256i wv[8];
     unpack_tile_block<BITS>(tile_base + b * bytes, wv);
     __m256 d[HALVES], m[HALVES];

@@ -199,7 +199,7 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
   const uint8_t* second = first + w.tile_bytes;
   const int64_t bytes = block_bytes(BITS);
   for (int64_t b = 0; b < w.blocks; ++b) {
-    if constexpr (R <= kPrefetchRows) prefetch_ahead<2, BITS>(w, tile, b);
+    if (streams<R>(row)) prefetch_ahead<2, BITS>(w, tile, b);
     __m512i wv[8];
     unpack_pair_block<BITS>(first + b * bytes, second + b * bytes, wv);
     __m512 d[HALVES], m[HALVES];

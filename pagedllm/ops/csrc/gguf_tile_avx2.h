@@ -27,7 +27,7 @@ void nibble_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if constexpr (R <= kPrefetchRows) prefetch_ahead<1, 4>(w, tile, b);
+    if (streams<R>(row)) prefetch_ahead<1, 4>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256i pairs[R][DIGITS];
@@ -86,7 +86,7 @@ void six_bit_tile(const Activations& a, const Weights& w, int64_t row, int64_t t
   const __m256i ones = _mm256_set1_epi16(1), high_digit = _mm256_set1_epi16(256);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if constexpr (R <= kPrefetchRows) prefetch_ahead<1, 6>(w, tile, b);
+    if (streams<R>(row)) prefetch_ahead<1, 6>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256 d[2], m[2];
@@ -152,7 +152,7 @@ void byte_rows(const Activations& a, const Weights& w, int64_t row, int64_t tile
       {_mm256_set1_epi16(16), _mm256_set1_epi16(1)}};
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if constexpr (R <= kPrefetchRows) prefetch_ahead<1, 8>(w, tile, b);
+    if (streams<R>(row)) prefetch_ahead<1, 8>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256i pairs[R][DIGITS][2];
