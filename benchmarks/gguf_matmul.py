@@ -16,11 +16,18 @@ Q6_K, the tied head Q6_K), each alone: integer GOP/s (2 * rows * in * out; one d
 of the dots, as llama.cpp counts them) and, at one row, the weight bytes read per second.
 
     .venv/bin/python -m benchmarks.gguf_matmul --shape llama-3.2-1b --rows 1,16,64,256
+
+`--whole-model` instead times a decode step's matmuls over every layer of the shape (a copy
+of the layer's tables each, so they come from memory as in a real step, not from the
+cache) and the head, in order: ms a step and the weight bytes read per second.
+
+    .venv/bin/python -m benchmarks.gguf_matmul --shape llama-3.2-1b --whole-model --rows 1,8,32
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from functools import partial
 
 import numpy as np
@@ -61,8 +68,13 @@ def main() -> None:
         help="0 portable, 1 AVX2, 2 VNNI, 3 AMX-INT8 tiles",
     )
     parser.add_argument("--shape", help="a real model's projections (random_gguf's names)")
+    parser.add_argument(
+        "--whole-model", action="store_true", help="with --shape: every layer's copy, in order"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.shape and args.whole_model:
+        return time_whole_model(SHAPES_BY_NAME[args.shape], args)
     if args.shape:
         return time_shape(SHAPES_BY_NAME[args.shape], args)
     ops = fused.load()
@@ -130,6 +142,42 @@ def time_shape(shape: LlamaShape, args: argparse.Namespace) -> None:
             if rows == 1:
                 line += f" {weight_bytes / seconds / 1e9:6.1f} GB/s of weights"
             print(line, flush=True)
+
+
+def _copy(layer: GGUFLinear) -> GGUFLinear:
+    """The layer with tables of its own (the same values at other addresses)."""
+    twin = copy.copy(layer)
+    twin._buffers = {n: None if t is None else t.clone() for n, t in layer._buffers.items()}
+    return twin
+
+
+def time_whole_model(shape: LlamaShape, args: argparse.Namespace) -> None:
+    *layer, head = projections(shape)
+    first = [random_layer(n, k, qtype, args.digits) for _, n, k, qtype in layer]
+    steps = [first] + [[_copy(p) for p in first] for _ in range(shape.num_layers - 1)]
+    model = [p for step in steps for p in step] + [random_layer(*head[1:], args.digits)]
+    for p in model:
+        p.isa = args.isa
+    weight_bytes = sum(t.nbytes for p in model for t in p.buffers())
+    print(
+        f"{shape.name}, {shape.num_layers} layers and the head ({weight_bytes / 1e9:.3f} GB): "
+        f"threads={torch.get_num_threads()}  digits={args.digits}  isa={args.isa}"
+    )
+    for rows in (int(r) for r in args.rows.split(",")):
+        pairs = [
+            (torch.randn(rows, p.in_features), torch.empty(rows, p.out_features)) for p in model
+        ]
+
+        def step(pairs=pairs):
+            for p, (x, out) in zip(model, pairs, strict=True):
+                p.matmul_into(x, out)
+
+        seconds = median_seconds(step, args.repeats)
+        print(
+            f"rows={rows:4d} {seconds * 1e3:8.2f} ms a step  "
+            f"{weight_bytes / seconds / 1e9:5.1f} GB/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
