@@ -22,7 +22,9 @@ constexpr int64_t block_bytes(int bits) {
 // Q4_0 (m = -8 d), Q5_0 (m = -16 d) and Q8_0 (stored q + 128, m = -128 d) need no min
 // table: the kernel multiplies d by this factor, a power of two, so its m has the bits a
 // stored one would.
-constexpr float symmetric_min_factor(int bits) { return bits == 8 ? -128.f : bits == 5 ? -16.f : -8.f; }
+constexpr float symmetric_min_factor(int bits) {
+  return bits == 8 ? -128.f : bits == 5 ? -16.f : -8.f;
+}
 
 // One of the layout's tables: `type`, contiguous, `numel` values.
 inline void check_table(const char* op, const at::Tensor& t, at::ScalarType type, int64_t numel,

@@ -2,8 +2,9 @@
 //
 // Every GGUF type the kernel takes is, per block of 32 weights (16 for Q6_K's halves),
 // w = d*q + m with q unsigned: Q4_0 is m = -8d, Q5_0 m = -16d, Q8_0 is stored as q + 128
-// with m = -128d, Q4_1 keeps its own m; the K-quants (Q4_K, Q5_K, Q6_K) give each block an integer scale
-// and min under a float per super-block of 256 (d = D*sc, m = M*mn; Q6_K: M = -32D, mn = sc).
+// with m = -128d, Q4_1 keeps its own m; the K-quants (Q4_K, Q5_K, Q6_K) give each block an
+// integer scale and min under a float per super-block of 256 (d = D*sc, m = M*mn; Q6_K:
+// M = -32D, mn = sc).
 // The weights are used exactly as the file holds them. Each 32-wide block of an input row is
 // quantized to integers with its own scale: one int8 digit (8 bits), or two (hi + lo/256,
 // ~15 bits, which keeps greedy output on the fp32 model's tokens; see
@@ -228,7 +229,8 @@ PAGEDLLM_ALWAYS_INLINE void sweep_table(const void* table, int64_t tile_bytes, i
 template <int TILES>
 PAGEDLLM_ALWAYS_INLINE void prefetch_next_scales(const Weights& w, int64_t next, int64_t b) {
   if (w.super_d != nullptr) {
-    const int64_t super_bytes = w.super_blocks * kTileCols * 4, sub_bytes = w.blocks * w.halves * kTileCols;
+    const int64_t super_bytes = w.super_blocks * kTileCols * 4;
+    const int64_t sub_bytes = w.blocks * w.halves * kTileCols;
     sweep_table<TILES>(w.super_d, super_bytes, next, b, w.blocks);
     sweep_table<TILES>(w.super_m, super_bytes, next, b, w.blocks);
     sweep_table<TILES>(w.sub_sc, sub_bytes, next, b, w.blocks);
@@ -254,8 +256,9 @@ template <int TILES, int BITS>
 PAGEDLLM_ALWAYS_INLINE void prefetch_ahead(const Weights& w, int64_t tile, int64_t b) {
   constexpr int64_t kBytes = block_bytes(BITS);
   const int64_t ahead = b + kPrefetchBlocks;
-  // Past the pass's end, the next tiles: TILES - 1 tiles further on (a block fewer than
-  // kPrefetchBlocks tiles' worth reaches past them; prefetching never faults).
+  // Past the pass's end, the next tiles: TILES - 1 tiles further on. (A tile of fewer than
+  // kPrefetchBlocks blocks sends it past them, to bytes read soon after; prefetching never
+  // faults.)
   const int64_t wrap = ahead < w.blocks ? 0 : (TILES - 1) * w.tile_bytes;
   const uint8_t* at = w.packed + tile * w.tile_bytes + ahead * kBytes + wrap;
   for (int t = 0; t < TILES; ++t) prefetch_block<kBytes>(at + t * w.tile_bytes);
@@ -540,8 +543,8 @@ ScaleType scale_type_of(const at::Tensor& scales) {
 
 // out [M, N] = x [M, K] @ W^T for Q4_0 / Q4_1 (bits 4), Q5_0 (5) or Q8_0 (8) packed as
 // above. `scales` fp32, fp16 or bf16; `mins` fp32 m, uint8 zero points (m = d * -zero), or
-// empty (Q4_0, Q5_0, Q8_0 and symmetric groups: m is a power of two times d). 2^scale_shift consecutive
-// blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
+// empty (Q4_0, Q5_0, Q8_0 and symmetric groups: m is a power of two times d). 2^scale_shift
+// consecutive blocks share one scale and min (0 for GGUF; a GPTQ group of 128 is 2).
 void gguf_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                  const at::Tensor& scales, const at::Tensor& mins, int64_t bits, int64_t digits,
                  int64_t isa, int64_t scale_shift) {

@@ -31,7 +31,9 @@ using gguf_layout::kTileCols;
 constexpr int kSuper = gguf_layout::kSuperBlock;
 
 // GGML type ids (gguf's GGMLQuantizationType).
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 
 struct Layout {
   int64_t type;
