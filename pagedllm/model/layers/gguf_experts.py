@@ -21,8 +21,7 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
-    as_kernel_type,
-    kernel_type_of_run,
+    kernel_runs,
 )
 from pagedllm.model.layers.kernel_experts import KernelGroupedExperts
 
@@ -55,10 +54,9 @@ def _gate_up_layer(
     gate_type: GGMLQuantizationType, gate: np.ndarray, up_type: GGMLQuantizationType, up: np.ndarray
 ) -> nn.Module:
     """One expert's gate rows then up rows: one kernel call when their types share one
-    (`kernel_type_of_run`)."""
+    (`kernel_runs`)."""
     sizes = [len(gate), len(up)]
-    shared = kernel_type_of_run([gate_type, up_type])
-    if shared is not None:
-        parts = [as_kernel_type(gate, gate_type, shared), as_kernel_type(up, up_type, shared)]
-        return GGUFMergedLinear(parts, shared, sizes)
-    return GGUFConcatLinear([GGUFLinear(gate, gate_type), GGUFLinear(up, up_type)], sizes)
+    runs = kernel_runs([(gate_type, [gate]), (up_type, [up])])
+    if len(runs) == 1:
+        return GGUFMergedLinear(runs[0][1], runs[0][0], sizes)
+    return GGUFConcatLinear([GGUFLinear(raws, run_type) for run_type, raws in runs], sizes)

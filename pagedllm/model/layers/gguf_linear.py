@@ -113,6 +113,25 @@ def as_kernel_type(
     raise ValueError(f"{ggml_type.name} blocks cannot be held as {target.name}")
 
 
+Run = tuple[GGMLQuantizationType, list[np.ndarray]]  # a kernel type and its raw row blocks
+
+
+def kernel_runs(shards: list[Run]) -> list[Run]:
+    """(type, raw rows) of a fused projection's consecutive shards, in runs that share one
+    kernel call (`kernel_type_of_run`), each run's rows in its type's blocks."""
+    grouped: list[tuple[GGMLQuantizationType, list[Run]]] = []
+    for ggml_type, rows in shards:
+        joined = kernel_type_of_run([grouped[-1][0], ggml_type]) if grouped else None
+        if joined is not None:
+            grouped[-1] = (joined, [*grouped[-1][1], (ggml_type, rows)])
+        else:
+            grouped.append((ggml_type, [(ggml_type, rows)]))
+    return [
+        (run, [as_kernel_type(raw, part, run) for part, rows in parts for raw in rows])
+        for run, parts in grouped
+    ]
+
+
 def _blocks(raw: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """A raw [N, row bytes] tensor as [N, blocks, block bytes]."""
     if ggml_type not in KERNEL_TYPES:

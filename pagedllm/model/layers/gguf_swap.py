@@ -33,9 +33,8 @@ from pagedllm.model.layers.gguf_linear import (
     GGUFConcatLinear,
     GGUFLinear,
     GGUFMergedLinear,
-    as_kernel_type,
     distinct_bytes,
-    kernel_type_of_run,
+    kernel_runs,
 )
 from pagedllm.model.layers.gguf_parallel import gguf_embedding, parallel_gguf_layer, rank_rows
 from pagedllm.model.layers.linear import Linear, MergedLinear
@@ -102,9 +101,8 @@ def _swap_experts(model: nn.Module, path: str) -> dict[str, set[str]]:
     experts = {n: m for n, m in model.named_modules() if isinstance(m, GroupedExperts)}
     if not experts or any(m.tp_size != 1 for m in experts.values()):
         return {}
-    kernel_types = frozenset(KERNEL_TYPES)
     stacked: dict[str, dict[str, tuple]] = {}
-    for hf_name, parts in iter_gguf_raw_experts(path, model.config, kernel_types):
+    for hf_name, parts in iter_gguf_raw_experts(path, model.config, KERNEL_TYPES):
         module, _, param = hf_name.rpartition(".")
         stacked.setdefault(module, {})[param] = (hf_name, parts)
     swapped: dict[str, set[str]] = {}
@@ -145,7 +143,7 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
     if set(parts) != set(order):  # a part of a type without kernel (never yielded)
         return None
     # all of a shard's rows on one rank
-    runs = _kernel_runs([(parts[s][1], rank_rows(module, s, parts[s][2])) for s in order])
+    runs = kernel_runs([(parts[s][1], rank_rows(module, s, parts[s][2])) for s in order])
     if len(runs) > 1:
         layers = [GGUFLinear(raws, ggml_type) for ggml_type, raws in runs]
         merged: nn.Module = GGUFConcatLinear(layers, module.output_sizes, module.bias)
@@ -155,24 +153,6 @@ def _gguf_layer(module: Linear, parts: dict[str | None, Shard]) -> nn.Module | N
         return parallel_gguf_layer(module, runs[0][1], runs[0][0])
     merged.shard_slices = dict(module.shard_slices)  # LoRA adapters address its shards
     return merged
-
-
-def _kernel_runs(
-    shards: list[tuple[Any, list[np.ndarray]]],
-) -> list[tuple[Any, list[np.ndarray]]]:
-    """(type, raw rows) of a fused projection's consecutive shards, in runs that share one
-    kernel call (`kernel_type_of_run`), each run's rows in its type's blocks."""
-    grouped: list[tuple[Any, list[tuple[Any, list[np.ndarray]]]]] = []
-    for ggml_type, rows in shards:
-        joined = kernel_type_of_run([grouped[-1][0], ggml_type]) if grouped else None
-        if joined is not None:
-            grouped[-1] = (joined, [*grouped[-1][1], (ggml_type, rows)])
-        else:
-            grouped.append((ggml_type, [(ggml_type, rows)]))
-    return [
-        (run, [as_kernel_type(raw, part, run) for part, rows in parts for raw in rows])
-        for run, parts in grouped
-    ]
 
 
 def _gguf_embedding(
