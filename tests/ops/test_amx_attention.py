@@ -92,16 +92,16 @@ def assert_tiles_near_fp32(batch: Batch, engine: str, window: int, mean_error_sl
     assert not torch.equal(tiles, vector)
 
 
-@needs_amx
-@pytest.mark.parametrize("engine", ["amx"])
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("window", [0, 7, 40])
 @pytest.mark.parametrize(("head_dim", "num_decodes"), [(64, 5), (64, 40), (128, 5), (32, 40)])
 def test_decodes_on_tiles_equal_fp32_attention_within_bf16_weights(
     engine, head_dim, num_decodes, window
 ):
-    """Decodes take the tiles' two passes (scores over the whole context, then P V): within
-    the prefill tiles' bounds of the fp32 reference at contexts that end inside a slice and
-    a step. Forty decodes make items of all kv heads, five an item per kv head."""
+    """Decodes take AMX's two passes (scores over the whole context, then P V) or the dot
+    products' slices (decode_dots.h): within the prefill tiles' bounds of the fp32 reference
+    at contexts that end inside a slice and a step. Forty decodes make items of all kv
+    heads, five an item per kv head."""
     contexts = [1, 15, 16, 17, 33, 200, 31, 64][:num_decodes]
     contexts += [(7 * i) % 300 + 1 for i in range(num_decodes - len(contexts))]
     batch = make_batch(
@@ -113,21 +113,21 @@ def test_decodes_on_tiles_equal_fp32_attention_within_bf16_weights(
 
 
 @needs_bf16_dots
-def test_decodes_keep_the_vector_kernel_on_dot_products():
-    """Decodes on dot products ran slower than the vector kernel: only prefill tiles take
-    them, and a batch of decodes alone gives the vector kernel's bits."""
-    contexts = [1, 15, 16, 17, 33, 200, 31, 64]
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(34, 2, 16), (4, 4, 32)])
+def test_decodes_on_dot_products_take_any_group_and_block_size(num_heads, num_kv_heads, block_size):
+    """The dot products' decode takes a kv head's rows four (head size 64) at a time: groups
+    of 17 query heads and of one, and blocks of two slices, stay within the bounds."""
     batch = make_batch(
-        [(n, 1) for n in contexts], block_size=16, num_heads=9, num_kv_heads=3,
-        dtype=torch.bfloat16,
+        [(n, 1) for n in (1, 16, 33, 200, 47, 64)], block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=torch.bfloat16,
     )  # fmt: skip
-    assert torch.equal(run_kernel(batch, "bf16_dots"), run_kernel(batch, None))
+    assert_tiles_near_fp32(batch, "bf16_dots", 0, mean_error_slack=2**-2)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_decodes_of_more_than_sixteen_heads_a_kv_head_keep_the_vector_kernel(engine):
-    """A decode's rows are one A tile of at most 16 query heads; a larger group runs the
-    vector kernel."""
+@needs_amx
+def test_decodes_of_more_than_sixteen_heads_a_kv_head_keep_the_vector_kernel_on_amx():
+    """An AMX decode's rows are one A tile of at most 16 query heads; a larger group runs
+    the vector kernel."""
     batch = make_batch(
         [(n, 1) for n in (1, 16, 33, 200)],
         block_size=16,
@@ -135,7 +135,7 @@ def test_decodes_of_more_than_sixteen_heads_a_kv_head_keep_the_vector_kernel(eng
         num_kv_heads=2,
         dtype=torch.bfloat16,
     )
-    assert torch.equal(run_kernel(batch, engine), run_kernel(batch, None))
+    assert torch.equal(run_kernel(batch, "amx"), run_kernel(batch, None))
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -22,8 +22,9 @@
 // spread over OpenMP threads costliest first with dynamic scheduling, because their costs
 // (context lengths) differ widely. Asked for `tiles`, a bf16 cache's prefill tiles run on
 // tiles instead (attention_amx.h: "amx", or "bf16_dots", AVX512-BF16 dot products doing
-// their work; the weights rounded to bf16 before P V), and on AMX its decodes too (of up to
-// 16 query heads a kv head), AMX's tiles configured once per thread and call.
+// their work; the weights rounded to bf16 before P V), and its decodes too: on AMX (of up to
+// 16 query heads a kv head), AMX's tiles configured once per thread and call; on dot products
+// a slice of keys at a time for all of a kv head's rows (decode_dots.h).
 
 // Registered as torch.ops.pagedllm.* through TORCH_LIBRARY rather than a pybind11 module:
 // it compiles in a third of the time (~15 s here: no torch/extension.h, no pybind11) and
@@ -36,6 +37,7 @@
 #include <torch/library.h>
 
 #include "attention_amx.h"
+#include "decode_dots.h"
 #include "vec_avx2.h"
 #include "vec_avx512.h"
 
@@ -218,6 +220,7 @@ struct Scratch {
   std::vector<float> key_t;          // a slice's keys transposed: head_dim x kSliceKeys
   std::vector<float> group_scores;   // kMaxGroupRows rows of a slice's weights
   std::unique_ptr<pagedllm_amx_attention::Scratch> amx;  // where the tiles run
+  pagedllm_decode_dots::Scratch dots;  // decodes on dot products (grown on first use)
   Scratch(int max_rows, int head_dim, int block_size, bool tiles)
       : q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows), l(max_rows),
         scores((block_size + 15) / 16 * 16), limit(max_rows), first(max_rows),
@@ -826,6 +829,24 @@ void attend_amx_decode(const Problem<T>& p, const WorkItem& w, int context_start
   }
 }
 
+// A decode item on dot products (decode_dots.h): its kv heads' query rows, one slice of
+// keys at a time.
+template <int NV, typename T>
+void attend_dots_decode(const Problem<T>& p, const WorkItem& w, int context_start, Scratch& s) {
+  const int64_t token = p.query_start_loc[w.req] + w.q_begin;
+  const int limit = context_start + w.q_begin + 1;
+  const int head = w.kv_head * p.group;
+  const pagedllm_decode_dots::Decode d{
+      p.key_cache, p.value_cache, p.block_stride, p.token_stride,
+      p.block_tables + w.req * p.table_stride, p.block_size, w.kv_head, w.kv_head_end, p.group,
+      p.window > 0 ? std::max(0, limit - p.window) : 0, limit, p.scale,
+      static_cast<const at::BFloat16*>(p.query) + token * p.query_token_stride +
+          head * p.query_head_stride,
+      p.query_head_stride,
+      static_cast<at::BFloat16*>(p.out) + (token * p.num_heads + head) * NV * 8};
+  pagedllm_decode_dots::attend_decode<NV * 8>(d, s.dots);
+}
+
 // Attention of one work item, written to out. Blocks are visited in order; every row of
 // the item uses a block while it is in L1, and the next block is prefetched meanwhile.
 template <int NV, typename T>
@@ -834,12 +855,14 @@ void attend(const Problem<T>& p, const WorkItem& w, Scratch& s) {
   const int context_start = p.seq_lens[w.req] - query_len;
   if constexpr (std::is_same_v<T, at::BFloat16> && (NV == 4 || NV == 8 || NV == 16)) {
     // p.tiles is set only where attention_amx.h covers the head and block sizes. Decodes
-    // go on AMX alone: on dot products their two passes ran at 0.43-0.88x the vector
-    // kernel's speed (AMD Zen 5, benchmarks/results/bf16.md, 2026-12-02), prefill tiles
-    // at 1.5-1.85x.
+    // on dot products take decode_dots.h's slices: the tiles' two passes ran at
+    // 0.43-0.88x the vector kernel's speed there (AMD Zen 5, benchmarks/results/bf16.md).
     using pagedllm_amx_attention::Engine;
     if (p.tiles != Engine::kNone && w.q_end - w.q_begin > 1 && w.kv_head_end - w.kv_head == 1) {
       return attend_amx<NV>(p, w, context_start, s);
+    }
+    if (p.tiles == Engine::kBf16Dots && w.q_end - w.q_begin == 1) {
+      return attend_dots_decode<NV>(p, w, context_start, s);
     }
     if (p.tiles == Engine::kAmx && w.q_end - w.q_begin == 1 &&
         p.group <= pagedllm_amx_attention::kRowTile) {
