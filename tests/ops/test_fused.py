@@ -390,3 +390,56 @@ def test_16_lanes_give_the_8_lane_bits(lanes, dtype, width):
             eight.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
             sixteen.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
         )
+
+
+@pytest.fixture
+def native_round():
+    """Sets whether bf16 results are rounded by the CPU's own conversion, and restores it."""
+    ops = extension.load()
+    before = ops.get_native_bf16_round()
+    yield ops.set_native_bf16_round
+    ops.set_native_bf16_round(before)
+
+
+def test_bf16_rounding_is_the_cpus_own_exactly_where_it_has_avx512_bf16(native_round):
+    assert extension.load().get_native_bf16_round() == cpu_features().avx512_bf16
+    if not cpu_features().avx512_bf16:
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            native_round(True)
+
+
+@pytest.mark.skipif(
+    not (extension.available() and cpu_features().avx512_bf16 and cpu_features().avx512f),
+    reason="the CPU has no AVX512-BF16",
+)
+@pytest.mark.parametrize("width", [16, 67, 576])
+def test_the_cpus_bf16_rounding_gives_the_integer_roundings_bits(lanes, native_round, width):
+    """SiLU·up, RMSNorm and RoPE on 16 lanes round bf16 results with vcvtneps2bf16 where the
+    CPU has it: to nearest, ties to even, the same bits as the integer rounding, ties, values
+    past bf16's largest and subnormal products (which the instruction would flush) included."""
+    lanes(16)
+    torch.manual_seed(width)
+    gate_up = (torch.randn(33, 2 * width) * 6).bfloat16()
+    # Products exactly halfway between two bf16 values, past the largest, and subnormal.
+    gate_up[0, width:] = 1.0 + 2.0**-8
+    gate_up[1, width:] = 3.0e38
+    gate_up[2, width:] = 1e-39
+    x, weight = (torch.randn(33, width) * 3).bfloat16(), torch.randn(width).bfloat16()
+    qk = (torch.randn(33, 5, 2 * width) * 3).bfloat16()
+    positions = torch.randint(0, 50, (33,))
+    angles = torch.randn(50, width) * 3
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    results = {}
+    for native in (False, True):
+        native_round(native)
+        results[native] = [
+            fused.silu_and_mul(gate_up, kernels=KERNELS),
+            fused.rms_norm(x, weight, 1e-5, kernels=KERNELS)[0],
+            *fused.rotary_embedding(
+                positions, qk[:, :4].clone(), qk[:, 4:].clone(), cos, sin, kernels=KERNELS
+            ),
+        ]
+    for integer, native in zip(results[False], results[True], strict=True):
+        assert torch.equal(integer.view(torch.int16), native.view(torch.int16))
+    silu = results[True][0]
+    assert silu[1].isinf().any() and ((silu[2] != 0) & (silu[2].abs() < 1.18e-38)).any()

@@ -23,6 +23,10 @@
 // Either width gives the same bits: the wide spans below (and paged attention's tiles) do
 // each element's operations in the 8-lane order, and the reductions stay 8-lane.
 int pagedllm_vec512::vector_lanes = 8;
+bool pagedllm_vec512::native_bf16_round = [] {
+  __builtin_cpu_init();  // this runs before the constructors that would call it
+  return __builtin_cpu_supports("avx512bf16") != 0;
+}();
 
 namespace {
 
@@ -87,6 +91,16 @@ void set_vector_lanes(int64_t lanes) {
 }
 
 int64_t get_vector_lanes() { return vector_lanes; }
+
+// Whether bf16 results are rounded by the CPU's own conversion (vec_avx512.h's
+// native_bf16_round): on by default where it has AVX512-BF16; tests turn it off to compare.
+void set_native_bf16_round(bool native) {
+  TORCH_CHECK(!native || __builtin_cpu_supports("avx512bf16"),
+              "set_native_bf16_round: this CPU has no AVX512-BF16");
+  pagedllm_vec512::native_bf16_round = native;
+}
+
+bool get_native_bf16_round() { return pagedllm_vec512::native_bf16_round; }
 
 // The element types of the fused ops: fp32, and bf16 read as fp32 with every result rounded
 // where the eager model's bf16 op would round it (Transformers' Llama: the normalized row
@@ -537,6 +551,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("soft_cap(Tensor(a!) logits, float cap) -> ()");
   m.def("set_vector_lanes(int lanes) -> ()");
   m.def("get_vector_lanes() -> int");
+  m.def("set_native_bf16_round(bool native) -> ()");
+  m.def("get_native_bf16_round() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
@@ -553,4 +569,6 @@ TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
 TORCH_LIBRARY_IMPL(pagedllm, CatchAll, m) {
   m.impl("set_vector_lanes", &set_vector_lanes);
   m.impl("get_vector_lanes", &get_vector_lanes);
+  m.impl("set_native_bf16_round", &set_native_bf16_round);
+  m.impl("get_native_bf16_round", &get_native_bf16_round);
 }
