@@ -341,13 +341,18 @@ needs_avx512 = pytest.mark.skipif(
 )
 
 
+def restored(name: str):
+    """Yields the extension's `set_<name>` for a test and restores the setting after it."""
+    ops = extension.load()
+    before = getattr(ops, f"get_{name}")()
+    yield getattr(ops, f"set_{name}")
+    getattr(ops, f"set_{name}")(before)
+
+
 @pytest.fixture
 def lanes():
     """Sets the element-wise kernels' lane count for a test, and restores it."""
-    ops = extension.load()
-    before = ops.get_vector_lanes()
-    yield ops.set_vector_lanes
-    ops.set_vector_lanes(before)
+    yield from restored("vector_lanes")
 
 
 def test_the_extension_takes_16_lanes_exactly_where_the_cpu_has_avx512(lanes):
@@ -395,10 +400,7 @@ def test_16_lanes_give_the_8_lane_bits(lanes, dtype, width):
 @pytest.fixture
 def native_round():
     """Sets whether bf16 results are rounded by the CPU's own conversion, and restores it."""
-    ops = extension.load()
-    before = ops.get_native_bf16_round()
-    yield ops.set_native_bf16_round
-    ops.set_native_bf16_round(before)
+    yield from restored("native_bf16_round")
 
 
 def test_bf16_rounding_is_the_cpus_own_exactly_where_it_has_avx512_bf16(native_round):

@@ -38,6 +38,8 @@
 
 namespace pagedllm_decode_dots {
 
+using pagedllm_tiles::transpose16;
+
 constexpr int kSliceKeys = 16;
 
 // Rows taken together (head sizes 32, 64 and 128, as attention_amx.h's `covers`): each keeps
@@ -110,32 +112,6 @@ struct Ahead {
     while (slot < slots) step();
   }
 };
-
-// r[k] <- column k of the 16 x 16 dwords whose rows are r[0..15].
-PAGEDLLM_BF16_DOTS inline void transpose16(__m512i (&r)[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // b[4i + c]: rows 4i .. 4i + 3 of column 4q + c in 128-bit lane q.
-  for (int i = 0; i < 4; ++i) {
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88);
-    const __m512i e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xdd);
-    const __m512i f0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-    const __m512i f1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_i32x4(e0, f0, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(e1, f1, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(e0, f0, 0xdd);
-    r[12 + c] = _mm512_shuffle_i32x4(e1, f1, 0xdd);
-  }
-}
 
 // The 16 keys from `keys` (token_stride apart) as D / 2 vectors of one d pair each.
 template <int D>

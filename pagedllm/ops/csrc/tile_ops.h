@@ -29,6 +29,37 @@ namespace pagedllm_tiles {
 constexpr int kTileRows = 16;
 constexpr int kTileDwords = 16 * 16;
 
+// Rows i of r become columns: r[k][i] = r_in[i][k], 16 x 16 dwords (AVX-512 alone: the
+// tiles of attention_amx.h and the decode slices of decode_dots.h).
+PAGEDLLM_BF16_DOTS inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c]: column c, c + 4, c + 8, c + 12 of rows 4g .. 4g + 3, a 128-bit lane each.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  // t[2c], t[2c + 1] (and t[8 + ...] for rows 8-15): columns c, c + 8 and c + 4, c + 12 of
+  // rows 0-7, as 128-bit lanes.
+  for (int h = 0; h < 2; ++h) {
+    for (int c = 0; c < 4; ++c) {
+      t[8 * h + 2 * c] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0x88);
+      t[8 * h + 2 * c + 1] = _mm512_shuffle_i32x4(u[8 * h + c], u[8 * h + 4 + c], 0xdd);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[2 * c], t[8 + 2 * c], 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(t[2 * c + 1], t[8 + 2 * c + 1], 0xdd);
+  }
+}
+
 // ---- AMX ---------------------------------------------------------------------------------
 
 struct AmxTiles {};
