@@ -9,6 +9,8 @@ step builder, blocks scattered over the cache):
 - served, N layers: the CPU kernel on N layers' caches in turn (`--layers`, each its own
   mapping like the engine's KV pool), ms a layer: the blocks come from memory, as in a
   decode step;
+- in order, N layers: the same N layers with each sequence's blocks adjacent and in order
+  (what a fresh pool hands a prompt), the blocks from memory;
 - served: the CPU kernel on the scattered blocks of one layer, again and again (from cache);
 - blocks in order: the same call with each sequence's blocks adjacent and in order in the
   cache (what a fresh pool hands a prompt's blocks), to show what the scattering costs;
@@ -107,13 +109,24 @@ def main() -> None:
     layers = [on_pool_mapping(make_step(shape, seed=i, dtype=dtype)) for i in range(args.layers)]
     layer_metadata = [backend.build_metadata(step[4], torch.device("cpu")) for step in layers]
 
-    def served_layers():
-        for (lq, lk, lv, cache, _), meta in zip(layers, layer_metadata, strict=True):
+    in_order_tables = np.arange(1, 1 + batch * width).reshape(batch, width)
+    layer_in_order = [
+        backend.build_metadata(
+            dataclasses.replace(step[4], block_tables=in_order_tables), torch.device("cpu")
+        )
+        for step in layers
+    ]
+
+    def served_layers(metadata_per_layer=layer_metadata):
+        for (lq, lk, lv, cache, _), meta in zip(layers, metadata_per_layer, strict=True):
             backend.forward(lq, lk, lv, cache, meta, scale)
 
     results = {
         f"served, {args.layers} layers": 1e3
         * median_seconds(served_layers, max(3, args.repeats // args.layers))
+        / args.layers,
+        f"in order, {args.layers} layers": 1e3
+        * median_seconds(lambda: served_layers(layer_in_order), max(3, args.repeats // args.layers))
         / args.layers,
         "served": 1e3 * median_seconds(served, args.repeats),
         "blocks in order": 1e3 * median_seconds(lambda: served(in_order), args.repeats),
