@@ -219,8 +219,12 @@ PAGEDLLM_BF16_DOTS inline void slice_group(const at::BFloat16* values, int64_t s
     switch (std::min(G, r0 + rows - r)) {
       case 1: slice_rows<D, 1>(values, stride, lo, hi, r, scale, s, ahead); break;
       case 2: slice_rows<D, 2>(values, stride, lo, hi, r, scale, s, ahead); break;
-      case 3: if constexpr (G >= 3) slice_rows<D, 3>(values, stride, lo, hi, r, scale, s, ahead); break;
-      default: if constexpr (G >= 4) slice_rows<D, 4>(values, stride, lo, hi, r, scale, s, ahead); break;
+      case 3:
+        if constexpr (G >= 3) slice_rows<D, 3>(values, stride, lo, hi, r, scale, s, ahead);
+        break;
+      default:
+        if constexpr (G >= 4) slice_rows<D, 4>(values, stride, lo, hi, r, scale, s, ahead);
+        break;
     }
   }
 }
