@@ -103,13 +103,13 @@ def main() -> None:
 
     one_block = metadata_for(np.full_like(layout.block_tables, 1))
     batch, width = layout.block_tables.shape
-    in_order = metadata_for(np.arange(1, 1 + batch * width).reshape(batch, width))
+    in_order_tables = np.arange(1, 1 + batch * width).reshape(batch, width)
+    in_order = metadata_for(in_order_tables)
     bytes_read = 2 * args.batch * args.context * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     stream = torch.ones(bytes_read // 4)
     layers = [on_pool_mapping(make_step(shape, seed=i, dtype=dtype)) for i in range(args.layers)]
     layer_metadata = [backend.build_metadata(step[4], torch.device("cpu")) for step in layers]
 
-    in_order_tables = np.arange(1, 1 + batch * width).reshape(batch, width)
     layer_in_order = [
         backend.build_metadata(
             dataclasses.replace(step[4], block_tables=in_order_tables), torch.device("cpu")

@@ -23,10 +23,13 @@
 // Either width gives the same bits: the wide spans below (and paged attention's tiles) do
 // each element's operations in the 8-lane order, and the reductions stay 8-lane.
 int pagedllm_vec512::vector_lanes = 8;
-bool pagedllm_vec512::native_bf16_round = [] {
-  __builtin_cpu_init();  // this runs before the constructors that would call it
+namespace {
+bool cpu_rounds_bf16() {
+  __builtin_cpu_init();  // the flag below is set before the constructors that would call it
   return __builtin_cpu_supports("avx512bf16") != 0;
-}();
+}
+}  // namespace
+bool pagedllm_vec512::native_bf16_round = cpu_rounds_bf16();
 
 namespace {
 
@@ -95,7 +98,7 @@ int64_t get_vector_lanes() { return vector_lanes; }
 // Whether bf16 results are rounded by the CPU's own conversion (vec_avx512.h's
 // native_bf16_round): on by default where it has AVX512-BF16; tests turn it off to compare.
 void set_native_bf16_round(bool native) {
-  TORCH_CHECK(!native || __builtin_cpu_supports("avx512bf16"),
+  TORCH_CHECK(!native || cpu_rounds_bf16(),
               "set_native_bf16_round: this CPU has no AVX512-BF16");
   pagedllm_vec512::native_bf16_round = native;
 }

@@ -50,11 +50,9 @@ PAGEDLLM_AVX512 inline __m256i native_bf16_bits(__m512 v) {
   return bits;
 }
 
-// round_bf16's 16 lanes: to nearest, ties to even, NaN to the quiet NaN torch stores.
-PAGEDLLM_AVX512 inline __m512 round_bf16(__m512 v) {
-  if (native_rounds(v)) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(native_bf16_bits(v)), 16));
-  }
+// round_bf16's 16 lanes in integer operations: to nearest, ties to even, NaN to the quiet
+// NaN torch stores.
+PAGEDLLM_AVX512 inline __m512 integer_round_bf16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_and_si512(
@@ -63,6 +61,15 @@ PAGEDLLM_AVX512 inline __m512 round_bf16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(rounded),
                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+
+// round_bf16's 16 lanes: the CPU's own rounding where it gives the same bits, else the
+// integer one.
+PAGEDLLM_AVX512 inline __m512 round_bf16(__m512 v) {
+  if (native_rounds(v)) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(native_bf16_bits(v)), 16));
+  }
+  return integer_round_bf16(v);
 }
 
 template <typename T>
@@ -81,7 +88,7 @@ PAGEDLLM_AVX512 inline void store16(at::BFloat16* p, __m512 v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), native_bf16_bits(v));
     return;
   }
-  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(integer_round_bf16(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 
