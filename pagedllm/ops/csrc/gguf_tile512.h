@@ -4,7 +4,9 @@
 // gguf_epilogue.h and before gguf_tile.h. It defines `wide_tiles`, which gguf_tile.h's row passes call first: it runs
 // the pairs of tiles of [tile_begin, tile_end) and returns the first tile it left (the odd
 // one), which the 256-bit vector_tile then runs. Each vpdpbusd here serves 16 columns
-// instead of 8, and the weights are unpacked once per block for all of a pass's rows.
+// instead of 8, and the weights are unpacked once per block for all of a pass's rows: all 8
+// groups at once for a pass of one or two rows (pair_tile), one group at a time for 4 and 8
+// (stream_pair_tile).
 //
 // The packed layout is the 8-column one: a pair's block is the two tiles' blocks side by
 // side in one register (the first tile in the low half). Every lane does the same integer
@@ -149,44 +151,38 @@ PAGEDLLM_ALWAYS_INLINE __m512i dot4_wide(__m512i acc, __m512i w, const int8_t* p
   return acc;
 }
 
-// Adds one digit's dots to `dots`, each half in one chain, or in two (even and odd groups)
-// when the pass has too few rows to keep the vpdpbusd pipes busy otherwise: from 4 rows the
-// rows' chains overlap, and the add that joins two chains is one of the ~24 vector ops a
-// row and block take.
-template <int R, int HALVES>
+// Adds one digit's dots to `dots`, each half in two chains (even and odd groups): a pass of
+// one or two rows has too few chains to keep the vpdpbusd pipes busy otherwise.
+template <int HALVES>
 PAGEDLLM_ALWAYS_INLINE void pair_block_dots(const __m512i (&wv)[8], const int8_t* digits, __m512i (&dots)[HALVES]) {
   constexpr int kGroups = 8 / HALVES;
   for (int h = 0; h < HALVES; ++h) {
-    if constexpr (R >= 4) {
-      for (int g = kGroups * h; g < kGroups * (h + 1); ++g) dots[h] = dot4_wide(dots[h], wv[g], digits + 4 * g);
-    } else {
-      __m512i even = dots[h], odd = _mm512_setzero_si512();
-      for (int g = kGroups * h; g < kGroups * (h + 1); g += 2) {
-        even = dot4_wide(even, wv[g], digits + 4 * g);
-        odd = dot4_wide(odd, wv[g + 1], digits + 4 * g + 4);
-      }
-      dots[h] = _mm512_add_epi32(even, odd);
+    __m512i even = dots[h], odd = _mm512_setzero_si512();
+    for (int g = kGroups * h; g < kGroups * (h + 1); g += 2) {
+      even = dot4_wide(even, wv[g], digits + 4 * g);
+      odd = dot4_wide(odd, wv[g + 1], digits + 4 * g + 4);
     }
+    dots[h] = _mm512_add_epi32(even, odd);
   }
 }
 
 // One row's integer dots for one block: hi (and, with two digits, hi * 256 + lo).
-template <int R, int DIGITS, int HALVES>
+template <int DIGITS, int HALVES>
 PAGEDLLM_ALWAYS_INLINE void pair_row_dots(const __m512i (&wv)[8], const Activations& a, int64_t row,
                                           int64_t b, __m512i (&dots)[HALVES]) {
   for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_setzero_si512();
-  pair_block_dots<R, HALVES>(wv, a.hi(row, b), dots);
+  pair_block_dots<HALVES>(wv, a.hi(row, b), dots);
   if constexpr (DIGITS == 2 && HALVES == 2) {
-    // Q6_K's halves give a pass 32 chains: the low digit's dots continue the shifted high
+    // Q6_K's halves give a row 4 chains: the low digit's dots continue the shifted high
     // ones' (integer sums, so the order does not change the bits), saving a zeroed chain and
-    // an add (+5%). With one half, the 8 rows' 8 chains, twice as long, left the pipes idle
-    // (-10%): there the low digit keeps a chain of its own.
+    // an add. With one half a row's 2 chains would wait on each other: there the low digit
+    // keeps a chain of its own.
     for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_slli_epi32(dots[h], 8);
-    pair_block_dots<R, HALVES>(wv, a.lo(row, b), dots);
+    pair_block_dots<HALVES>(wv, a.lo(row, b), dots);
   } else if constexpr (DIGITS == 2) {
     __m512i low[HALVES];
     for (int h = 0; h < HALVES; ++h) low[h] = _mm512_setzero_si512();
-    pair_block_dots<R, HALVES>(wv, a.lo(row, b), low);
+    pair_block_dots<HALVES>(wv, a.lo(row, b), low);
     for (int h = 0; h < HALVES; ++h) dots[h] = _mm512_add_epi32(_mm512_slli_epi32(dots[h], 8), low[h]);
   }
 }
@@ -209,7 +205,7 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512i dots[HALVES];
-      pair_row_dots<R, DIGITS, HALVES>(wv, a, row + r, b, dots);
+      pair_row_dots<DIGITS, HALVES>(wv, a, row + r, b, dots);
       acc[r] = block_epilogue<Lanes16, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
@@ -219,10 +215,107 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
 }
 
+// The pair's group g (0-7) of one block: unpack_pair_block's wv[g] alone, from the block's
+// nibble run g % 4 and (5- and 6-bit weights) its high-bit planes.
+template <int BITS>
+PAGEDLLM_ALWAYS_INLINE __m512i pair_group(const uint8_t* first, const uint8_t* second, int g,
+                                          const __m512i (&planes)[2]) {
+  if constexpr (BITS == 8) {
+    return join_bytes(first + 32 * g, second + 32 * g);
+  } else {
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i v = join_bytes(first + 32 * (g % 4), second + 32 * (g % 4));
+    __m512i q = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low_nibbles);
+    if constexpr (BITS == 5) {
+      const int shift = 4 - g;
+      const __m512i p = shift >= 0 ? _mm512_slli_epi16(planes[0], shift) : _mm512_srli_epi16(planes[0], -shift);
+      q = or_masked(q, p, _mm512_set1_epi8(0x10));
+    }
+    if constexpr (BITS == 6) {
+      const int shift = 4 - 2 * (g % 4);
+      const __m512i plane = planes[g / 4];
+      const __m512i p = shift >= 0 ? _mm512_slli_epi16(plane, shift) : _mm512_srli_epi16(plane, -shift);
+      q = or_masked(q, p, _mm512_set1_epi8(0x30));
+    }
+    return q;
+  }
+}
+
+// pair_tile for passes of 4 and 8 rows, a weight group at a time: each group unpacked is
+// used at once by every row and digit, so each row and digit keeps a chain of its own (16 at
+// 8 rows and two digits, beside the rows' 8 accumulators and one group). pair_tile holds the
+// block's 8 groups and gives each row one chain a half: 8 chains of 16 vpdpbusd, whose
+// latency the out-of-order window did not hide. Single-threaded, a 2,048 x 2,048 projection
+// at 64 rows took 13.3 cycles a row, block and pair of tiles as Q4_K (the vpdpbusd alone
+// need 7.4) and 17.1 as Q6_K; this takes 10.8 and 13.7 (AMD Zen 5, 3.52 GHz reference;
+// the same bits: integer sums, and the epilogue unchanged).
+template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
+void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* first = w.packed + tile * w.tile_bytes;
+  const uint8_t* second = first + w.tile_bytes;
+  constexpr int64_t bytes = block_bytes(BITS);
+  constexpr int kGroups = 8 / HALVES;
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    // Every pass, not only the first (streams): from L2, where the item's tiles are after the
+    // first pass, a group's loads stalled the rows' chains that wait on them. Llama-3.2-1B's
+    // head (128,256 x 2,048 Q6_K) at 32 rows took 24.0 cycles a row, block and pair, 16.8 so.
+    prefetch_ahead<2, BITS>(w, tile, b);
+    const uint8_t* f = first + b * bytes;
+    const uint8_t* s = second + b * bytes;
+    __m512i planes[2] = {};
+    if constexpr (BITS == 5) planes[0] = join_bytes(f + 128, s + 128);
+    if constexpr (BITS == 6) {
+      planes[0] = join_bytes(f + 128, s + 128);
+      planes[1] = join_bytes(f + 160, s + 160);
+    }
+    const int64_t at = a.at(row, b);
+    const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
+#pragma GCC unroll 2
+    for (int h = 0; h < HALVES; ++h) {
+      __m512i dots[R][DIGITS];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int j = 0; j < DIGITS; ++j) dots[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = 0; i < kGroups; ++i) {
+        // One half: its groups in order. A whole block: g and g + 4 (one nibble run) in turn.
+        const int g = HALVES == 2 ? kGroups * h + i : (i % 2) * 4 + i / 2;
+        const __m512i wg = pair_group<BITS>(f, s, g, planes);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+          for (int j = 0; j < DIGITS; ++j)
+            dots[r][j] = dot4_wide(dots[r][j], wg, digits + (r * DIGITS + j) * kBlock + 4 * g);
+      }
+      __m512 d[HALVES], m[HALVES];
+      pair_block_scales<KQUANT, HALVES>(w, tile, b, d, m);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m512i dot = dots[r][0];
+        if constexpr (DIGITS == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dots[r][1]);
+        const float sum = HALVES == 1 ? a.sum[at + r] : a.sum16[(at + r) * 2 + h];
+        acc[r] = half_epilogue<Lanes16>(acc[r], dot, d[h], m[h], a.step[at + r], sum);
+      }
+    }
+  }
+  const int64_t n0 = tile * kTileCols;
+  const int64_t valid = std::min<int64_t>(2 * kTileCols, out.cols - n0);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
+}
+
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 int64_t wide_tiles(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
                    int64_t tile_end, const Output& out) {
   int64_t t = tile_begin;
-  for (; t + 1 < tile_end; t += 2) pair_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+  for (; t + 1 < tile_end; t += 2) {
+    if constexpr (R >= 4) stream_pair_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+    else pair_tile<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, t, out);
+  }
   return t;
 }
