@@ -83,43 +83,43 @@ inline __m512i or_masked(__m512i acc, __m512i v, __m512i mask) {
   return _mm512_ternarylogic_epi32(acc, v, mask, 0xF8);
 }
 
-// unpack_tile_block (gguf_tile.h) for the pair: the same bit moves on both halves.
+// The high-bit planes of the pair's block (5-bit weights: one, 6-bit: two; none else).
 template <int BITS>
-PAGEDLLM_ALWAYS_INLINE void unpack_pair_block(const uint8_t* first, const uint8_t* second, __m512i (&wv)[8]) {
+PAGEDLLM_ALWAYS_INLINE void pair_planes(const uint8_t* first, const uint8_t* second, __m512i (&planes)[2]) {
+  planes[0] = planes[1] = _mm512_setzero_si512();
+  if constexpr (BITS == 5 || BITS == 6) planes[0] = join_bytes(first + 128, second + 128);
+  if constexpr (BITS == 6) planes[1] = join_bytes(first + 160, second + 160);
+}
+
+// unpack_tile_block's (gguf_tile.h) group g (0-7) for the pair: the same bit moves on both
+// halves, from the block's nibble run g % 4 and its high-bit planes (pair_planes).
+template <int BITS>
+PAGEDLLM_ALWAYS_INLINE __m512i pair_group(const uint8_t* first, const uint8_t* second, int g,
+                                          const __m512i (&planes)[2]) {
   if constexpr (BITS == 8) {
-    for (int g = 0; g < 8; ++g) wv[g] = join_bytes(first + 32 * g, second + 32 * g);
-    return;
+    return join_bytes(first + 32 * g, second + 32 * g);
   } else {
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = join_bytes(first + 32 * g, second + 32 * g);
-      wv[g] = _mm512_and_si512(v, low_nibbles);
-      wv[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+    const __m512i v = join_bytes(first + 32 * (g % 4), second + 32 * (g % 4));
+    __m512i q = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low_nibbles);
+    if constexpr (BITS == 5 || BITS == 6) {
+      // Bit g (5-bit) or bits 2(g % 4)..+1 of plane g / 4 (6-bit) to bit 4 (and 5). 16-bit
+      // shifts: those bits of either byte of a lane come from the same byte.
+      const int shift = BITS == 5 ? 4 - g : 4 - 2 * (g % 4);
+      const __m512i plane = planes[BITS == 5 ? 0 : g / 4];
+      const __m512i moved = shift >= 0 ? _mm512_slli_epi16(plane, shift) : _mm512_srli_epi16(plane, -shift);
+      q = or_masked(q, moved, _mm512_set1_epi8(BITS == 5 ? 0x10 : 0x30));
     }
-    if constexpr (BITS == 5) {
-      const __m512i plane = join_bytes(first + 128, second + 128);
-      const __m512i bit4 = _mm512_set1_epi8(0x10);
-      wv[0] = or_masked(wv[0], _mm512_slli_epi16(plane, 4), bit4);
-      wv[1] = or_masked(wv[1], _mm512_slli_epi16(plane, 3), bit4);
-      wv[2] = or_masked(wv[2], _mm512_slli_epi16(plane, 2), bit4);
-      wv[3] = or_masked(wv[3], _mm512_slli_epi16(plane, 1), bit4);
-      wv[4] = or_masked(wv[4], plane, bit4);
-      wv[5] = or_masked(wv[5], _mm512_srli_epi16(plane, 1), bit4);
-      wv[6] = or_masked(wv[6], _mm512_srli_epi16(plane, 2), bit4);
-      wv[7] = or_masked(wv[7], _mm512_srli_epi16(plane, 3), bit4);
-    }
-    if constexpr (BITS == 6) {
-      const __m512i bits45 = _mm512_set1_epi8(0x30);
-      for (int v = 0; v < 2; ++v) {
-        const __m512i plane = join_bytes(first + 128 + 32 * v, second + 128 + 32 * v);
-        __m512i* w = wv + 4 * v;
-        w[0] = or_masked(w[0], _mm512_slli_epi16(plane, 4), bits45);
-        w[1] = or_masked(w[1], _mm512_slli_epi16(plane, 2), bits45);
-        w[2] = or_masked(w[2], plane, bits45);
-        w[3] = or_masked(w[3], _mm512_srli_epi16(plane, 2), bits45);
-      }
-    }
+    return q;
   }
+}
+
+// The pair's whole block, as unpack_tile_block lays a tile's out.
+template <int BITS>
+PAGEDLLM_ALWAYS_INLINE void unpack_pair_block(const uint8_t* first, const uint8_t* second, __m512i (&wv)[8]) {
+  __m512i planes[2];
+  pair_planes<BITS>(first, second, planes);
+  for (int g = 0; g < 8; ++g) wv[g] = pair_group<BITS>(first, second, g, planes);
 }
 
 // block_scales (gguf_tile.h) for the pair: the products are the same per lane.
@@ -187,6 +187,17 @@ PAGEDLLM_ALWAYS_INLINE void pair_row_dots(const __m512i (&wv)[8], const Activati
   }
 }
 
+// A pass's R rows of the pair's 16 columns written out; the second tile may be part padding.
+template <int R>
+PAGEDLLM_ALWAYS_INLINE void store_pair_rows(const __m512 (&acc)[R], int64_t row, int64_t tile,
+                                            const Output& out) {
+  const int64_t n0 = tile * kTileCols;
+  const int64_t valid = std::min<int64_t>(2 * kTileCols, out.cols - n0);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
+}
+
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
   __m512 acc[R];
@@ -209,36 +220,7 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
       acc[r] = block_epilogue<Lanes16, HALVES>(acc[r], dots, d, m, a, a.at(row + r, b));
     }
   }
-  const int64_t n0 = tile * kTileCols;
-  const int64_t valid = std::min<int64_t>(2 * kTileCols, out.cols - n0);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
-}
-
-// The pair's group g (0-7) of one block: unpack_pair_block's wv[g] alone, from the block's
-// nibble run g % 4 and (5- and 6-bit weights) its high-bit planes.
-template <int BITS>
-PAGEDLLM_ALWAYS_INLINE __m512i pair_group(const uint8_t* first, const uint8_t* second, int g,
-                                          const __m512i (&planes)[2]) {
-  if constexpr (BITS == 8) {
-    return join_bytes(first + 32 * g, second + 32 * g);
-  } else {
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    const __m512i v = join_bytes(first + 32 * (g % 4), second + 32 * (g % 4));
-    __m512i q = _mm512_and_si512(g < 4 ? v : _mm512_srli_epi16(v, 4), low_nibbles);
-    if constexpr (BITS == 5) {
-      const int shift = 4 - g;
-      const __m512i p = shift >= 0 ? _mm512_slli_epi16(planes[0], shift) : _mm512_srli_epi16(planes[0], -shift);
-      q = or_masked(q, p, _mm512_set1_epi8(0x10));
-    }
-    if constexpr (BITS == 6) {
-      const int shift = 4 - 2 * (g % 4);
-      const __m512i plane = planes[g / 4];
-      const __m512i p = shift >= 0 ? _mm512_slli_epi16(plane, shift) : _mm512_srli_epi16(plane, -shift);
-      q = or_masked(q, p, _mm512_set1_epi8(0x30));
-    }
-    return q;
-  }
+  store_pair_rows<R>(acc, row, tile, out);
 }
 
 // pair_tile for passes of 4 and 8 rows, a weight group at a time: each group unpacked is
@@ -265,12 +247,8 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
     prefetch_ahead<2, BITS>(w, tile, b);
     const uint8_t* f = first + b * bytes;
     const uint8_t* s = second + b * bytes;
-    __m512i planes[2] = {};
-    if constexpr (BITS == 5) planes[0] = join_bytes(f + 128, s + 128);
-    if constexpr (BITS == 6) {
-      planes[0] = join_bytes(f + 128, s + 128);
-      planes[1] = join_bytes(f + 160, s + 160);
-    }
+    __m512i planes[2];
+    pair_planes<BITS>(f, s, planes);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
 #pragma GCC unroll 2
@@ -302,11 +280,7 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
       }
     }
   }
-  const int64_t n0 = tile * kTileCols;
-  const int64_t valid = std::min<int64_t>(2 * kTileCols, out.cols - n0);
-  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out.data + (row + r) * out.stride + n0, lanes, acc[r]);
+  store_pair_rows<R>(acc, row, tile, out);
 }
 
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
