@@ -225,12 +225,12 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
 
 // pair_tile for passes of 4 and 8 rows, a weight group at a time: each group unpacked is
 // used at once by every row and digit, so each row and digit keeps a chain of its own (16 at
-// 8 rows and two digits, beside the rows' 8 accumulators and one group). pair_tile holds the
-// block's 8 groups and gives each row one chain a half: 8 chains of 16 vpdpbusd, whose
-// latency the out-of-order window did not hide. Single-threaded, a 2,048 x 2,048 projection
-// at 64 rows took 13.3 cycles a row, block and pair of tiles as Q4_K (the vpdpbusd alone
-// need 7.4) and 17.1 as Q6_K; this takes 10.8 and 13.7 (AMD Zen 5, 3.52 GHz reference;
-// the same bits: integer sums, and the epilogue unchanged).
+// 8 rows and two digits, beside the rows' 8 accumulators and one group). Holding the block's
+// 8 groups, as pair_tile does, left a row one chain per digit (or half) of 8-16 dependent
+// vpdpbusd, whose latency the out-of-order window did not hide at 8 rows. Single-threaded,
+// a 2,048 x 2,048 projection at 64 rows (tables in L3) took 13.3 cycles a row, block and
+// pair of tiles as Q4_K (the vpdpbusd alone need 7.4) and 17.1 as Q6_K; this takes 10.8 and
+// 13.7 (AMD Zen 5, 3.52 GHz reference; the same bits: integer sums, the epilogue unchanged).
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
   __m512 acc[R];
@@ -244,6 +244,8 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
     // Every pass, not only the first (streams): from L2, where the item's tiles are after the
     // first pass, a group's loads stalled the rows' chains that wait on them. Llama-3.2-1B's
     // head (128,256 x 2,048 Q6_K) at 32 rows took 24.0 cycles a row, block and pair, 16.8 so.
+    // (Tables left in L3 between calls, as one projection timed over and over, pay ~15%; a
+    // model's step streams every layer from memory.)
     prefetch_ahead<2, BITS>(w, tile, b);
     const uint8_t* f = first + b * bytes;
     const uint8_t* s = second + b * bytes;
@@ -251,6 +253,8 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
     pair_planes<BITS>(f, s, planes);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
+    __m512 d[HALVES], m[HALVES];
+    pair_block_scales<KQUANT, HALVES>(w, tile, b, d, m);
 #pragma GCC unroll 2
     for (int h = 0; h < HALVES; ++h) {
       __m512i dots[R][DIGITS];
@@ -269,8 +273,6 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
           for (int j = 0; j < DIGITS; ++j)
             dots[r][j] = dot4_wide(dots[r][j], wg, digits + (r * DIGITS + j) * kBlock + 4 * g);
       }
-      __m512 d[HALVES], m[HALVES];
-      pair_block_scales<KQUANT, HALVES>(w, tile, b, d, m);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         __m512i dot = dots[r][0];
