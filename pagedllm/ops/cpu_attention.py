@@ -72,7 +72,7 @@ class CpuAttentionBackend(AttentionBackend):
         them, not the fp32 ones of the vector kernel), where the kernel covers the head and
         block sizes (and a decode's group of query heads fits a tile): "amx" on AMX where
         Linux grants the tile data, "bf16_dots" on AVX512-BF16 dot products doing the
-        tiles' work (ops/csrc/tile_ops.h); the caller checks that the CPU has them."""
+        tiles' work (ops/csrc/attention_dots.h); the caller checks that the CPU has them."""
         if tiles not in TILE_ENGINES:
             raise ValueError(f"tiles must be one of {TILE_ENGINES}, not {tiles!r}")
         self._ops = load()

@@ -56,7 +56,7 @@ class KernelSelection:
     # (ops/csrc/attention_amx.h), under the same condition.
     bf16_amx_attention: bool = False
     # Or, under bf16_dot_linear's condition, its prefill tiles on AVX512-BF16 dot products
-    # doing the tiles' work (ops/csrc/tile_ops.h); decodes keep the vector kernel there.
+    # doing the tiles' work (ops/csrc/attention_dots.h), and its decodes (decode_dots.h).
     bf16_dot_attention: bool = False
 
     @property

@@ -1,8 +1,8 @@
 """Prefill tiles and decodes of a bf16 cache on tiles (ops/csrc/attention_amx.h), on each
-engine: AMX, and AVX512-BF16 dot products doing the tiles' work (ops/csrc/tile_ops.h). bf16
-softmax weights times bf16 values summed in fp32, against a dense fp32 reference; what the
-tiles do not cover keeps the vector kernel's bits; stale cache rows past a context never reach
-a sum.
+engine: AMX, and AVX512-BF16 dot products doing the tiles' work (ops/csrc/attention_dots.h).
+bf16 softmax weights times bf16 values summed in fp32, against a dense fp32 reference; what
+the tiles do not cover keeps the vector kernel's bits; stale cache rows past a context never
+reach a sum.
 An engine's arithmetic runs where the CPU has it (AMX-BF16; AVX512-BF16, which AMX machines
 have too); which backend asks for which engine is checked on every CPU."""
 

@@ -1,8 +1,8 @@
 // Attention on tiles (bf16 caches and queries): paged_attention.cpp routes its prefill tile
 // items (attend_rows) here when asked (`tiles`), on AMX (CPUs with AMX-BF16) or on
-// AVX512-BF16 dot products doing the tiles' work (tile_ops.h: AMD Zen 4/5), and on AMX its
-// decodes too (attend_decode, at the end). The functions take the engine as a template
-// argument.
+// AVX512-BF16 dot products doing the tiles' work (attention_dots.h: AMD Zen 4/5), and on AMX
+// its decodes too (attend_decode, at the end). The functions take the engine as a template
+// argument (tile_ops.h's AmxTiles, or attention_dots.h's Registers).
 //
 // The 16- and 8-lane tiles spend 128 fused multiply-adds a score on q . k and p . v, which
 // set their pace; here those products are tile dot products (tdpbf16ps, fp32 sums) and the
@@ -32,9 +32,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
+#include "attention_dots.h"
 #include "tile_ops.h"
 #include "vec_avx2.h"
 #include "vec_avx512.h"
@@ -76,6 +78,7 @@ struct Scratch {
   std::vector<int> tile_first, tile_limit;  // the least first and greatest limit of a tile
   std::vector<uint32_t> query_t;  // per row tile and 32 of d: Q^T as a B tile
   std::vector<uint32_t> values;   // per 16 of d: V's 32 keys as a B tile
+  std::vector<uint32_t> keys;     // the step's keys side by side (attention_dots.h)
   std::vector<float> acc, partial, m, l;
   std::vector<float> row_scores;         // a decode's rows' scores over its context
   std::vector<uint16_t> row_weights;     // their bf16 weights, 16 rows (an A tile's)
@@ -83,7 +86,6 @@ struct Scratch {
   alignas(64) uint32_t weights[kTileDwords];  // row k: keys 2k, 2k + 1 of each row (lanes)
   alignas(64) uint32_t weights_t[kTileDwords];
   alignas(64) float rescale[kRowTile];
-  pagedllm_tiles::DotTiles dots;  // the dot-product engine's tiles (tile_ops.h)
 
   Scratch(int max_rows, int head_dim) {
     const int tiles = (max_rows + kRowTile - 1) / kRowTile, padded = tiles * kRowTile;
@@ -95,6 +97,7 @@ struct Scratch {
     tile_limit.resize(tiles);
     query_t.resize(static_cast<size_t>(tiles) * head_dim / 32 * kTileDwords);
     values.resize(static_cast<size_t>(head_dim) / 16 * kTileDwords);
+    keys.resize(static_cast<size_t>(kStepKeys) * head_dim / 2);
     acc.resize(static_cast<size_t>(padded) * head_dim);
     partial.resize(static_cast<size_t>(kRowTile) * head_dim);
     m.resize(padded);
@@ -105,14 +108,15 @@ struct Scratch {
 // The engine a call's tiles run on; kNone: the vector kernel (paged_attention.cpp's own).
 enum class Engine { kNone, kAmx, kBf16Dots };
 
-// f(tiles) with the engine's tiles: AMX's, or the scratch's dot-product ones.
+// f(tiles) with the engine's tiles: AMX's, or the dot products' registers.
 template <typename F>
-inline void on_tiles(Engine engine, Scratch& s, F&& f) {
+inline void on_tiles(Engine engine, F&& f) {
   if (engine == Engine::kAmx) {
     pagedllm_tiles::AmxTiles amx;
     f(amx);
   } else {
-    f(s.dots);
+    pagedllm_attention_dots::Registers registers;
+    f(registers);
   }
 }
 
@@ -331,6 +335,8 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     s.tile_limit[tile] = *std::max_element(limits, limits + end);
   }
   load_queries<D>(rows, s);
+  // The dot products keep each row tile's sums transposed (attention_dots.h).
+  constexpr bool kRegisters = std::is_same_v<Tiles, pagedllm_attention_dots::Registers>;
   for (int position = kv_begin / kSliceKeys * kSliceKeys; position < kv_end;
        position += kStepKeys) {
     const int count = std::min(kStepKeys, kv_end - position);
@@ -339,16 +345,38 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     const at::BFloat16* value_rows[kStepKeys];
     key_rows(c, position, count, value_rows, c.value_cache);
     load_values<D / 16>(value_rows, count, 0, s);
+    if constexpr (kRegisters) {
+      pagedllm_attention_dots::copy_keys<D>(keys, c.token_stride, s.keys.data());
+    }
     for (int tile = 0; tile < tiles; ++tile) {
       if (position >= s.tile_limit[tile] || position + count <= s.tile_first[tile]) continue;
       const int r0 = tile * kRowTile;
-      tile_scores<D>(keys[0], keys[1], c.token_stride,
-                     s.query_t.data() + tile * (D / 32) * kTileDwords, s, t);
-      tile_softmax(r0, position, count, scale, s);
-      tile_values<D>(r0, std::min(kRowTile, rows - r0), s, t);
+      const uint32_t* query_t = s.query_t.data() + tile * (D / 32) * kTileDwords;
+      if constexpr (kRegisters) {
+        pagedllm_attention_dots::slice_scores<D>(s.keys.data(), query_t, s.scores);
+        if (keys[1] != nullptr) {
+          pagedllm_attention_dots::slice_scores<D>(s.keys.data() + kSliceKeys * D / 2, query_t,
+                                                   s.scores + kSliceKeys * kRowTile);
+        }
+        tile_softmax(r0, position, count, scale, s);
+        pagedllm_attention_dots::step_values<D>(s.weights, s.values.data(), s.rescale,
+                                                s.acc.data() + static_cast<int64_t>(r0) * D);
+      } else {
+        tile_scores<D>(keys[0], keys[1], c.token_stride, query_t, s, t);
+        tile_softmax(r0, position, count, scale, s);
+        tile_values<D>(r0, std::min(kRowTile, rows - r0), s, t);
+      }
     }
   }
-  store_outputs<D>(rows, s.l.data(), s);
+  if constexpr (kRegisters) {
+    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+      pagedllm_attention_dots::store_rows<D>(std::min(kRowTile, rows - r0),
+                                             s.acc.data() + static_cast<int64_t>(r0) * D,
+                                             s.l.data() + r0, s.out.data() + r0);
+    }
+  } else {
+    store_outputs<D>(rows, s.l.data(), s);
+  }
 }
 
 // ---- a decode: one token's rows over its whole context, in two passes ---------------------

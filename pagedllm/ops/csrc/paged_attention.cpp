@@ -806,7 +806,7 @@ void attend_amx(const Problem<T>& p, const WorkItem& w, int context_start, Scrat
       a.first[rows] = p.window > 0 ? std::max(0, a.limit[rows] - p.window) : 0;
     }
   }
-  pagedllm_amx_attention::on_tiles(p.tiles, a, [&](auto& tiles) {
+  pagedllm_amx_attention::on_tiles(p.tiles, [&](auto& tiles) {
     pagedllm_amx_attention::attend_rows<NV * 8>(amx_context<NV>(p, w, w.kv_head), rows,
                                                 a.first[0], context_start + w.q_end, p.scale,
                                                 a, tiles);

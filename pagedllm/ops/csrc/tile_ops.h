@@ -1,24 +1,20 @@
-// The tile operations attention_amx.h is written in, on two engines:
+// AMX's tile operations as attention_amx.h is written in them (tilezero, tileloadd,
+// tdpbf16ps, tilestored; every tile 16 rows of 64 bytes, attention_amx.h's configure_tiles),
+// and the 16 x 16 transpose both tile engines use (attention_amx.h, attention_dots.h and
+// decode_dots.h).
 //
-// - AmxTiles: AMX itself (tilezero, tileloadd, tdpbf16ps, tilestored), every tile 16 rows
-//   of 64 bytes (attention_amx.h's configure_tiles);
-// - DotTiles: the same operations on AVX512-BF16 dot products, for CPUs without AMX whose
-//   `vdpbf16ps` runs at least at the fp32 FMA rate (AMD Zen 4/5). A and B operands are read
-//   where they lie (a load notes the address and row stride), C tiles are fp32 arrays.
-//
-// A tile product C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1] over
-// k < 16 is, per row m of C, `vdpbf16ps` of A[m]'s k-th pair broadcast against B's row k:
-// sixteen rows of sixteen dot products. Both engines sum in fp32; the last bits of a sum may
-// differ between them (the order of the pair's two products and the accumulator).
+// A tile product C[m][n] += sum_k A[m][2k] B[k][2n] + A[m][2k + 1] B[k][2n + 1] over k < 16,
+// summed in fp32. attention_dots.h does the same products on AVX512-BF16 dot products for
+// CPUs without AMX; the last bits of a sum may differ between the two engines (the order of
+// a pair's two products and the accumulator).
 //
 // Tile numbers are template arguments (AMX's intrinsics take them as literal tokens), so
-// the AMX engine's operations are spelled out for each number and product used.
+// the operations are spelled out for each number and product used.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 #define PAGEDLLM_AMX \
   __attribute__((target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")))
@@ -112,54 +108,5 @@ PAGEDLLM_AMX_DOT(1, 4, 5)
 PAGEDLLM_AMX_DOT(2, 4, 5)
 PAGEDLLM_AMX_DOT(3, 4, 5)
 #undef PAGEDLLM_AMX_DOT
-
-// ---- AVX512-BF16 dot products ------------------------------------------------------------
-
-// Tiles 0-3 may be C tiles (accumulators), any of 0-7 an A or B operand.
-struct DotTiles {
-  static constexpr int kAccumulators = 4;
-  const char* base[8] = {};
-  int64_t stride[8] = {};
-  alignas(64) float acc[kAccumulators][kTileDwords];
-};
-
-template <int T>
-PAGEDLLM_BF16_DOTS inline void zero(DotTiles& t) {
-  static_assert(T < DotTiles::kAccumulators, "only tiles 0-3 accumulate");
-  for (int m = 0; m < kTileRows; ++m) _mm512_store_ps(t.acc[T] + 16 * m, _mm512_setzero_ps());
-}
-
-template <int T>
-PAGEDLLM_BF16_DOTS inline void load(DotTiles& t, const void* base, int64_t stride) {
-  t.base[T] = static_cast<const char*>(base);
-  t.stride[T] = stride;
-}
-
-template <int T>
-PAGEDLLM_BF16_DOTS inline void store(DotTiles& t, void* base, int64_t stride) {
-  static_assert(T < DotTiles::kAccumulators, "only tiles 0-3 accumulate");
-  for (int m = 0; m < kTileRows; ++m) {
-    _mm512_storeu_ps(static_cast<char*>(base) + m * stride, _mm512_load_ps(t.acc[T] + 16 * m));
-  }
-}
-
-template <int C, int A, int B>
-PAGEDLLM_BF16_DOTS inline void dot(DotTiles& t) {
-  static_assert(C < DotTiles::kAccumulators, "only tiles 0-3 accumulate");
-  const char* a = t.base[A];
-  const char* b = t.base[B];
-  const int64_t a_stride = t.stride[A], b_stride = t.stride[B];
-  __m512 c[kTileRows];
-  for (int m = 0; m < kTileRows; ++m) c[m] = _mm512_load_ps(t.acc[C] + 16 * m);
-  for (int k = 0; k < 16; ++k) {
-    const __m512bh row = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + k * b_stride));
-    for (int m = 0; m < kTileRows; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, a + m * a_stride + 4 * k, sizeof(pair));
-      c[m] = _mm512_dpbf16_ps(c[m], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), row);
-    }
-  }
-  for (int m = 0; m < kTileRows; ++m) _mm512_store_ps(t.acc[C] + 16 * m, c[m]);
-}
 
 }  // namespace pagedllm_tiles
