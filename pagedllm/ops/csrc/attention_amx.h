@@ -79,6 +79,8 @@ struct Scratch {
   std::vector<uint32_t> query_t;  // per row tile and 32 of d: Q^T as a B tile
   std::vector<uint32_t> values;   // per 16 of d: V's 32 keys as a B tile
   std::vector<uint32_t> keys;     // the step's keys side by side (attention_dots.h)
+  // acc: the rows' output sums, a row's D at a time (AMX) or, per row tile, d by the tile's
+  // 16 row lanes (attention_dots.h); partial: a row tile's P V product (AMX).
   std::vector<float> acc, partial, m, l;
   std::vector<float> row_scores;         // a decode's rows' scores over its context
   std::vector<uint16_t> row_weights;     // their bf16 weights, 16 rows (an A tile's)
