@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "amx_tiles.h"
@@ -318,6 +317,54 @@ PAGEDLLM_AMX void store_outputs(int rows, const float* sums, Scratch& s) {
   }
 }
 
+// ---- the engine's parts of attend_rows: AMX's tiles above, or the dot products' registers
+// (attention_dots.h), which keep each row tile's sums transposed ----------------------------
+
+// The step's keys where the engine reads them: AMX reads its A tiles in place in the cache;
+// the dot products want them side by side, copied once for all row tiles.
+template <int D, typename Tiles>
+PAGEDLLM_AMX inline void stage_keys(const at::BFloat16* const (&)[2], int64_t, Scratch&, Tiles&) {}
+
+template <int D>
+PAGEDLLM_AMX inline void stage_keys(const at::BFloat16* const (&keys)[2], int64_t stride,
+                                    Scratch& s, pagedllm_attention_dots::Registers&) {
+  pagedllm_attention_dots::copy_keys<D>(keys, stride, s.keys.data());
+}
+
+// tile_scores on the dot products: the staged keys' one or two slices.
+template <int D>
+PAGEDLLM_AMX void tile_scores(const at::BFloat16*, const at::BFloat16* k1, int64_t,
+                              const uint32_t* query_t, Scratch& s,
+                              pagedllm_attention_dots::Registers&) {
+  pagedllm_attention_dots::slice_scores<D>(s.keys.data(), query_t, s.scores);
+  if (k1 != nullptr) {
+    pagedllm_attention_dots::slice_scores<D>(s.keys.data() + kSliceKeys * D / 2, query_t,
+                                             s.scores + kSliceKeys * kRowTile);
+  }
+}
+
+// tile_values on the dot products: the row tile's transposed sums, all 16 lanes.
+template <int D>
+PAGEDLLM_AMX void tile_values(int r0, int, Scratch& s, pagedllm_attention_dots::Registers&) {
+  pagedllm_attention_dots::step_values<D>(s.weights, s.values.data(), s.rescale,
+                                          s.acc.data() + static_cast<int64_t>(r0) * D);
+}
+
+// Every row's output from its sums (s.acc) over s.l, rounded once to bf16 into s.out.
+template <int D, typename Tiles>
+PAGEDLLM_AMX void store_rows(int rows, Scratch& s, Tiles&) {
+  store_outputs<D>(rows, s.l.data(), s);
+}
+
+template <int D>
+PAGEDLLM_AMX void store_rows(int rows, Scratch& s, pagedllm_attention_dots::Registers&) {
+  for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+    pagedllm_attention_dots::store_rows<D>(std::min(kRowTile, rows - r0),
+                                           s.acc.data() + static_cast<int64_t>(r0) * D,
+                                           s.l.data() + r0, s.out.data() + r0);
+  }
+}
+
 // Attention of `rows` rows (s.query, s.first, s.limit filled) over keys [kv_begin, kv_end)
 // of the context, each row's output rounded once to bf16 into s.out.
 template <int D, typename Tiles>
@@ -337,8 +384,6 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     s.tile_limit[tile] = *std::max_element(limits, limits + end);
   }
   load_queries<D>(rows, s);
-  // The dot products keep each row tile's sums transposed (attention_dots.h).
-  constexpr bool kRegisters = std::is_same_v<Tiles, pagedllm_attention_dots::Registers>;
   for (int position = kv_begin / kSliceKeys * kSliceKeys; position < kv_end;
        position += kStepKeys) {
     const int count = std::min(kStepKeys, kv_end - position);
@@ -347,38 +392,17 @@ PAGEDLLM_AMX void attend_rows(const Context& c, int rows, int kv_begin, int kv_e
     const at::BFloat16* value_rows[kStepKeys];
     key_rows(c, position, count, value_rows, c.value_cache);
     load_values<D / 16>(value_rows, count, 0, s);
-    if constexpr (kRegisters) {
-      pagedllm_attention_dots::copy_keys<D>(keys, c.token_stride, s.keys.data());
-    }
+    stage_keys<D>(keys, c.token_stride, s, t);
     for (int tile = 0; tile < tiles; ++tile) {
       if (position >= s.tile_limit[tile] || position + count <= s.tile_first[tile]) continue;
       const int r0 = tile * kRowTile;
-      const uint32_t* query_t = s.query_t.data() + tile * (D / 32) * kTileDwords;
-      if constexpr (kRegisters) {
-        pagedllm_attention_dots::slice_scores<D>(s.keys.data(), query_t, s.scores);
-        if (keys[1] != nullptr) {
-          pagedllm_attention_dots::slice_scores<D>(s.keys.data() + kSliceKeys * D / 2, query_t,
-                                                   s.scores + kSliceKeys * kRowTile);
-        }
-        tile_softmax(r0, position, count, scale, s);
-        pagedllm_attention_dots::step_values<D>(s.weights, s.values.data(), s.rescale,
-                                                s.acc.data() + static_cast<int64_t>(r0) * D);
-      } else {
-        tile_scores<D>(keys[0], keys[1], c.token_stride, query_t, s, t);
-        tile_softmax(r0, position, count, scale, s);
-        tile_values<D>(r0, std::min(kRowTile, rows - r0), s, t);
-      }
+      tile_scores<D>(keys[0], keys[1], c.token_stride,
+                     s.query_t.data() + tile * (D / 32) * kTileDwords, s, t);
+      tile_softmax(r0, position, count, scale, s);
+      tile_values<D>(r0, std::min(kRowTile, rows - r0), s, t);
     }
   }
-  if constexpr (kRegisters) {
-    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
-      pagedllm_attention_dots::store_rows<D>(std::min(kRowTile, rows - r0),
-                                             s.acc.data() + static_cast<int64_t>(r0) * D,
-                                             s.l.data() + r0, s.out.data() + r0);
-    }
-  } else {
-    store_outputs<D>(rows, s.l.data(), s);
-  }
+  store_rows<D>(rows, s, t);
 }
 
 // ---- a decode: one token's rows over its whole context, in two passes ---------------------

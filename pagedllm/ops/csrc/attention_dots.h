@@ -34,7 +34,7 @@ using pagedllm_tiles::kTileDwords;
 
 constexpr int kLanes = 16;  // rows of a row tile, keys of a slice, d of a value group
 
-// attend_rows' engine tag: the tile products below.
+// attend_rows' engine tag (attention_amx.h's overloads take it to the functions below).
 struct Registers {};
 
 // A step's keys (one slice at slices[0], a second at slices[1] or null; a slice's rows
@@ -98,6 +98,8 @@ PAGEDLLM_BF16_DOTS inline void step_values(const uint32_t* weights, const uint32
 template <int D>
 PAGEDLLM_BF16_DOTS inline void store_rows(int rows, const float* acc_t, const float* sums,
                                           at::BFloat16* const* out) {
+  float inverse[kLanes];
+  for (int i = 0; i < rows; ++i) inverse[i] = 1.0f / sums[i];
   for (int g = 0; g < D / kLanes; ++g) {
     __m512i by_row[kLanes];
     for (int e = 0; e < kLanes; ++e) {
@@ -105,9 +107,8 @@ PAGEDLLM_BF16_DOTS inline void store_rows(int rows, const float* acc_t, const fl
     }
     pagedllm_tiles::transpose16(by_row);
     for (int i = 0; i < rows; ++i) {
-      const __m512 inverse = _mm512_set1_ps(1.0f / sums[i]);
-      pagedllm_vec512::store16(out[i] + kLanes * g,
-                               _mm512_mul_ps(_mm512_castsi512_ps(by_row[i]), inverse));
+      pagedllm_vec512::store16(out[i] + kLanes * g, _mm512_mul_ps(_mm512_castsi512_ps(by_row[i]),
+                                                                  _mm512_set1_ps(inverse[i])));
     }
   }
 }
