@@ -223,14 +223,84 @@ void pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
   store_pair_rows<R>(acc, row, tile, out);
 }
 
-// pair_tile for passes of 4 and 8 rows, a weight group at a time: each group unpacked is
-// used at once by every row and digit, so each row and digit keeps a chain of its own (16 at
-// 8 rows and two digits, beside the rows' 8 accumulators and one group). Holding the block's
-// 8 groups, as pair_tile does, left a row one chain per digit (or half) of 8-16 dependent
-// vpdpbusd, whose latency the out-of-order window did not hide at 8 rows. Single-threaded,
-// a 2,048 x 2,048 projection at 64 rows (tables in L3) took 13.3 cycles a row, block and
-// pair of tiles as Q4_K (the vpdpbusd alone need 7.4) and 17.1 as Q6_K; this takes 10.8 and
-// 13.7 (AMD Zen 5, 3.52 GHz reference; the same bits: integer sums, the epilogue unchanged).
+// One half (or a whole block) of a pass's R rows, a weight group at a time: each group
+// unpacked is used at once by every row and digit, so each row and digit keeps a chain of
+// its own (16 at 8 rows and two digits, beside the rows' 8 accumulators and one group), and
+// then each row's accumulator takes the half's epilogue. Holding the block's 8 groups, as
+// pair_tile does, left a row one chain per digit (or half) of 8-16 dependent vpdpbusd, whose
+// latency the out-of-order window did not hide at 8 rows. `digits` is the pass's first
+// row's for the block; its rows follow, DIGITS * kBlock apart.
+template <int R, int BITS, int DIGITS, int HALVES>
+PAGEDLLM_ALWAYS_INLINE void group_major_half(const uint8_t* f, const uint8_t* s,
+                                             const __m512i (&planes)[2], int h,
+                                             const int8_t* digits, __m512 d, __m512 m,
+                                             const Activations& a, int64_t at, __m512 (&acc)[R]) {
+  constexpr int kGroups = 8 / HALVES;
+  __m512i dots[R][DIGITS];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < DIGITS; ++j) dots[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int i = 0; i < kGroups; ++i) {
+    // One half: its groups in order. A whole block: g and g + 4 (one nibble run) in turn.
+    const int g = HALVES == 2 ? kGroups * h + i : (i % 2) * 4 + i / 2;
+    const __m512i wg = pair_group<BITS>(f, s, g, planes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int j = 0; j < DIGITS; ++j)
+        dots[r][j] = dot4_wide(dots[r][j], wg, digits + (r * DIGITS + j) * kBlock + 4 * g);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512i dot = dots[r][0];
+    if constexpr (DIGITS == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dots[r][1]);
+    const float sum = HALVES == 1 ? a.sum[at + r] : a.sum16[(at + r) * 2 + h];
+    acc[r] = half_epilogue<Lanes16>(acc[r], dot, d, m, a.step[at + r], sum);
+  }
+}
+
+// group_major_half for a Q6_K half at two digits: the half's 4 groups held unpacked and a
+// row's two digits in one chain, the high dots shifted by 8 before the low ones continue it
+// (integer sums: the bits of hi * 256 + lo, as pair_row_dots makes them). A chain per row
+// and digit, beside the rows' accumulators, both halves' scales and the high-bit planes,
+// needed more than the 32 registers, and GCC spilled the accumulators every block:
+// single-threaded, Llama-3.2-1B's down (2,048 x 8,192) at 32 rows took 4.37 ms so and 3.85
+// this way, its head 68.6 and 61.3 (AMD Zen 5; alike from 8 to 256 rows, and no slower at 4).
+template <int R, int BITS>
+PAGEDLLM_ALWAYS_INLINE void chained_half(const uint8_t* f, const uint8_t* s,
+                                         const __m512i (&planes)[2], int h, const int8_t* digits,
+                                         __m512 d, __m512 m, const Activations& a, int64_t at,
+                                         __m512 (&acc)[R]) {
+  __m512i wg[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) wg[i] = pair_group<BITS>(f, s, 4 * h + i, planes);
+  __m512i dots[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      dots[r] = dot4_wide(dots[r], wg[i], digits + (r * 2) * kBlock + 4 * (4 * h + i));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) dots[r] = _mm512_slli_epi32(dots[r], 8);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      dots[r] = dot4_wide(dots[r], wg[i], digits + (r * 2 + 1) * kBlock + 4 * (4 * h + i));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    acc[r] = half_epilogue<Lanes16>(acc[r], dots[r], d, m, a.step[at + r], a.sum16[(at + r) * 2 + h]);
+}
+
+// pair_tile for passes of 4 and 8 rows, a weight group (group_major_half) or a Q6_K half
+// (chained_half) at a time. Single-threaded, a 2,048 x 2,048 projection at 64 rows (tables
+// in L3) took 13.3 cycles a row, block and pair of tiles as Q4_K with pair_tile's order (the
+// vpdpbusd alone need 7.4) and 17.1 as Q6_K; group_major_half takes 10.8 and 13.7 (AMD Zen 5,
+// 3.52 GHz reference; the same bits: integer sums, the epilogue unchanged).
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
   __m512 acc[R];
@@ -239,7 +309,6 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
   const uint8_t* first = w.packed + tile * w.tile_bytes;
   const uint8_t* second = first + w.tile_bytes;
   constexpr int64_t bytes = block_bytes(BITS);
-  constexpr int kGroups = 8 / HALVES;
   for (int64_t b = 0; b < w.blocks; ++b) {
     // Every pass, not only the first (streams): from L2, where the item's tiles are after the
     // first pass, a group's loads stalled the rows' chains that wait on them. Llama-3.2-1B's
@@ -252,34 +321,15 @@ void stream_pair_tile(const Activations& a, const Weights& w, int64_t row, int64
     __m512i planes[2];
     pair_planes<BITS>(f, s, planes);
     const int64_t at = a.at(row, b);
-    const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
+    const int8_t* digits = a.hi(row, b);
     __m512 d[HALVES], m[HALVES];
     pair_block_scales<KQUANT, HALVES>(w, tile, b, d, m);
 #pragma GCC unroll 2
     for (int h = 0; h < HALVES; ++h) {
-      __m512i dots[R][DIGITS];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-        for (int j = 0; j < DIGITS; ++j) dots[r][j] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int i = 0; i < kGroups; ++i) {
-        // One half: its groups in order. A whole block: g and g + 4 (one nibble run) in turn.
-        const int g = HALVES == 2 ? kGroups * h + i : (i % 2) * 4 + i / 2;
-        const __m512i wg = pair_group<BITS>(f, s, g, planes);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-          for (int j = 0; j < DIGITS; ++j)
-            dots[r][j] = dot4_wide(dots[r][j], wg, digits + (r * DIGITS + j) * kBlock + 4 * g);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        __m512i dot = dots[r][0];
-        if constexpr (DIGITS == 2) dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), dots[r][1]);
-        const float sum = HALVES == 1 ? a.sum[at + r] : a.sum16[(at + r) * 2 + h];
-        acc[r] = half_epilogue<Lanes16>(acc[r], dot, d[h], m[h], a.step[at + r], sum);
-      }
+      if constexpr (HALVES == 2 && DIGITS == 2)
+        chained_half<R, BITS>(f, s, planes, h, digits, d[h], m[h], a, at, acc);
+      else
+        group_major_half<R, BITS, DIGITS, HALVES>(f, s, planes, h, digits, d[h], m[h], a, at, acc);
     }
   }
   store_pair_rows<R>(acc, row, tile, out);
