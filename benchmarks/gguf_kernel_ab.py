@@ -10,6 +10,7 @@ has the first build's bits (`=`) or not (`DIFF`).
 
     .venv/bin/python -m benchmarks.gguf_kernel_ab base=pagedllm/ops/csrc new=/tmp/csrc \\
         [--shape llama-3.2-1b] [--names gate+up,down,head] [--rows 8,32,256] [--threads 1]
+        [--isa 1] [--as-type Q5_K]
 
 Builds go to `~/.cache/pagedllm/gguf_kernel_ab/NAME` (rebuilt when their sources change).
 """
@@ -24,10 +25,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from benchmarks.gguf_matmul import projections, random_layer
 from benchmarks.random_gguf import SHAPES
 from pagedllm.ops import build_spec
+from pagedllm.ops.cpu_features import gguf_kernel_isa
 
 BUILD_ROOT = Path.home() / ".cache/pagedllm/gguf_kernel_ab"
 KERNEL_SOURCE = "gguf_linear.cpp"
@@ -79,7 +82,9 @@ def compare(ops: dict[str, object], args: argparse.Namespace) -> None:
     for name, n, k, qtype in projections(SHAPES[args.shape]):
         if name not in names:
             continue
+        qtype = GGMLQuantizationType[args.as_type] if args.as_type else qtype
         layer = random_layer(n, k, qtype, args.digits)
+        layer.isa = args.isa
         op = "gguf_linear_k" if layer.kquant else "gguf_linear"
         tables = (
             (layer.super_d, layer.super_m, layer.sub_sc, layer.sub_mn)
@@ -113,12 +118,16 @@ def main() -> None:
     parser.add_argument("--digits", type=int, default=2, choices=[1, 2])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--isa", type=int, default=gguf_kernel_isa(), help="0 portable, 1 AVX2, 2 VNNI, 3 AMX"
+    )
+    parser.add_argument("--as-type", help="every projection as this GGUF type (e.g. Q5_K)")
     args = parser.parse_args()
     builds = dict(spec.split("=", 1) for spec in args.builds)
     ops = {name: build(name, Path(csrc)) for name, csrc in builds.items()}
     torch.set_num_threads(args.threads)  # after the builds load: their OpenMP then takes it
     torch.manual_seed(0)
-    print(f"{args.shape}: threads={args.threads}  digits={args.digits}", flush=True)
+    print(f"{args.shape}: threads={args.threads}  digits={args.digits}  isa={args.isa}", flush=True)
     compare(ops, args)
 
 

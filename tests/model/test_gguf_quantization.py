@@ -153,8 +153,9 @@ def test_kernel_matches_the_float_reference(qtype, rows, out_features):
         assert torch.equal(layer(x), out), path
 
 
-# Q4_1 and Q4_K take the AVX2 path's 4-bit tile body, the others its general one.
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_1, Q.Q4_K])
+# Every type has a tile body of its own on the AVX2 path: 4-bit (Q4_1, Q4_K), 5-bit (Q5_0,
+# Q5_K), 6-bit (Q6_K) and 8-bit (Q8_0).
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q5_0, Q.Q5_K, Q.Q4_1, Q.Q4_K])
 @pytest.mark.parametrize("rows", [6, 37])
 def test_one_digit_paths_agree(qtype, rows):
     raw, _ = _any_raw(16, 256, qtype)

@@ -12,7 +12,7 @@
 // gguf_epilogue.h, block_dots as above, kRowsPerPass (rows a pass keeps in registers: 4 or
 // 8) and wide_tiles<R, BITS, DIGITS, KQUANT, HALVES>(a, w, row, tile_begin, tile_end, out),
 // which runs the tiles it has a better body for (pairs of tiles in 512-bit registers on the
-// VNNI path, 4-, 6- and 8-bit tiles on AVX2) and returns the first one it left.
+// VNNI path, 4-, 5-, 6- and 8-bit tiles on AVX2) and returns the first one it left.
 
 // The tile-block's weights as 8 groups of 4 consecutive k for its 8 columns, one byte a
 // weight (values below 2^BITS). Layout (gguf_linear.py packs it): 4-, 5- and 6-bit weights
@@ -134,7 +134,7 @@ void vector_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
 }
 
 // One pass of R rows over the item's tiles: wide_tiles takes what it can (pairs of tiles on
-// the VNNI path, 4-, 6- and 8-bit tiles on AVX2) and vector_tile the rest.
+// the VNNI path, 4-, 5-, 6- and 8-bit tiles on AVX2) and vector_tile the rest.
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 void rows_pass(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
                int64_t tile_end, const Output& out) {

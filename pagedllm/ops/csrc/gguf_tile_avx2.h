@@ -1,6 +1,6 @@
 // The AVX2 path's main loops for 4-bit weights (Q4_K, Q4_0, Q4_1 and 4-bit packed
-// checkpoints), Q6_K and 8-bit weights, included in `avx2_path` only, after gguf_tile.h;
-// vector_tile keeps Q5_K.
+// checkpoints), 5-bit (Q5_K, Q5_0), Q6_K and 8-bit weights, included in `avx2_path` only,
+// after gguf_tile.h.
 //
 // gguf_tile.h's vector_tile unpacks a block's 8 weight groups into 8 registers and keeps a
 // pass's rows' float accumulators beside them: with AVX2's 16 registers, the int16 pairs,
@@ -130,6 +130,72 @@ void six_bit_tile(const Activations& a, const Weights& w, int64_t row, int64_t t
   store_tile_rows<R>(acc, row, tile, out);
 }
 
+// 5-bit weights (Q5_K, Q5_0), half a block at a time: groups 4h..4h+3 are the 4 nibble runs'
+// low (h = 0) or high (h = 1) nibbles, each with its bit of the plane moved to bit 4 as
+// unpack_tile_block does. vector_tile kept the block's 8 unpacked groups beside a pass's
+// accumulators and sums (44 stack moves in its 4-row body, 26 here). A half's four groups of
+// pairs stay below 2^15 in int16 (4 x 7,874) and vpmaddwd widens them with the high digit's
+// factor of 256, so each row's block sum is block_dots' integer and block_epilogue runs once
+// a block, in vector_tile's order: the same bits. Llama-3.2-1B's projections as Q5_K, one
+// thread at 4-256 rows: q+k 69-72 -> 94-96 integer GOP/s, gate+up 51-103 -> 60-107, down
+// 62-109 -> 63-114 (AMD Zen 5 on this path, benchmarks.gguf_kernel_ab --isa 1).
+template <int R, int DIGITS, bool KQUANT>
+void five_bit_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile, const Output& out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const uint8_t* tile_base = w.packed + tile * w.tile_bytes;
+  constexpr int64_t bytes = block_bytes(5);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i ones = _mm256_set1_epi16(1), high_digit = _mm256_set1_epi16(256);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* block = tile_base + b * bytes;
+    if (streams<R>(row)) prefetch_ahead<1, 5>(w, tile, b);
+    const int64_t at = a.at(row, b);
+    const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
+    const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128));
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[4];
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 * s));
+        const __m256i nibbles = h == 0 ? v : _mm256_srli_epi16(v, 4);
+        // Bit g = 4h + s of each byte to bit 4 (16-bit shifts, as unpack_tile_block's).
+        const int shift = 4 - (4 * h + s);
+        const __m256i moved = shift >= 0 ? _mm256_slli_epi16(plane, shift) : _mm256_srli_epi16(plane, -shift);
+        wv[s] = _mm256_or_si256(_mm256_and_si256(nibbles, low_nibbles), _mm256_and_si256(moved, bit4));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int j = 0; j < DIGITS; ++j) {
+          const int8_t* x = digits + (r * DIGITS + j) * kBlock + 16 * h;
+          __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int s = 0; s < 4; ++s) {
+            int32_t four;
+            std::memcpy(&four, x + 4 * s, sizeof(four));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[s], _mm256_set1_epi32(four)));
+          }
+          const __m256i factor = DIGITS == 2 && j == 0 ? high_digit : ones;
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, factor));
+          keep_chain(dots[r]);
+        }
+      }
+    }
+    __m256 d[1], m[1];
+    block_scales<KQUANT, 1>(w, tile, b, d, m);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i dot[1] = {dots[r]};
+      acc[r] = block_epilogue<Lanes8, 1>(acc[r], dot, d, m, a, at + r);
+    }
+  }
+  store_tile_rows<R>(acc, row, tile, out);
+}
+
 // 8-bit weights (Q8_0, and Q5_0 repacked as 8-bit), one 32-byte group at a time, split into
 // low and high nibbles: vector_tile split all 8 groups at once (24 registers of weights),
 // which spilled. A u8 weight times an s8 digit overflows vpmaddubsw's int16 pairs, a nibble
@@ -200,10 +266,15 @@ void byte_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile
   }
 }
 
-// gguf_tile.h's row passes call this first: all but Q5_K's tiles run here.
+// gguf_tile.h's row passes call this first: every type's tiles run here.
 template <int R, int BITS, int DIGITS, bool KQUANT, int HALVES>
 int64_t wide_tiles(const Activations& a, const Weights& w, int64_t row, int64_t tile_begin,
                    int64_t tile_end, const Output& out) {
+  if constexpr (BITS == 5) {
+    static_assert(HALVES == 1, "5-bit blocks have one scale each");
+    for (int64_t t = tile_begin; t < tile_end; ++t) five_bit_tile<R, DIGITS, KQUANT>(a, w, row, t, out);
+    return tile_end;
+  }
   if constexpr (BITS == 4) {
     static_assert(HALVES == 1, "4-bit blocks have one scale each");
     for (int64_t t = tile_begin; t < tile_end; ++t) nibble_tile<R, DIGITS, KQUANT>(a, w, row, t, out);
