@@ -15,6 +15,13 @@
 // The integer dots are the ones block_dots computes (the same products, summed in int16 over
 // the block's 8 groups, which 4-bit weights allow, then widened), and block_epilogue applies
 // the same float operations in the same order, so this gives the bits vector_tile gives.
+//
+// Every pass fetches its tile's blocks ahead, not only a work item's first (streams): the
+// later passes read the tiles from L2, and their loads stalled the rows' sums, as on the VNNI
+// path (stream_pair_tile). Two threads, Llama-3.2-1B's gate+up (Q4_K) at 32 and 256 rows
+// 9.01 -> 8.03 and 77.1 -> 63.9 ms, its head (Q6_K) 105 -> 87 and 825 -> 687, Q5_K's gate+up
+// at 32 rows 21.6 -> 18.1 on one thread; 1-4 rows within 3% (AMD Zen 5 on this path,
+// benchmarks.gguf_kernel_ab --isa 1).
 
 template <int R, int DIGITS, bool KQUANT>
 void nibble_tile(const Activations& a, const Weights& w, int64_t row, int64_t tile,
@@ -27,7 +34,7 @@ void nibble_tile(const Activations& a, const Weights& w, int64_t row, int64_t ti
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if (streams<R>(row)) prefetch_ahead<1, 4>(w, tile, b);
+    prefetch_ahead<1, 4>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256i pairs[R][DIGITS];
@@ -86,7 +93,7 @@ void six_bit_tile(const Activations& a, const Weights& w, int64_t row, int64_t t
   const __m256i ones = _mm256_set1_epi16(1), high_digit = _mm256_set1_epi16(256);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if (streams<R>(row)) prefetch_ahead<1, 6>(w, tile, b);
+    prefetch_ahead<1, 6>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256 d[2], m[2];
@@ -149,7 +156,7 @@ void five_bit_tile(const Activations& a, const Weights& w, int64_t row, int64_t 
   const __m256i ones = _mm256_set1_epi16(1), high_digit = _mm256_set1_epi16(256);
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if (streams<R>(row)) prefetch_ahead<1, 5>(w, tile, b);
+    prefetch_ahead<1, 5>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128));
@@ -218,7 +225,7 @@ void byte_rows(const Activations& a, const Weights& w, int64_t row, int64_t tile
       {_mm256_set1_epi16(16), _mm256_set1_epi16(1)}};
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* block = tile_base + b * bytes;
-    if (streams<R>(row)) prefetch_ahead<1, 8>(w, tile, b);
+    prefetch_ahead<1, 8>(w, tile, b);
     const int64_t at = a.at(row, b);
     const int8_t* digits = a.hi(row, b);  // the pass's rows follow, DIGITS * kBlock apart
     __m256i pairs[R][DIGITS][2];
