@@ -6,7 +6,7 @@
 // one), which the 256-bit vector_tile then runs. Each vpdpbusd here serves 16 columns
 // instead of 8, and the weights are unpacked once per block for all of a pass's rows: all 8
 // groups at once for a pass of one or two rows (pair_tile), one group at a time for 4 and 8
-// (stream_pair_tile).
+// (stream_pair_tile; a Q6_K half's 4 groups at a time at two digits).
 //
 // The packed layout is the 8-column one: a pair's block is the two tiles' blocks side by
 // side in one register (the first tile in the low half). Every lane does the same integer
