@@ -18,6 +18,7 @@ Builds go to `~/.cache/pagedllm/gguf_kernel_ab/NAME` (rebuilt when their sources
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from gguf import GGMLQuantizationType
 
 from benchmarks.gguf_matmul import projections, random_layer
 from benchmarks.random_gguf import SHAPES
+from pagedllm.model.layers.gguf_linear import GGUFLinear
 from pagedllm.ops import build_spec
 from pagedllm.ops.cpu_features import gguf_kernel_isa
 
@@ -77,6 +79,14 @@ def interleaved_medians(calls: dict[str, Callable[[], None]], repeats: int) -> d
     return {name: statistics.median(times[1:]) for name, times in seconds.items()}
 
 
+def _on_build(layer: GGUFLinear, build_ops: object) -> GGUFLinear:
+    """The layer (its tables shared) calling one build's ops: GGUFLinear.matmul_into keeps
+    the choice of op and its arguments in one place."""
+    twin = copy.copy(layer)
+    twin._ops = build_ops
+    return twin
+
+
 def compare(ops: dict[str, object], args: argparse.Namespace) -> None:
     names = args.names.split(",")
     for name, n, k, qtype in projections(SHAPES[args.shape]):
@@ -85,18 +95,11 @@ def compare(ops: dict[str, object], args: argparse.Namespace) -> None:
         qtype = GGMLQuantizationType[args.as_type] if args.as_type else qtype
         layer = random_layer(n, k, qtype, args.digits)
         layer.isa = args.isa
-        op = "gguf_linear_k" if layer.kquant else "gguf_linear"
-        tables = (
-            (layer.super_d, layer.super_m, layer.sub_sc, layer.sub_mn)
-            if layer.kquant
-            else (layer.scales, layer.mins)
-        )
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k)
             outs = {build_name: torch.empty(rows, n) for build_name in ops}
-            rest = (x, layer.packed, *tables, layer.bits, args.digits, layer.isa)
             calls = {
-                build_name: partial(getattr(build_ops, op), outs[build_name], *rest)
+                build_name: partial(_on_build(layer, build_ops).matmul_into, x, outs[build_name])
                 for build_name, build_ops in ops.items()
             }
             medians = interleaved_medians(calls, args.repeats)
@@ -121,7 +124,9 @@ def main() -> None:
     parser.add_argument(
         "--isa", type=int, default=gguf_kernel_isa(), help="0 portable, 1 AVX2, 2 VNNI, 3 AMX"
     )
-    parser.add_argument("--as-type", help="every projection as this GGUF type (e.g. Q5_K)")
+    parser.add_argument(
+        "--as-type", choices=["Q4_K", "Q5_K", "Q6_K"], help="every projection as this K-quant"
+    )
     args = parser.parse_args()
     builds = dict(spec.split("=", 1) for spec in args.builds)
     ops = {name: build(name, Path(csrc)) for name, csrc in builds.items()}
